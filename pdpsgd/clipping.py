@@ -1,0 +1,115 @@
+"""Per-example clip factors from per-example gradient norms.
+
+Formal guarantee: with groups G_1..G_K and thresholds C_k = C * sqrt(w_k / Σ_j w_j), every
+example's clipped gradient (c_{i,k} g_{i,G_k})_k has norm ≤ sqrt(Σ_k C_k²) = C for the "abadi"
+function (c = min(1, C_k/‖g‖)) and < C for "automatic" (c = C_k/(‖g‖ + γ)). So the clipped sum
+has L2 sensitivity C under adding or removing one example, whatever the grouping.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["ClipGroups", "make_groups", "clip_factor", "make_weights_fn"]
+
+Clipping = Union[str, Mapping[str, Sequence[str]], Sequence[Sequence[str]]]
+
+
+class ClipGroups(NamedTuple):
+    names: List[List[str]]  # parameter names of each group
+    thresholds: List[float]  # C_k per group; sqrt(Σ C_k²) == max_grad_norm
+
+
+def make_groups(
+    param_names: Sequence[str],
+    clipping: Clipping,
+    max_grad_norm: float,
+    *,
+    budget: Optional[Sequence[float]] = None,
+) -> ClipGroups:
+    """Split ``param_names`` into clipping groups and share the budget C between them.
+
+    ``clipping``: ``"flat"`` (one group), ``"per_layer"`` (one group per parameter tensor, as in
+    Opacus), or user groups: a dict group -> names or a list of name lists (every trainable
+    parameter in exactly one group). ``budget``: relative weights w_k (default equal); group k
+    gets C_k = C * sqrt(w_k / Σ w), so Σ_k C_k² = C² and the step's sensitivity stays C.
+    """
+    names = list(param_names)
+    if isinstance(clipping, str):
+        if clipping == "flat":
+            groups = [names]
+        elif clipping == "per_layer":
+            groups = [[n] for n in names]
+        else:
+            raise ValueError(
+                f"clipping={clipping!r} is unknown: use 'flat', 'per_layer', or a dict of parameter groups"
+            )
+    else:
+        groups = [list(g) for g in (clipping.values() if isinstance(clipping, Mapping) else clipping)]
+        seen: Dict[str, int] = {}
+        for k, g in enumerate(groups):
+            if not g:
+                raise ValueError(f"clipping group {k} is empty")
+            for n in g:
+                if n not in names:
+                    raise ValueError(f"clipping group {k} names {n!r}, which is not a trained parameter")
+                if n in seen:
+                    raise ValueError(f"parameter {n!r} is in clipping groups {seen[n]} and {k}; put it in one")
+                seen[n] = k
+        missing = [n for n in names if n not in seen]
+        if missing:
+            raise ValueError(
+                f"trained parameters {missing[:5]} are in no clipping group; every trained parameter "
+                "must be clipped (add them to a group or freeze them)"
+            )
+    if budget is None:
+        w = [1.0] * len(groups)
+    else:
+        w = [float(x) for x in budget]
+        if len(w) != len(groups) or any(not (x > 0) for x in w):
+            raise ValueError(f"budget needs {len(groups)} positive weights, one per clipping group; got {budget}")
+    total = sum(w)
+    thresholds = [max_grad_norm * math.sqrt(x / total) for x in w]
+    return ClipGroups(groups, thresholds)
+
+
+def clip_factor(norm: Tensor, threshold: float, fn: str = "abadi", gamma: float = 0.01) -> Tensor:
+    """c(‖g‖): "abadi" min(1, C/‖g‖); "automatic" C/(‖g‖+γ) (Bu et al. 2022). Non-finite → 0."""
+    if fn == "abadi":
+        c = torch.clamp(threshold / norm.clamp_min(1e-30), max=1.0)
+        if math.isinf(threshold):
+            c = torch.ones_like(norm)
+    elif fn == "automatic":
+        c = threshold / (norm + gamma)
+    else:
+        raise ValueError(f"clip_fn={fn!r} is unknown: use 'abadi' or 'automatic'")
+    return torch.where(torch.isfinite(norm), c, torch.zeros_like(c))
+
+
+def make_weights_fn(groups: ClipGroups, *, clip_fn: str = "abadi", gamma: float = 0.01):
+    """Return ``weights_fn(sq_norms, losses, mask) -> name -> Tensor[b]`` (see ``_types.WeightsFn``).
+
+    Weight of example i for a parameter in group k: c(‖g_{i,G_k}‖) if the example is real
+    (mask True) and its loss and whole gradient are finite; exactly 0 otherwise.
+    """
+    if clip_fn not in ("abadi", "automatic"):
+        raise ValueError(f"clip_fn={clip_fn!r} is unknown: use 'abadi' or 'automatic'")
+    if not gamma > 0 and clip_fn == "automatic":
+        raise ValueError("gamma must be > 0 for automatic clipping")
+
+    def weights_fn(sq_norms: Mapping[str, Tensor], losses: Tensor, mask: Tensor) -> Dict[str, Tensor]:
+        total = sum(sq_norms.values())  # (b,)
+        keep = mask & torch.isfinite(total) & torch.isfinite(losses.to(total.dtype))
+        out: Dict[str, Tensor] = {}
+        for names, threshold in zip(groups.names, groups.thresholds):
+            sq = sum(sq_norms[n] for n in names)
+            c = clip_factor(sq.sqrt(), threshold, clip_fn, gamma)
+            c = torch.where(keep, c, torch.zeros_like(c))
+            for n in names:
+                out[n] = c
+        return out
+
+    return weights_fn

@@ -1,0 +1,119 @@
+"""Module -> pure function, tied-weight aware.
+
+``bind(model, loss_fn)`` returns a small wrapper module (the user's model is its submodule and is
+never modified) so that ``torch.func.functional_call`` can evaluate ``loss_fn(model, batch)`` at
+any parameter values. Parameters are identified by their deduplicated ``named_parameters`` name;
+aliases of a tied parameter (e.g. GPT-2's ``lm_head.weight``) map to that one name, so a tied
+weight is *one* parameter whose per-example gradient is summed over every use.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Mapping, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ._types import Batch, LossFn, Params
+
+__all__ = ["trainable_params", "ParamIndex", "LossModule", "check_no_batch_mixing"]
+
+
+def trainable_params(model: nn.Module) -> Params:
+    """The parameters that ``dp_step`` trains: name -> tensor, tied parameters listed once.
+
+    Pass a sub-dict to ``dp_step`` to freeze the rest (frozen parameters get no gradient and
+    cost no privacy). Parameters with ``requires_grad=False`` are left out.
+    """
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+class ParamIndex:
+    """Names, aliases and shapes of a model's parameters and buffers (read once, never written)."""
+
+    def __init__(self, model: nn.Module):
+        self.canonical: Dict[str, str] = {}  # any alias -> first name
+        first_name: Dict[int, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            first_name.setdefault(id(p), name)
+            self.canonical[name] = first_name[id(p)]
+        self.params: Dict[str, Tensor] = dict(model.named_parameters())
+        self.buffers: Dict[str, Tensor] = dict(model.named_buffers())
+
+    def resolve(self, params: Mapping[str, Tensor]) -> Params:
+        """Validate a user's params dict and return it keyed by canonical names."""
+        if not isinstance(params, Mapping):
+            raise TypeError(
+                "params must be a dict name -> tensor, e.g. pdpsgd.trainable_params(model); "
+                f"got {type(params).__name__}"
+            )
+        if len(params) == 0:
+            raise ValueError("params is empty: pass pdpsgd.trainable_params(model) or a non-empty subset")
+        out: Params = {}
+        for name, value in params.items():
+            if name not in self.canonical:
+                raise ValueError(
+                    f"parameter {name!r} does not belong to the model (known names look like "
+                    f"{next(iter(self.params), '<none>')!r}); build params with "
+                    "pdpsgd.trainable_params(model)"
+                )
+            canon = self.canonical[name]
+            if canon in out:
+                raise ValueError(
+                    f"parameters {name!r} and {canon!r} are the same tied tensor; pass it once"
+                )
+            ref = self.params[canon]
+            if not isinstance(value, Tensor) or value.shape != ref.shape:
+                shape = getattr(value, "shape", type(value).__name__)
+                raise ValueError(
+                    f"parameter {name!r} has shape {tuple(shape) if not isinstance(shape, str) else shape}, "
+                    f"the model's has {tuple(ref.shape)}"
+                )
+            if not (value.is_floating_point() or value.is_complex()):
+                raise ValueError(f"parameter {name!r} is not floating point ({value.dtype}); it cannot be trained")
+            out[canon] = value
+        return out
+
+    def frozen(self, trainable: Iterable[str]) -> Params:
+        """The parameters that are not trained, detached (constants in the pure function)."""
+        keep = set(trainable)
+        return {n: p.detach() for n, p in self.params.items() if n not in keep}
+
+
+class LossModule(nn.Module):
+    """``forward(batch) = loss_fn(model, batch)``; parameters prefixed ``model.``.
+
+    Exists only so that ``functional_call`` (public API) can swap the parameters of the whole
+    loss computation, however ``loss_fn`` calls the model.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn):
+        super().__init__()
+        self.model = model
+        self._loss_fn = loss_fn
+
+    def forward(self, batch: Batch) -> Tensor:  # type: ignore[override]
+        return self._loss_fn(self.model, batch)
+
+    @staticmethod
+    def prefixed(d: Mapping[str, Tensor]) -> Dict[str, Tensor]:
+        return {"model." + k: v for k, v in d.items()}
+
+
+_MIXING = (nn.modules.batchnorm._BatchNorm,)
+
+
+def check_no_batch_mixing(model: nn.Module) -> None:
+    """Raise if the model has a layer that mixes examples of a batch in training mode.
+
+    A per-example gradient is only defined when each example's loss depends on that example
+    alone. BatchNorm in training mode normalises with batch statistics, so example i's loss
+    depends on every other example and no clipping bound holds.
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, _MIXING) and module.training:
+            raise ValueError(
+                f"layer {name or '<root>'!r} ({type(module).__name__}) mixes examples of a batch in "
+                "training mode (batch statistics), so per-example gradients and the DP guarantee are "
+                "undefined. Replace it with GroupNorm or LayerNorm (opacus.validators.ModuleValidator.fix "
+                "does this), or freeze it with module.eval() to use its running statistics."
+            )

@@ -1,0 +1,181 @@
+"""Exact per-example gradients with ``vmap(grad(loss))``, in chunks (memory ∝ chunk × params).
+
+Works for any model that ``torch.func`` can run: every example is evaluated as a batch of one,
+so the result equals a loop of ``torch.autograd.grad`` over single examples. torch's fused RNN
+kernels (nn.LSTM/GRU/RNN) are replaced by exact pure-PyTorch versions while inside the vmap.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ._compat import transformers_vmap_compat
+from ._types import Batch, EngineResult, LossFn, Params, WeightsFn
+from .functional import LossModule
+
+__all__ = ["batch_size", "slice_batch", "per_sample_grads", "vmap_engine", "default_chunk_size"]
+
+
+def batch_size(batch: Batch) -> int:
+    """The common leading dim of the batch's tensor leaves; a clear error if they disagree."""
+    leaves, _ = tree_flatten(batch)
+    sizes = {}
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor):
+            if leaf.dim() == 0:
+                raise ValueError(f"batch leaf {i} is a 0-dim tensor; every tensor leaf needs a leading batch dim")
+            sizes.setdefault(int(leaf.shape[0]), []).append(i)
+    if not sizes:
+        raise ValueError("the batch has no tensor: pass a tensor or a dict/tuple of tensors with leading dim B")
+    if len(sizes) > 1:
+        detail = ", ".join(f"leaves {v} have {k}" for k, v in sizes.items())
+        raise ValueError(
+            f"batch dims disagree ({detail}): every tensor in the batch must have the same leading "
+            "(batch) dimension"
+        )
+    return next(iter(sizes))
+
+
+def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
+    """Examples start..stop-1 of the batch (tensor leaves sliced, others kept)."""
+    return tree_map(lambda x: x[start:stop] if isinstance(x, Tensor) else x, batch)
+
+
+def _in_dims(batch: Batch):
+    leaves, spec = tree_flatten(batch)
+    return tree_unflatten([0 if isinstance(x, Tensor) else None for x in leaves], spec)
+
+
+@contextlib.contextmanager
+def vmap_context(model: torch.nn.Module) -> Iterator[None]:
+    """Everything a user model needs to run under vmap: transformers masks, exact RNN ops."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(transformers_vmap_compat())
+        try:
+            from .rnn import exact_rnn_ops, model_has_rnn
+        except ImportError:  # pragma: no cover - rnn module always ships
+            exact_rnn_ops = model_has_rnn = None
+        if model_has_rnn is not None and model_has_rnn(model):
+            stack.enter_context(exact_rnn_ops())
+        yield
+
+
+def _explain_vmap_error(err: Exception) -> Exception:
+    msg = str(err)
+    if "data-dependent control flow" in msg or ".item()" in msg:
+        return RuntimeError(
+            "the model (or loss_fn) branches on tensor values, which torch.func.vmap cannot run per "
+            "example. Fixes: remove the .item()/if-on-tensor from the forward, or use method='bk', which "
+            f"runs the model batched. Original error: {msg}"
+        )
+    return err
+
+
+def default_chunk_size(batch_len: int, num_params: int, *, budget_elems: int = 1 << 27) -> int:
+    """Largest chunk whose per-example gradients fit ~``budget_elems`` elements (512 MiB fp32)."""
+    return max(1, min(batch_len, budget_elems // max(num_params, 1)))
+
+
+def per_sample_grads(
+    loss_module: LossModule,
+    params: Params,
+    constants: Mapping[str, Tensor],
+    batch: Batch,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """Per-example losses (b,) and gradients name -> (b, *shape) for one chunk (vmap, exact)."""
+
+    def loss_one(p: Params, example: Batch) -> Tuple[Tensor, Tensor]:
+        one = tree_map(lambda x: x.unsqueeze(0) if isinstance(x, Tensor) else x, example)
+        full = LossModule.prefixed({**constants, **p})
+        loss = functional_call(loss_module, full, (one,))
+        if not isinstance(loss, Tensor) or loss.dim() != 1 or loss.shape[0] != 1:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(
+                f"loss_fn must return one loss per example, shape [B]; for a batch of 1 it returned "
+                f"shape {shape}. Use reduction='none' (and sum per-token losses per example), not "
+                "'mean' or 'sum' over the batch."
+            )
+        loss = loss[0]
+        return loss, loss.detach()
+
+    fn = vmap(grad(loss_one, has_aux=True), in_dims=(None, _in_dims(batch)), randomness="different")
+    with vmap_context(loss_module.model):
+        try:
+            grads, losses = fn(params, batch)
+        except RuntimeError as err:
+            raise _explain_vmap_error(err) from err
+    return losses, grads
+
+
+def sq_norm_per_example(g: Tensor) -> Tensor:
+    """(b, *shape) -> (b,) squared L2 norm, accumulated in float32 at least."""
+    acc = torch.promote_types(g.dtype, torch.float32)
+    return g.reshape(g.shape[0], -1).to(acc).pow(2).sum(1)
+
+
+def weighted_sum(w: Tensor, g: Tensor) -> Tensor:
+    """Σ_i w_i g_i over (b, *shape) with rows of weight 0 skipped exactly (NaN·0 never summed)."""
+    acc = torch.promote_types(g.dtype, torch.float32)
+    keep = (w != 0).view(-1, *([1] * (g.dim() - 1)))
+    g = torch.where(keep, g.to(acc), torch.zeros((), dtype=acc, device=g.device))
+    return torch.tensordot(w.to(acc), g, dims=1)  # (b,) x (b, *shape) -> shape
+
+
+def vmap_engine(
+    loss_module: LossModule,
+    params: Params,
+    constants: Mapping[str, Tensor],
+    batch: Batch,
+    mask: Tensor,
+    weights_fn: WeightsFn,
+    *,
+    chunk_size: Optional[int] = None,
+) -> EngineResult:
+    """Per-example norms, weights and the weighted (clipped) sum, chunk by chunk.
+
+    Memory: chunk × (number of trained parameters). Chunks that are all padding are skipped.
+    """
+    B = batch_size(batch)
+    numel = sum(p.numel() for p in params.values())
+    chunk = chunk_size or default_chunk_size(B, numel)
+    losses_all: List[Tensor] = []
+    sq_all: Dict[str, List[Tensor]] = {n: [] for n in params}
+    w_all: Dict[str, List[Tensor]] = {n: [] for n in params}
+    total: Dict[str, Tensor] = {}
+    for start in range(0, B, chunk):
+        stop = min(B, start + chunk)
+        m = mask[start:stop]
+        if not bool(m.any()):
+            b = stop - start
+            dev = mask.device
+            losses_all.append(torch.zeros(b, device=dev))
+            for n, p in params.items():
+                z = torch.zeros(b, dtype=torch.promote_types(p.dtype, torch.float32), device=dev)
+                sq_all[n].append(z)
+                w_all[n].append(z)
+            continue
+        losses, grads = per_sample_grads(loss_module, params, constants, slice_batch(batch, start, stop))
+        sq = {n: sq_norm_per_example(g) for n, g in grads.items()}
+        w = weights_fn(sq, losses, m)
+        for n, g in grads.items():
+            s = weighted_sum(w[n], g)
+            total[n] = s if n not in total else total[n] + s
+            sq_all[n].append(sq[n])
+            w_all[n].append(w[n])
+        losses_all.append(losses.to(torch.promote_types(losses.dtype, torch.float32)))
+        del grads
+    for n, p in params.items():
+        if n not in total:
+            total[n] = torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
+    return EngineResult(
+        losses=torch.cat([l.to(losses_all[-1].dtype) for l in losses_all]) if losses_all else torch.zeros(0),
+        sq_norms={n: torch.cat(v) for n, v in sq_all.items()},
+        weights={n: torch.cat(v) for n, v in w_all.items()},
+        clipped_sum=total,
+        routes={n: "vmap" for n in params},
+    )

@@ -1,0 +1,279 @@
+"""``make_dp_step``: the one module that wires the pillars together.
+
+engine (vmap per-example grads, or book-keeping) -> clipping weights -> clipped sum ->
+Gaussian noise -> divide by the expected batch size.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from ._types import Batch, EngineResult, LossFn, Params, StepOutput
+from .clipping import Clipping, make_groups, make_weights_fn
+from .functional import LossModule, ParamIndex, check_no_batch_mixing
+from .noise import add_noise, entropy_generator, noise_dtype
+from .per_sample import batch_size, vmap_engine
+
+__all__ = ["make_dp_step", "DPStep", "ClippedSum", "StepOutput"]
+
+METHODS = ("vmap", "bk", "auto")
+
+
+class ClippedSum(NamedTuple):
+    """Noise-free partial result of one physical batch; add them up, then ``finalize`` once."""
+
+    sums: Dict[str, Tensor]  # name -> Σ_i c_i g_i over the real examples
+    per_sample_norms: Tensor  # (b,) unclipped norms over all trained params
+    losses: Tensor  # (b,)
+    kept: Tensor  # (b,) bool: real and finite
+    clipped: Tensor  # (b,) bool: clip factor < 1 on some group
+    mask: Tensor  # (b,) bool: real examples
+    routes: Dict[str, str]
+
+    def __add__(self, other: "ClippedSum") -> "ClippedSum":  # type: ignore[override]
+        if not isinstance(other, ClippedSum):
+            return NotImplemented
+        if self.sums.keys() != other.sums.keys():
+            raise ValueError("cannot add clipped sums of different parameter sets")
+        return ClippedSum(
+            {n: self.sums[n] + other.sums[n] for n in self.sums},
+            torch.cat([self.per_sample_norms, other.per_sample_norms]),
+            torch.cat([self.losses, other.losses]),
+            torch.cat([self.kept, other.kept]),
+            torch.cat([self.clipped, other.clipped]),
+            torch.cat([self.mask, other.mask]),
+            {**self.routes, **other.routes},
+        )
+
+
+class DPStep:
+    """A DP-SGD step for one model and loss: ``dp_step(params, batch, mask=None) -> StepOutput``.
+
+    ``grads[n] = (Σ_i c_i g_i[n] + N(0, σ²C² I)) / expected_batch_size`` where g_i is example i's
+    gradient (summed over every use of a tied parameter) and c_i its clip factor.
+
+    Formal guarantee: the clipped sum Σ_i c_i g_i has L2 sensitivity ``sensitivity`` = C under
+    adding/removing one example (padding and non-finite examples contribute exactly 0); the step
+    adds N(0, ``noise_std``²) with noise_std = σC to every coordinate once, so each call is the
+    Gaussian mechanism with noise multiplier σ. With Poisson sampling at rate q (see
+    ``pdpsgd.PoissonSampler``), T calls compose to the (ε, δ) the accountant reports for (σ, q, T).
+    Outputs other than ``grads`` (loss, norms, clip fraction, counts) are NOT privatised: use them
+    for monitoring, do not release them.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        *,
+        max_grad_norm: float,
+        noise_multiplier: float,
+        expected_batch_size: Optional[float] = None,
+        method: str = "vmap",
+        chunk_size: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+        clipping: Clipping = "flat",
+        clip_budget: Optional[Sequence[float]] = None,
+        clip_fn: str = "abadi",
+        gamma: float = 0.01,
+        on_nonfinite: str = "drop",
+        bk_options: Optional[Mapping[str, Any]] = None,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not callable(loss_fn):
+            raise TypeError("loss_fn must be callable: loss_fn(model, batch) -> Tensor[B]")
+        if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be > 0 (the clipping bound C), got {max_grad_norm}")
+        if not (isinstance(noise_multiplier, (int, float)) and noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+            raise ValueError(f"noise_multiplier must be a finite number ≥ 0 (σ), got {noise_multiplier}")
+        if math.isinf(max_grad_norm) and noise_multiplier > 0:
+            raise ValueError("max_grad_norm=inf (no clipping) has unbounded sensitivity; use noise_multiplier=0 for it")
+        if expected_batch_size is not None and not expected_batch_size > 0:
+            raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
+        if method not in METHODS:
+            raise ValueError(f"method={method!r} is unknown: use one of {METHODS}")
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+            raise ValueError(f"chunk_size must be a positive int (examples per vmap chunk), got {chunk_size}")
+        if on_nonfinite not in ("drop", "raise"):
+            raise ValueError(f"on_nonfinite={on_nonfinite!r}: use 'drop' (default) or 'raise'")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError("generator must be a torch.Generator (or None for OS entropy)")
+        check_no_batch_mixing(model)
+        self.model = model
+        self.loss_fn = loss_fn
+        self.max_grad_norm = float(max_grad_norm)
+        self.noise_multiplier = float(noise_multiplier)
+        self.expected_batch_size = expected_batch_size
+        self.method = method
+        self.chunk_size = chunk_size
+        self.generator = generator
+        self.clipping = clipping
+        self.clip_budget = clip_budget
+        self.clip_fn = clip_fn
+        self.gamma = gamma
+        self.on_nonfinite = on_nonfinite
+        self.bk_options = dict(bk_options or {})
+        self._index = ParamIndex(model)
+        self._loss_module = LossModule(model, loss_fn)
+        if clip_fn not in ("abadi", "automatic"):
+            raise ValueError(f"clip_fn={clip_fn!r} is unknown: use 'abadi' or 'automatic'")
+
+    # -- self-description -------------------------------------------------------------------
+    @property
+    def sensitivity(self) -> float:
+        """L2 sensitivity of the clipped sum under add/remove of one example (= C)."""
+        return self.max_grad_norm
+
+    @property
+    def noise_std(self) -> float:
+        """Std of the Gaussian noise added to each coordinate of the clipped sum (= σC)."""
+        return 0.0 if self.noise_multiplier == 0 else self.noise_multiplier * self.max_grad_norm
+
+    def __repr__(self) -> str:
+        return (
+            f"DPStep(method={self.method!r}, max_grad_norm={self.max_grad_norm}, noise_multiplier="
+            f"{self.noise_multiplier}, clipping={self.clipping!r}, clip_fn={self.clip_fn!r})"
+        )
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if self.generator is None:
+            self.generator = entropy_generator("cpu" if device.type == "cpu" else device)
+        return self.generator
+
+    def plan(self, batch: Batch, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, str]:
+        """Which route each trained parameter takes for this batch's shapes (a pure function)."""
+        params = self._index.resolve(params if params is not None else dict(self.model.named_parameters()))
+        if self.method == "vmap":
+            return {n: "vmap" for n in params}
+        from .bookkeeping import plan as bk_plan
+
+        return bk_plan(self.model, self.loss_fn, params, batch, method=self.method, **self.bk_options)
+
+    # -- the step ---------------------------------------------------------------------------
+    def clipped_sum(self, params: Mapping[str, Tensor], batch: Batch, mask: Optional[Tensor] = None) -> ClippedSum:
+        """The noise-free clipped sum of one physical batch (for logical-batch accumulation)."""
+        params = self._index.resolve(params)
+        B = batch_size(batch)
+        device = next(iter(params.values())).device
+        if mask is None:
+            mask = torch.ones(B, dtype=torch.bool, device=device)
+        else:
+            if not isinstance(mask, Tensor) or mask.shape != (B,):
+                raise ValueError(f"mask must be a bool tensor of shape [{B}] (the batch size), got {getattr(mask, 'shape', mask)}")
+            mask = mask.to(device=device, dtype=torch.bool)
+        check_no_batch_mixing(self.model)
+        detached = {n: p.detach() for n, p in params.items()}
+        constants = {**self._index.frozen(detached), **self._index.buffers}
+        groups = make_groups(list(detached), self.clipping, self.max_grad_norm, budget=self.clip_budget)
+        weights_fn = make_weights_fn(groups, clip_fn=self.clip_fn, gamma=self.gamma)
+        if self.method == "vmap":
+            res = vmap_engine(self._loss_module, detached, constants, batch, mask, weights_fn, chunk_size=self.chunk_size)
+        else:
+            from .bookkeeping import bk_engine
+
+            res = bk_engine(
+                self._loss_module, detached, constants, batch, mask, weights_fn,
+                chunk_size=self.chunk_size, method=self.method, **self.bk_options,
+            )
+        total_sq = sum(res.sq_norms.values())
+        norms = total_sq.sqrt()
+        kept = mask & torch.isfinite(total_sq) & torch.isfinite(res.losses)
+        if self.on_nonfinite == "raise" and bool((mask & ~kept).any()):
+            bad = torch.nonzero(mask & ~kept).flatten().tolist()
+            raise FloatingPointError(
+                f"examples {bad[:10]} have a non-finite loss or gradient; fix the data/model, or use "
+                "on_nonfinite='drop' to drop them from the step (they then contribute 0)"
+            )
+        clipped = torch.zeros_like(mask)
+        for names, thr in zip(groups.names, groups.thresholds):
+            sq = sum(res.sq_norms[n] for n in names)
+            if self.clip_fn == "abadi":
+                clipped = clipped | (sq.sqrt() > thr)
+            else:
+                clipped = torch.ones_like(mask)
+        return ClippedSum(res.clipped_sum, norms, res.losses, kept, clipped & kept, mask, res.routes)
+
+    def finalize(self, partial: ClippedSum, *, params: Optional[Mapping[str, Tensor]] = None) -> StepOutput:
+        """Add the noise once and scale: turns an (accumulated) ``ClippedSum`` into a step output."""
+        sums = partial.sums
+        first = next(iter(sums.values()))
+        n_real = partial.mask.sum()
+        denom = float(self.expected_batch_size) if self.expected_batch_size is not None else float(partial.mask.numel())
+        noisy = add_noise(sums, self.noise_std, self._generator(first.device) if self.noise_std > 0 else None)
+        dtypes = {n: (params[n].dtype if params is not None and n in params else s.dtype) for n, s in sums.items()}
+        grads = {n: (g / denom).to(dtypes[n]) for n, g in noisy.items()}
+        kept = partial.kept
+        n_kept = kept.sum()
+        losses = torch.where(kept, partial.losses, torch.zeros_like(partial.losses))
+        loss = losses.sum() / n_kept.clamp_min(1)
+        clip_fraction = partial.clipped.sum() / n_kept.clamp_min(1)
+        return StepOutput(
+            grads=grads,
+            per_sample_norms=partial.per_sample_norms,
+            loss=loss,
+            clip_fraction=clip_fraction,
+            num_examples=n_real,
+            num_nonfinite=(partial.mask & ~kept).sum(),
+            noise_std=self.noise_std,
+            routes=partial.routes,
+        )
+
+    def __call__(self, params: Mapping[str, Tensor], batch: Batch, mask: Optional[Tensor] = None) -> StepOutput:
+        """One DP-SGD step's gradients for ``params`` on ``batch`` (see the class docstring)."""
+        resolved = self._index.resolve(params)
+        out = self.finalize(self.clipped_sum(resolved, batch, mask), params=resolved)
+        # Return grads under the names the user passed (aliases of tied weights included).
+        if set(params) != set(out.grads):
+            back = {self._index.canonical[k]: k for k in params}
+            out = out._replace(grads={back[n]: g for n, g in out.grads.items()})
+        return out
+
+
+def make_dp_step(
+    model: nn.Module,
+    loss_fn: LossFn,
+    *,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: Optional[float] = None,
+    method: str = "vmap",
+    chunk_size: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+    clipping: Clipping = "flat",
+    clip_budget: Optional[Sequence[float]] = None,
+    clip_fn: str = "abadi",
+    gamma: float = 0.01,
+    on_nonfinite: str = "drop",
+    bk_options: Optional[Mapping[str, Any]] = None,
+) -> DPStep:
+    """Build a DP-SGD step: ``dp_step(params, batch, mask=None) -> StepOutput``.
+
+    Args:
+        model: any ``nn.Module``; it is not modified (parameters are swapped functionally).
+        loss_fn: ``loss_fn(model, batch) -> Tensor[B]``, one loss per example (reduction='none').
+        max_grad_norm: C, the clipping bound (= the step's L2 sensitivity).
+        noise_multiplier: σ; noise std per coordinate is σC.
+        expected_batch_size: the divisor (q·N under Poisson sampling); default: the batch's size.
+        method: "vmap" (exact per-example gradients, any model), "bk" (book-keeping: one
+            forward/backward, per-layer ghost or explicit norms) or "auto" (bk with a per-layer
+            cost model; both fall back to exact vmap for layers without a rule).
+        chunk_size: examples per vmap chunk (memory ∝ chunk × params); default from a 512 MiB budget.
+        generator: ``torch.Generator`` for the noise (reproducible); None seeds one from OS entropy.
+        clipping: "flat", "per_layer" (each parameter tensor on its own), or parameter groups
+            (dict or list of name lists); ``clip_budget`` weights the groups' share of C².
+        clip_fn: "abadi" (min(1, C/‖g‖)) or "automatic" (C/(‖g‖+γ), Bu et al.; ``gamma`` = γ).
+        on_nonfinite: "drop" (a non-finite example contributes 0 and is counted) or "raise".
+
+    Formal guarantee: see ``DPStep``; the returned step exposes ``sensitivity`` (C) and
+    ``noise_std`` (σC).
+    """
+    return DPStep(
+        model, loss_fn, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size, method=method, chunk_size=chunk_size,
+        generator=generator, clipping=clipping, clip_budget=clip_budget, clip_fn=clip_fn,
+        gamma=gamma, on_nonfinite=on_nonfinite, bk_options=bk_options,
+    )

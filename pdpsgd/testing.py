@@ -1,0 +1,219 @@
+"""The naive per-example oracle and helpers for property-testing a model (yours or ours).
+
+The oracle shares no code with the fast paths: it deep-copies the model, loads the given
+parameter values into it, and loops over examples one at a time with ``torch.autograd.grad``.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = [
+    "naive_per_sample_grads",
+    "naive_clipped_sum",
+    "assert_exact",
+    "ExactnessReport",
+    "to_float64",
+    "token_batches",
+]
+
+
+def _example(batch: Any, i: int) -> Any:
+    return tree_map(lambda x: x[i : i + 1] if isinstance(x, Tensor) else x, batch)
+
+
+def _batch_len(batch: Any) -> int:
+    leaves, _ = tree_flatten(batch)
+    return next(int(x.shape[0]) for x in leaves if isinstance(x, Tensor))
+
+
+def naive_per_sample_grads(
+    model: nn.Module,
+    loss_fn,
+    batch: Any,
+    params: Optional[Mapping[str, Tensor]] = None,
+) -> tuple[Tensor, Dict[str, Tensor]]:
+    """Losses (B,) and per-example gradients name -> (B, *shape), one example at a time.
+
+    ``params``: names (of ``model.named_parameters()``, tied aliases allowed) -> values to
+    evaluate at and differentiate; default: every trainable parameter at its current value.
+    A tied parameter's gradient is the sum over all its uses (autograd does this).
+    """
+    m = copy.deepcopy(model)
+    named = dict(m.named_parameters(remove_duplicate=False))
+    if params is None:
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    for p in m.parameters():
+        p.requires_grad_(False)
+    targets: Dict[str, nn.Parameter] = {}
+    with torch.no_grad():
+        for n, v in params.items():
+            p = named[n]
+            p.copy_(v)
+            p.requires_grad_(True)
+            targets[n] = p
+    losses, grads = [], {n: [] for n in targets}
+    for i in range(_batch_len(batch)):
+        loss = loss_fn(m, _example(batch, i))
+        if loss.dim() != 1 or loss.shape[0] != 1:
+            raise ValueError(f"loss_fn must return shape [B]; got {tuple(loss.shape)} for a batch of 1")
+        gs = torch.autograd.grad(loss.sum(), list(targets.values()), allow_unused=True)
+        losses.append(loss.detach()[0])
+        for n, g in zip(targets, gs):
+            grads[n].append(torch.zeros_like(targets[n]) if g is None else g)
+    return torch.stack(losses), {n: torch.stack(v) for n, v in grads.items()}
+
+
+def naive_clipped_sum(
+    model: nn.Module,
+    loss_fn,
+    batch: Any,
+    *,
+    max_grad_norm: float,
+    params: Optional[Mapping[str, Tensor]] = None,
+    groups: Optional[Sequence[Sequence[str]]] = None,
+    thresholds: Optional[Sequence[float]] = None,
+    clip_fn: str = "abadi",
+    gamma: float = 0.01,
+    mask: Optional[Tensor] = None,
+) -> tuple[Tensor, Dict[str, Tensor]]:
+    """Per-example unclipped norms (B,) and Σ_i c_i g_i (no noise), by the textbook formulas."""
+    _, grads = naive_per_sample_grads(model, loss_fn, batch, params)
+    names = list(grads)
+    if groups is None:
+        groups, thresholds = [names], [max_grad_norm]
+    B = _batch_len(batch)
+    norms = torch.zeros(B, dtype=torch.float64)
+    sums = {n: torch.zeros_like(g[0]) for n, g in grads.items()}
+    for i in range(B):
+        norms[i] = math.sqrt(sum(float(grads[n][i].double().pow(2).sum()) for n in names))
+        if mask is not None and not bool(mask[i]):
+            continue
+        for gnames, thr in zip(groups, thresholds):
+            gn = math.sqrt(sum(float(grads[n][i].double().pow(2).sum()) for n in gnames))
+            if not math.isfinite(gn):
+                continue
+            c = min(1.0, thr / gn) if clip_fn == "abadi" and gn > 0 else (1.0 if clip_fn == "abadi" else thr / (gn + gamma))
+            for n in gnames:
+                sums[n] = sums[n] + c * grads[n][i]
+    return norms, sums
+
+
+def to_float64(x: Any) -> Any:
+    """A float64 copy of a model (deep copy) or of a batch pytree (floating tensors only)."""
+    if isinstance(x, nn.Module):
+        return copy.deepcopy(x).double()
+    return tree_map(lambda t: t.double() if isinstance(t, Tensor) and t.is_floating_point() else t, x)
+
+
+class ExactnessReport(NamedTuple):
+    max_rel_err_norms: float
+    max_rel_err_sum: float
+    per_param: Dict[str, float]  # name -> rel. error of its clipped sum
+    routes: Dict[str, str]
+
+    def __str__(self) -> str:
+        lines = [f"per-example norms: max rel. err {self.max_rel_err_norms:.3g}",
+                 f"clipped sum: max rel. err {self.max_rel_err_sum:.3g}"]
+        for n, e in sorted(self.per_param.items(), key=lambda kv: -kv[1])[:20]:
+            lines.append(f"  {n:60s} {e:.3g}  ({self.routes.get(n, '?')})")
+        return "\n".join(lines)
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    a, b = a.double(), b.double()
+    den = max(float(b.norm()), 1e-300)
+    return float((a - b).norm()) / den if float(b.norm()) > 0 else float((a - b).norm())
+
+
+def assert_exact(
+    model: nn.Module,
+    loss_fn,
+    batch: Any,
+    *,
+    method: str = "vmap",
+    params: Optional[Mapping[str, Tensor]] = None,
+    max_grad_norm: float = 1.0,
+    mask: Optional[Tensor] = None,
+    rtol: float = 1e-9,
+    float64: bool = True,
+    **step_kwargs: Any,
+) -> ExactnessReport:
+    """Check ``make_dp_step(method=...)`` against the naive loop (σ = 0), in float64 by default.
+
+    Compares per-example norms and the clipped sum; raises ``AssertionError`` with a report of the
+    parameters that differ when the relative error exceeds ``rtol``. Returns the report.
+    """
+    from .clipping import make_groups
+    from .step import make_dp_step
+
+    if float64:
+        model = to_float64(model)
+        batch = to_float64(batch)
+        if params is not None:
+            params = {n: v.detach().double() for n, v in params.items()}
+    if params is None:
+        params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    step = make_dp_step(model, loss_fn, max_grad_norm=max_grad_norm, noise_multiplier=0.0,
+                        expected_batch_size=1.0, method=method, **step_kwargs)
+    part = step.clipped_sum(params, batch, mask)
+    canon = step._index.canonical
+    cparams = {canon[n]: v for n, v in params.items()}
+    g = make_groups(list(cparams), step_kwargs.get("clipping", "flat"), max_grad_norm,
+                    budget=step_kwargs.get("clip_budget"))
+    norms, sums = naive_clipped_sum(model, loss_fn, batch, max_grad_norm=max_grad_norm, params=cparams,
+                                    groups=g.names, thresholds=g.thresholds,
+                                    clip_fn=step_kwargs.get("clip_fn", "abadi"),
+                                    gamma=step_kwargs.get("gamma", 0.01), mask=mask)
+    real = mask if mask is not None else torch.ones(norms.shape[0], dtype=torch.bool)
+    finite = torch.isfinite(norms)
+    sel = real.cpu() & finite
+    e_norm = _rel(part.per_sample_norms.cpu()[sel], norms[sel]) if bool(sel.any()) else 0.0
+    per = {n: _rel(part.sums[n].cpu(), sums[n].cpu()) for n in sums}
+    report = ExactnessReport(e_norm, max(per.values()) if per else 0.0, per, part.routes)
+    if not (e_norm <= rtol and report.max_rel_err_sum <= rtol):
+        raise AssertionError(f"method={method!r} differs from the naive per-example loop (rtol={rtol}):\n{report}")
+    return report
+
+
+def token_batches(
+    *,
+    vocab_size: int,
+    max_batch: int = 6,
+    max_len: int = 12,
+    num_labels: Optional[int] = None,
+    padding: bool = True,
+):
+    """A hypothesis strategy of token batches: dict(input_ids, attention_mask[, labels]).
+
+    Draws B in [1, max_batch], T in [1, max_len], token ids, right-padding lengths (each example
+    keeps ≥ 1 real token) and, with ``num_labels``, a class label per example (else labels are the
+    ids, for causal LM losses). Needs ``hypothesis`` (a test extra).
+    """
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw(d):
+        B = d(st.integers(1, max_batch))
+        T = d(st.integers(1, max_len))
+        seed = d(st.integers(0, 2**31 - 1))
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab_size, (B, T), generator=g)
+        if padding:
+            lengths = torch.randint(1, T + 1, (B,), generator=g)
+        else:
+            lengths = torch.full((B,), T)
+        am = (torch.arange(T)[None, :] < lengths[:, None]).long()
+        out = {"input_ids": ids, "attention_mask": am}
+        if num_labels is not None:
+            out["labels"] = torch.randint(0, num_labels, (B,), generator=g)
+        else:
+            out["labels"] = ids.masked_fill(am == 0, -100)
+        return out
+
+    return draw()
