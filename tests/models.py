@@ -1,0 +1,124 @@
+"""Tiny models used across the tests (built from configs; no downloads)."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def mlp(d_in=5, hidden=7, n_out=3):
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, n_out))
+
+
+def mlp_loss(model, b):
+    return F.cross_entropy(model(b["x"]), b["y"], reduction="none")
+
+
+class TextCNN(nn.Module):
+    def __init__(self, vocab=30, dim=8, channels=6, classes=3, kernel=3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim, padding_idx=0)
+        self.conv = nn.Conv1d(dim, channels, kernel, padding=1)
+        self.norm = nn.LayerNorm(channels)
+        self.out = nn.Linear(channels, classes)
+
+    def forward(self, ids):
+        h = self.emb(ids).transpose(1, 2)  # (B, d, T)
+        h = torch.relu(self.conv(h)).amax(dim=2)  # (B, C)
+        return self.out(self.norm(h))
+
+
+class RNNClassifier(nn.Module):
+    def __init__(self, kind="lstm", vocab=30, dim=6, hidden=5, classes=3, bidirectional=True, layers=1):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        cls = {"lstm": nn.LSTM, "gru": nn.GRU}[kind]
+        self.rnn = cls(dim, hidden, num_layers=layers, batch_first=True, bidirectional=bidirectional)
+        self.out = nn.Linear(hidden * (2 if bidirectional else 1), classes)
+
+    def forward(self, ids):
+        h, _ = self.rnn(self.emb(ids))
+        return self.out(h.mean(1))
+
+
+def cls_loss(model, b):
+    return F.cross_entropy(model(b["input_ids"]), b["labels"], reduction="none")
+
+
+class TiedLM(nn.Module):
+    """Embedding shared with the output projection (like GPT-2's wte / lm_head)."""
+
+    def __init__(self, vocab=20, dim=8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.mid = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+
+class SharedTwice(nn.Module):
+    """One Linear applied twice, plus a buffer and a raw parameter used in forward."""
+
+    def __init__(self, d=6, classes=3):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.scale = nn.Parameter(torch.ones(d))
+        self.register_buffer("shift", torch.linspace(-1, 1, d))
+        self.out = nn.Linear(d, classes)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        h = torch.tanh(self.lin(h) * self.scale + self.shift)
+        return self.out(h)
+
+
+def lm_loss_fn(model, b):
+    """Per-example summed next-token loss for any model returning logits (or .logits)."""
+    out = model(b["input_ids"])
+    logits = getattr(out, "logits", out)[:, :-1]
+    labels = b["labels"][:, 1:]
+    tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    return tok.view(labels.shape).sum(1)
+
+
+def hf_lm_loss(model, b):
+    out = model(b["input_ids"], attention_mask=b["attention_mask"])
+    logits = out.logits[:, :-1]
+    labels = b["labels"][:, 1:]
+    tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none", ignore_index=-100)
+    return tok.view(labels.shape).sum(1)
+
+
+def hf_cls_loss(model, b):
+    logits = model(b["input_ids"], attention_mask=b["attention_mask"]).logits
+    return F.cross_entropy(logits, b["labels"], reduction="none")
+
+
+def tiny_gpt2(vocab=40, dim=16, layers=2, positions=32, seed=0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = GPT2Config(n_layer=layers, n_embd=dim, n_head=2, vocab_size=vocab, n_positions=positions,
+                         bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        m = GPT2LMHeadModel(cfg)
+    return m.eval()
+
+
+def tiny_bert(vocab=40, dim=16, layers=2, classes=3, seed=0):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = BertConfig(num_hidden_layers=layers, hidden_size=dim, num_attention_heads=2, intermediate_size=2 * dim,
+                         vocab_size=vocab, num_labels=classes, max_position_embeddings=32,
+                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        m = BertForSequenceClassification(cfg)
+    return m.eval()

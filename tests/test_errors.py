@@ -1,0 +1,99 @@
+"""Bad input gets a clear error that names the problem and the fix."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pdpsgd
+from models import mlp, mlp_loss
+
+
+def batch(B=4):
+    return {"x": torch.randn(B, 5), "y": torch.randint(0, 3, (B,))}
+
+
+def test_batchnorm_in_training_is_refused_and_eval_is_fine():
+    m = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    with pytest.raises(ValueError, match="mixes examples.*GroupNorm"):
+        pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0)
+    m.eval()
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0)
+    m.train()  # switched back after construction: still caught at call time
+    with pytest.raises(ValueError, match="mixes examples"):
+        step(pdpsgd.trainable_params(m), batch())
+
+
+def test_scalar_loss_is_refused():
+    m = mlp()
+    step = pdpsgd.make_dp_step(m, lambda mod, b: F.cross_entropy(mod(b["x"]), b["y"]), max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="reduction='none'"):
+        step(pdpsgd.trainable_params(m), batch())
+
+
+def test_wrong_loss_shape_is_refused():
+    m = mlp()
+    step = pdpsgd.make_dp_step(m, lambda mod, b: mod(b["x"]).reshape(-1), max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match=r"shape \[B\]"):
+        step(pdpsgd.trainable_params(m), batch())
+
+
+def test_batch_dims_disagree():
+    m = mlp()
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="batch dims disagree"):
+        step(pdpsgd.trainable_params(m), {"x": torch.randn(4, 5), "y": torch.zeros(3, dtype=torch.long)})
+
+
+def test_params_not_of_the_model():
+    m = mlp()
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="does not belong to the model"):
+        step({"fc.weight": torch.zeros(3, 5)}, batch())
+    with pytest.raises(ValueError, match="shape"):
+        step({"0.weight": torch.zeros(3, 3)}, batch())
+    with pytest.raises(ValueError, match="empty"):
+        step({}, batch())
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"chunk_size": 0}, "chunk_size"),
+    ({"chunk_size": -3}, "chunk_size"),
+    ({"max_grad_norm": 0.0}, "max_grad_norm"),
+    ({"max_grad_norm": -1.0}, "max_grad_norm"),
+    ({"noise_multiplier": -0.1}, "noise_multiplier"),
+    ({"noise_multiplier": float("nan")}, "noise_multiplier"),
+    ({"method": "fast"}, "method"),
+    ({"clip_fn": "soft"}, "clip_fn"),
+    ({"clipping": "per_neuron"}, "clipping"),
+    ({"expected_batch_size": 0}, "expected_batch_size"),
+    ({"max_grad_norm": float("inf")}, "unbounded"),
+])
+def test_bad_options(kwargs, match):
+    opts = {"max_grad_norm": 1.0, "noise_multiplier": 1.0, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        step = pdpsgd.make_dp_step(mlp(), mlp_loss, **opts)
+        step(pdpsgd.trainable_params(step.model), batch())
+
+
+def test_mask_of_wrong_shape():
+    m = mlp()
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="mask"):
+        step(pdpsgd.trainable_params(m), batch(4), mask=torch.ones(3, dtype=torch.bool))
+
+
+def test_data_dependent_control_flow_is_explained():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 3)
+
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent Python branch
+                return self.lin(x)
+            return -self.lin(x)
+
+    m = Branchy()
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(RuntimeError, match="branches on tensor values.*method='bk'"):
+        step(pdpsgd.trainable_params(m), batch())

@@ -1,0 +1,61 @@
+"""Noise std = σC within statistical tolerance (KS test on ≥ 10^6 draws), and the test has power."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from torch import nn
+
+import pdpsgd
+from pdpsgd.noise import add_noise
+
+
+def _noise_from_step(sigma, C, seed):
+    torch.manual_seed(0)
+    m = nn.Linear(2000, 1000)  # ~2M coordinates
+    b = {"x": torch.randn(3, 2000), "y": torch.randint(0, 1000, (3,))}
+    loss = lambda mod, bb: nn.functional.cross_entropy(mod(bb["x"]), bb["y"], reduction="none")
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=C, noise_multiplier=sigma, expected_batch_size=1,
+                               generator=torch.Generator().manual_seed(seed))
+    part = step.clipped_sum(params, b)
+    out = step.finalize(part)
+    return torch.cat([(out.grads[n] - part.sums[n]).flatten() for n in params]).double().numpy()
+
+
+def test_step_noise_is_gaussian_with_std_sigma_C():
+    sigma, C = 1.3, 0.7
+    z = _noise_from_step(sigma, C, seed=11)
+    assert z.size >= 1_000_000
+    res = stats.kstest(z, "norm", args=(0.0, sigma * C))
+    assert res.pvalue > 1e-3, res
+    assert abs(z.mean()) < 5 * sigma * C / math.sqrt(z.size)
+
+
+def test_ks_test_catches_a_one_percent_error_in_sigma():
+    """The same test, run on noise whose std is 1% off, rejects: it has the power we claim."""
+    sigma, C = 1.3, 0.7
+    z = _noise_from_step(sigma, C, seed=12)
+    assert stats.kstest(z * 1.01, "norm", args=(0.0, sigma * C)).pvalue < 1e-3
+    assert stats.kstest(z * 0.99, "norm", args=(0.0, sigma * C)).pvalue < 1e-3
+
+
+def test_noise_is_float32_for_low_precision_sums():
+    s = {"w": torch.zeros(1_000_000, dtype=torch.bfloat16)}
+    out = add_noise(s, 1.0, torch.Generator().manual_seed(0))
+    assert out["w"].dtype == torch.float32
+    assert torch.unique(out["w"]).numel() > 900_000  # bf16 would give only a few thousand values
+
+
+def test_independent_across_calls_and_coordinates():
+    g = torch.Generator().manual_seed(3)
+    a = add_noise({"w": torch.zeros(200_000)}, 1.0, g)["w"].double().numpy()
+    b = add_noise({"w": torch.zeros(200_000)}, 1.0, g)["w"].double().numpy()
+    assert abs(np.corrcoef(a, b)[0, 1]) < 0.02
+    assert abs(np.corrcoef(a[:-1], a[1:])[0, 1]) < 0.02
+
+
+def test_zero_sigma_adds_nothing():
+    s = {"w": torch.randn(10)}
+    assert torch.equal(add_noise(s, 0.0, None)["w"], s["w"])
