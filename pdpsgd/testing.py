@@ -150,11 +150,14 @@ def assert_exact(
     """Check ``make_dp_step(method=...)`` against the naive loop (σ = 0), in float64 by default.
 
     Compares per-example norms and the clipped sum; raises ``AssertionError`` with a report of the
-    parameters that differ when the relative error exceeds ``rtol``. Returns the report.
+    parameters that differ when the relative error exceeds ``rtol``. Returns the report. The model
+    is compared in eval mode (on a copy): dropout masks are random, so a train-mode run can only
+    be compared with itself.
     """
     from .clipping import make_groups
     from .step import make_dp_step
 
+    model = copy.deepcopy(model).eval()
     if float64:
         model = to_float64(model)
         batch = to_float64(batch)

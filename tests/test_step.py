@@ -252,3 +252,22 @@ def test_group_clipping_and_budget():
     assert math.isclose(math.sqrt(sum(t * t for t in g.thresholds)), 0.4)
     with pytest.raises(ValueError, match="no clipping group"):
         make_groups(["a", "b"], {"g": ["a"]}, 1.0)
+
+
+@given(seed=st.integers(0, 10_000), B=st.integers(2, 9), split=st.integers(1, 8), sigma=st.sampled_from([0.0, 1.1]))
+def test_logical_batch_split_equals_one_physical_batch(seed, B, split, sigma):
+    """Accumulating clipped sums over physical batches and adding noise once == one big batch."""
+    split = 1 + split % (B - 1)
+    m, b = mlp_case(seed, B, 4, 5)
+    params = pdpsgd.trainable_params(m)
+    def step():
+        return pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.5, noise_multiplier=sigma, expected_batch_size=B,
+                                   generator=torch.Generator().manual_seed(seed))
+    whole = step()(params, b)
+    s = step()
+    part = s.clipped_sum(params, {k: v[:split] for k, v in b.items()}) + s.clipped_sum(params, {k: v[split:] for k, v in b.items()})
+    acc = s.finalize(part, params=params)
+    for n in params:
+        torch.testing.assert_close(acc.grads[n], whole.grads[n], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(acc.loss, whole.loss)
+    assert int(acc.num_examples) == B
