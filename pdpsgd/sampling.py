@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import numbers
 import secrets
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, NamedTuple, Tuple, Union
 
 import torch
 

@@ -7,10 +7,11 @@ make it fast and robust:
 1. **One grid, many compositions.** Each distinct (σ, q) of the history is
    discretised once on a shared grid and kept in Fourier space; the composed PRV of
    a history ``{(σ_k, q_k): n_k}`` is ``irfft(Π_k F_k ** n_k)`` — one inverse FFT,
-   exact heterogeneous composition (no "worst σ"). The grid is sized for a
-   *capacity* of steps that doubles when exceeded, so a training loop asking for ε
-   after every step re-discretises only O(log T) times; composed results are
-   cached on the history.
+   exact heterogeneous composition (no "worst σ"). The grid is a deterministic
+   function of the history, with the step count rounded up on a √2 ladder and the
+   domain on a 1.1 ladder, so a training loop asking for ε after every step
+   re-discretises only O(log T) times; composed results are cached on the history,
+   and results never depend on the order of queries.
 2. **Accurate truncated mean.** ``prv-accountant`` 0.2.0 computes the mean of the
    truncated PRV with ``scipy.integrate.quad`` over the whole domain, which is
    wrong by orders of the mesh size when the domain is wide (high ε; e.g. q=0.2,
@@ -28,8 +29,10 @@ the domain size of Remark 5.6): ``eps_error`` (default 0.01) and ``delta_error``
 matters).
 
 Failures are detected — any exception, a non-finite or unnormalised composed PMF,
-a mean-shift beyond half a mesh cell, a grid larger than ``max_grid_size``, or a
-PRV lower bound above the (always valid) RDP upper bound — and the accountant then
+a mean-shift beyond half a mesh cell, a composed mean that is not the sum of the
+per-step means (aliasing on the periodic grid), a grid larger than
+``max_grid_size``, float64 round-off above the δ error, or a PRV lower bound above
+the (always valid) RDP upper bound — and the accountant then
 falls back to the PLD accountant of ``dp-accounting`` (pessimistic
 connect-the-dots for ``upper``/``estimate``, optimistic privacy buckets for
 ``lower``); the result says so in its ``method`` field.
@@ -40,7 +43,7 @@ import math
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 from scipy import fft as sfft
@@ -52,8 +55,6 @@ from ._common import (
     HistoryAccountant,
     check_delta,
     check_epsilon,
-    check_noise_multiplier,
-    check_sample_rate,
     optional_delta_error,
 )
 from .rdp import DEFAULT_RDP_ORDERS, delta_from_rdp, epsilon_from_rdp, rdp_poisson_subsampled_gaussian
@@ -234,7 +235,7 @@ class _Composed:
     E: np.ndarray
     ndelta: np.ndarray  # E - d1 = -δ(t_i), increasing
     n: int              # full grid size
-    roundoff: float     # bound on the absolute error of any tail sum (FFT + power)
+    roundoff: float     # estimated absolute round-off of a tail sum (FFT noise + summation)
 
     def epsilon(self, delta: float) -> float:
         i = int(np.searchsorted(self.ndelta, -delta, side="left"))
@@ -262,6 +263,7 @@ class _GridState:
     def __init__(self, grid: _Grid, max_bytes: int = 64 * 2 ** 20) -> None:
         self.grid = grid
         self.ffts: "OrderedDict[Tuple[float, float], Tuple[np.ndarray, float, float]]" = OrderedDict()
+        self.powers: "OrderedDict[Tuple[float, float, int], Tuple[np.ndarray, float, float]]" = OrderedDict()
         self.max_bytes = max_bytes
 
     def fft_of(self, sigma: float, q: float) -> Tuple[np.ndarray, float, float]:
@@ -276,6 +278,21 @@ class _GridState:
         self.ffts[key] = out
         while len(self.ffts) > 1 and sum(v[0].nbytes for v in self.ffts.values()) > self.max_bytes:
             self.ffts.popitem(last=False)
+        return out
+
+    def power(self, sigma: float, q: float, n: int) -> Tuple[np.ndarray, float, float]:
+        """(F ** n, shift, mean) — cached, so runs of a history that no longer grow
+        (e.g. past epochs of a noise schedule) cost one multiplication per query."""
+        key = (sigma, q, n)
+        hit = self.powers.get(key)
+        if hit is not None:
+            self.powers.move_to_end(key)
+            return hit
+        F, shift, mean = self.fft_of(sigma, q)
+        out = (F ** n, shift, mean)
+        self.powers[key] = out
+        while len(self.powers) > 1 and sum(v[0].nbytes for v in self.powers.values()) > self.max_bytes:
+            self.powers.popitem(last=False)
         return out
 
 
@@ -512,13 +529,14 @@ class PRVAccountant(HistoryAccountant):
             return hit
         state = self._grid_state(groups, delta_error)
         g = state.grid
+        # keep the transforms of every (σ, q) of this history cached (plus slack)
+        state.max_bytes = max(state.max_bytes, int(1.5 * len(groups) * (g.n // 2 + 1) * 16))
         total = 0
         shift = 0.0
         mean = 0.0
         F = None
         for s, q, n in groups:
-            Fk, sk, mk = state.fft_of(s, q)
-            Fn = Fk ** n
+            Fn, sk, mk = state.power(s, q, n)
             F = Fn if F is None else F * Fn
             total += n
             shift += n * sk
@@ -581,7 +599,6 @@ class PRVAccountant(HistoryAccountant):
         groups = self._groups()
         if not groups:
             return EpsilonBounds(0.0, 0.0, 0.0, "none")
-        ms = min(g[0] for g in groups); groups = tuple((ms, q, n) for _, q, n in groups)
         delta_error = self.delta_error if self.delta_error is not None else _default_delta_error(delta)
         if delta_error >= delta:
             raise ValueError(f"delta_error ({delta_error:g}) must be smaller than delta ({delta:g}).")

@@ -1,0 +1,577 @@
+"""Book-keeping (BK) engine: exact DP-SGD at about the cost of one forward + one backward.
+
+One batched forward and one backward *through the activations only*. For every layer with a rule
+(see ``pdpsgd.rules``) we keep its input a and output gradient g (returned as values from the
+backward, never stored on modules or parameters) and build each trained parameter's per-example
+gradient in factored form (``rules.base``): Σ_t L[t] ⊗ R[t] per use. Per parameter and per call,
+a cost model picks
+
+* **ghost**: ‖G_i‖² = Σ_{u,v} Σ_{t,s} (L_u[t]·L_v[s]) (R_u[t]·R_v[s]) from (B, T, T) Gram
+  matrices (time ∝ B·T²·(p+d), memory B·T²), then the clipped sum Σ_t L[t]ᵀ c R[t] as one
+  matmul (aᵀ·diag(c)·g); or
+* **explicit**: materialise G_i (B, p, d), take its norm, reuse it for Σ_i c_i G_i
+  (time ∝ B·T·p·d, memory B·p·d).
+
+Uses of the same parameter (tied weights such as GPT-2's wte/lm_head, a layer called twice) are
+summed *before* the norm, so cross terms are included exactly (Embedding × Linear cross terms
+are a gather of the logits' gradient at the token ids). Layers without a rule, ruled parameters
+also used outside their layer's forward, and layers a rule declines fall back to exact
+per-example gradients (``per_sample.per_sample_grads``, vmap) for just those parameters.
+
+Formal guarantee: for every trained parameter, ``sq_norms[n][i]`` is ‖∂loss_i/∂θ_n‖² (the
+gradient summed over all uses) and ``clipped_sum[n]`` = Σ_i w_i ∂loss_i/∂θ_n with w from
+``weights_fn`` evaluated on those norms; both up to floating-point rounding (tested against the
+naive float64 loop at rel. err ≤ 1e-9). Examples with weight 0 (padding, non-finite) contribute
+exactly 0: their rows are zeroed, never multiplied by 0. Requires batch-first layers (a rule only
+accepts an input whose leading dim is the batch size) and no mixing of examples in the forward
+(``check_no_batch_mixing``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from ._types import Batch, EngineResult, Params, WeightsFn
+from .functional import LossModule, ParamIndex
+from .per_sample import batch_size, per_sample_grads, slice_batch, sq_norm_per_example, weighted_sum
+from .rules import DEFAULT_REGISTRY, RuleRegistry
+from .rules.base import Dense, Explicit, Index, Rule, Use
+
+__all__ = ["bk_engine", "plan", "cost", "choose_route", "COST_MODELS", "BK_OPTIONS"]
+
+COST_MODELS = ("time", "fastdp", "ghost", "explicit")
+BK_OPTIONS = ("registry", "routes", "cost_model", "explicit_max_elems", "elementwise_cost")
+
+# Relative cost of one element of an elementwise / memory-bound pass vs one multiply-add inside
+# a matmul. Rough estimates (CPU: norm + weighted-sum passes over a (B, p, d) tensor vs bmm
+# throughput, single thread; CUDA: HBM bandwidth vs tensor-core rate), not yet calibrated by a
+# sweep; override per call with bk_options={"elementwise_cost": x}.
+ELEMENTWISE_COST = {"cpu": 24.0, "cuda": 64.0}
+# Largest per-example gradient (B·p·d elements) the explicit route materialises by default.
+EXPLICIT_MAX_ELEMS = 1 << 23
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# cost model (pure functions of shapes)
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class UseShape:
+    kind: str  # "dense", "bias", "index", "explicit"
+    T: int
+    P0: int  # rows (index: num_rows)
+    P1: int  # cols (bias / explicit: numel per example)
+
+
+def _use_shape(u: Use, param_shape: torch.Size) -> UseShape:
+    numel = int(math.prod(param_shape))
+    if isinstance(u, Dense):
+        if u.R is None:
+            return UseShape("bias", u.T, int(u.L.shape[-1]), 1)
+        return UseShape("dense", u.T, int(u.L.shape[-1]), int(u.R.shape[-1]))
+    if isinstance(u, Index):
+        return UseShape("index", u.T, u.num_rows, int(u.R.shape[-1]))
+    return UseShape("explicit", 1, numel, 1)
+
+
+def cost(shapes: List[UseShape], B: int, *, elementwise_cost: float) -> Tuple[float, float]:
+    """(ghost, explicit) extra cost of one parameter's norms + clipped sum, in matmul multiply-adds.
+
+    The B·T·p·d matmul of the clipped sum (ghost) equals the materialisation (explicit) and is
+    not counted. Ghost: Gram products B·T_u·T_v·(P0+P1) for every pair of uses (cross terms too).
+    Explicit: ~(uses + 2) elementwise passes over B·P0·P1 (sum, norm, weighted sum), each
+    ``elementwise_cost`` multiply-adds per element.
+    """
+    ghost = 0.0
+    big = [s for s in shapes if s.kind in ("dense", "index")]
+    for u in big:
+        for v in big:
+            ghost += B * u.T * v.T * ((1 if u.kind == "index" else u.P0) + u.P1)
+    P0 = max((s.P0 for s in big), default=1)
+    P1 = max((s.P1 for s in big), default=1)
+    explicit = elementwise_cost * B * P0 * P1 * (len(big) + 2)
+    return ghost, explicit
+
+
+def choose_route(shapes: List[UseShape], B: int, cost_model: str, *, elementwise_cost: float,
+                 explicit_max_elems: int) -> str:
+    """"ghost" or "explicit" for one parameter, from its uses' shapes only."""
+    big = [s for s in shapes if s.kind in ("dense", "index")]
+    if not big:
+        return "explicit"  # biases, norm layers: (B, numel) per-example grads, always cheap
+    P0 = max(s.P0 for s in big)
+    P1 = max(s.P1 for s in big)
+    if cost_model in ("ghost", "explicit"):
+        return cost_model
+    if cost_model == "fastdp":  # Bu et al.: ghost iff 2T² < p·d (memory-minimising)
+        T = sum(s.T for s in big)
+        return "ghost" if 2 * T * T < P0 * P1 else "explicit"
+    if B * P0 * P1 > explicit_max_elems:
+        return "ghost"
+    g, e = cost(shapes, B, elementwise_cost=elementwise_cost)
+    return "ghost" if g < e else "explicit"
+
+
+# ------------------------------------------------------------------------------------------------
+# factored per-example gradient algebra (all per example, accumulated in float32 or wider)
+# ------------------------------------------------------------------------------------------------
+def _materialise(u: Use, shape: torch.Size, acc: torch.dtype) -> Tensor:
+    """The use's per-example gradient (B, *shape)."""
+    if isinstance(u, Explicit):
+        return u.G.to(acc).reshape(u.G.shape[0], *shape)
+    if isinstance(u, Dense):
+        L = u.L.to(acc)
+        B = L.shape[0]
+        if u.R is None:
+            return L.sum(1).reshape(B, *shape)  # (B, T, P0) -> (B, P0)
+        # einsum picks the fast GEMM layout (bmm(Lᵀ, R) with a transposed operand is ~2x slower on CPU)
+        return torch.einsum("btp,btd->bpd", L, u.R.to(acc)).reshape(B, *shape)  # (B,T,P0) x (B,T,P1) -> (B,P0,P1)
+    R = u.R.to(acc)
+    B, T, d = R.shape
+    flat = (u.ids + torch.arange(B, device=R.device).unsqueeze(1) * u.num_rows).reshape(-1)  # (B·T,)
+    G = torch.zeros(B * u.num_rows, d, dtype=acc, device=R.device)
+    G.index_add_(0, flat, R.reshape(B * T, d))  # scatter rows: (B·T, d) -> (B·V, d)
+    return G.reshape(B, *shape)
+
+
+def _sq_norm(G: Tensor) -> Tensor:
+    """(B, *shape) -> (B,) squared norms, float32 or wider, without a squared copy of G."""
+    acc = _acc(G.dtype)
+    flat = G.reshape(G.shape[0], -1)
+    if flat.dtype != acc:
+        return sq_norm_per_example(flat)
+    return torch.linalg.vector_norm(flat, dim=1).square()
+
+
+def _wsum(w: Tensor, G: Tensor) -> Tensor:
+    """Σ_i w_i G_i; rows with w_i = 0 are skipped exactly (``weighted_sum``) when there are any."""
+    if bool((w != 0).all()) and G.dtype == _acc(G.dtype):
+        return torch.tensordot(w.to(G.dtype), G, dims=1)  # (B,) x (B, *shape) -> shape
+    return weighted_sum(w, G)
+
+
+def _gram(X: Tensor, Y: Tensor) -> Tensor:
+    return torch.bmm(X, Y.transpose(1, 2))  # (B, T, k) x (B, k, S) -> (B, T, S)
+
+
+def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype) -> Tensor:
+    """Per-example ⟨G_u, G_v⟩ (B,) without materialising G when a ghost formula exists."""
+    if isinstance(u, Index) and isinstance(v, Dense):
+        u, v = v, u
+    if isinstance(u, Dense) and isinstance(v, Dense) and u.R is not None and v.R is not None \
+            and u.L.shape[-1] == v.L.shape[-1] and u.R.shape[-1] == v.R.shape[-1]:
+        gl = _gram(u.L.to(acc), v.L.to(acc))  # (B, T, P0) x (B, S, P0) -> (B, T, S)
+        gr = _gram(u.R.to(acc), v.R.to(acc))  # (B, T, P1) x (B, S, P1) -> (B, T, S)
+        return (gl * gr).sum((1, 2))  # (B, T, S) -> (B,)
+    if isinstance(u, Dense) and u.R is None and isinstance(v, Dense) and v.R is None:
+        return (u.L.to(acc).sum(1) * v.L.to(acc).sum(1)).sum(1)  # (B, P0) · (B, P0) -> (B,)
+    if isinstance(u, Index) and isinstance(v, Index) and u.R.shape[-1] == v.R.shape[-1]:
+        eq = (u.ids.unsqueeze(2) == v.ids.unsqueeze(1)).to(acc)  # (B, T, 1) == (B, 1, S) -> (B, T, S)
+        return (eq * _gram(u.R.to(acc), v.R.to(acc))).sum((1, 2))  # (B, T, d) x (B, S, d) -> (B,)
+    if isinstance(u, Dense) and u.R is not None and isinstance(v, Index) \
+            and u.L.shape[-1] == v.num_rows and u.R.shape[-1] == v.R.shape[-1]:
+        # ⟨Σ_s L[s] ⊗ R[s], Σ_t e_{id_t} ⊗ R'[t]⟩ = Σ_{s,t} L[s, id_t] (R[s]·R'[t])
+        B, S, _ = u.L.shape
+        idx = v.ids.unsqueeze(1).expand(B, S, v.ids.shape[1])  # (B, S, T)
+        gath = torch.gather(u.L, 2, idx).to(acc)  # (B, S, V) at ids -> (B, S, T)
+        return (gath * _gram(u.R.to(acc), v.R.to(acc))).sum((1, 2))  # (B, S, d) x (B, T, d) -> (B,)
+    Gu = _materialise(u, shape, acc)
+    Gv = _materialise(v, shape, acc)
+    return (Gu.reshape(Gu.shape[0], -1) * Gv.reshape(Gv.shape[0], -1)).sum(1)  # (B, n) · (B, n) -> (B,)
+
+
+def _zero_rows(x: Tensor, keep: Tensor) -> Tensor:
+    return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _weighted_use_sum(u: Use, w: Tensor, keep: Optional[Tensor], shape: torch.Size, acc: torch.dtype) -> Tensor:
+    """Σ_i w_i G_u,i (param shape) from the factors; rows with keep False are zeroed first."""
+    if isinstance(u, Explicit):
+        return _wsum(w, u.G.to(acc).reshape(u.G.shape[0], *shape))
+    w = w.to(acc)
+    if isinstance(u, Dense):
+        L = u.L.to(acc)
+        if keep is not None:
+            L = _zero_rows(L, keep)
+        if u.R is None:
+            return torch.einsum("b,btp->p", w, L).reshape(shape)  # (B,) x (B, T, P0) -> (P0,)
+        R = u.R.to(acc)
+        if keep is not None:
+            R = _zero_rows(R, keep)
+        P0, P1 = L.shape[-1], R.shape[-1]
+        if P0 <= P1:  # scale the smaller factor by w
+            L = L * w.view(-1, 1, 1)  # (B, T, P0) * (B, 1, 1)
+        else:
+            R = R * w.view(-1, 1, 1)  # (B, T, P1) * (B, 1, 1)
+        return torch.mm(L.reshape(-1, P0).t(), R.reshape(-1, P1)).reshape(shape)  # (P0, B·T) x (B·T, P1) -> (P0, P1)
+    R = u.R.to(acc)
+    if keep is not None:
+        R = _zero_rows(R, keep)
+    d = R.shape[-1]
+    out = torch.zeros(u.num_rows, d, dtype=acc, device=R.device)
+    out.index_add_(0, u.ids.reshape(-1), (R * w.view(-1, 1, 1)).reshape(-1, d))  # (B·T, d) -> (V, d)
+    return out.reshape(shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# capture: one forward, one backward through the activations
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class _Call:
+    module: nn.Module
+    mname: str
+    rule: Rule
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+    output: Tensor
+    versions: Tuple[int, ...]
+
+
+@dataclass
+class _Collected:
+    losses: Tensor
+    uses: Dict[str, List[Use]]  # canonical name -> uses (ruled params only)
+    fallback: Dict[str, str]  # canonical name -> reason it is computed by vmap
+    owner: Dict[str, List[Tuple[str, nn.Module]]] = field(default_factory=dict)
+
+
+def _model_layout(model: nn.Module, params: Params, registry: RuleRegistry, overrides: Mapping[str, str]):
+    """Which modules get hooks, with their (local name -> canonical name) trained params."""
+    index = ParamIndex(model)
+    canon = index.canonical
+    ruled: Dict[nn.Module, Tuple[str, Rule, Dict[str, str]]] = {}
+    fallback: Dict[str, str] = {}
+    owner: Dict[str, List[Tuple[str, nn.Module]]] = {}
+    for mname, m in model.named_modules(remove_duplicate=True):
+        local = {}
+        for pn, p in m._parameters.items():
+            if p is None:
+                continue
+            full = f"{mname}.{pn}" if mname else pn
+            c = canon.get(full, full)
+            if c in params:
+                local[pn] = c
+                owner.setdefault(c, []).append((mname, m))
+        if not local:
+            continue
+        rule = registry.lookup(m)
+        reason = None
+        if rule is None:
+            reason = f"no rule for {type(m).__name__} ({mname or '<root>'})"
+        else:
+            reason = rule.supports(m)
+            if reason is not None:
+                reason = f"{type(m).__name__} ({mname}): {reason}"
+        forced = _override(overrides, mname, m)
+        if reason is None and forced == "vmap":
+            reason = "route override"
+        if reason is not None:
+            for c in local.values():
+                fallback.setdefault(c, reason)
+            continue
+        ruled[m] = (mname, rule, local)
+    for c in params:
+        if c not in owner:
+            fallback.setdefault(c, "not owned by a module")  # cannot happen for nn.Module params
+        o = overrides.get(c)
+        if o == "vmap":
+            fallback.setdefault(c, "route override")
+    return ruled, fallback, owner
+
+
+def _override(overrides: Mapping[str, str], mname: str, m: nn.Module) -> Optional[str]:
+    return overrides.get(mname) or overrides.get(type(m).__name__)
+
+
+def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
+             registry: RuleRegistry, overrides: Mapping[str, str]) -> _Collected:
+    """Forward with temporary hooks, backward to the captured outputs; uses per ruled parameter."""
+    model = loss_module.model
+    B = batch_size(batch)
+    ruled, fallback, owner = _model_layout(model, params, registry, overrides)
+    ruled_names: Set[str] = {c for (_, _, local) in ruled.values() for c in local.values()} - set(fallback)
+    # Ruled parameters enter as leaves that require grad: inside their own layer's forward they are
+    # swapped for a detached alias, so autograd computes no weight gradient there; any *other* use
+    # reaches the leaf and is detected below (exact vmap fallback for that parameter).
+    leaves = {n: (params[n].detach().requires_grad_(True) if n in ruled_names else params[n].detach())
+              for n in params}
+    detached = {n: leaves[n].detach() for n in ruled_names}
+    calls: List[_Call] = []
+    handles = []
+
+    def pre_hook(module, args, kwargs):
+        mname, rule, local = ruled[module]
+        for pn, c in local.items():
+            if c in detached:
+                module._parameters[pn] = detached[c]
+        return None
+
+    def post_hook(module, args, kwargs, output):
+        mname, rule, local = ruled[module]
+        for pn, c in local.items():
+            if c in detached:
+                module._parameters[pn] = leaves[c]
+        if not isinstance(output, Tensor) or not output.is_floating_point():
+            for c in local.values():
+                fallback.setdefault(c, f"{type(module).__name__} ({mname}) returned no float tensor")
+            return None
+        if torch.is_grad_enabled() and not output.requires_grad:
+            # e.g. the first embedding: make g reachable. The clone (not the leaf itself) is handed on,
+            # so an in-place edit downstream is allowed (and detected by the version check below).
+            output = output.detach().requires_grad_(True).clone()
+        if getattr(rule, "broadcast_batch", False) and output.dim() >= 1 and output.shape[0] == 1 and B > 1:
+            # e.g. GPT-2's position embedding of (1, T) ids, broadcast over the batch downstream:
+            # expanding it to B rows (same values) lets the backward keep each example's gradient.
+            output = output.expand(B, *output.shape[1:])
+        vers = tuple(x._version for x in args if isinstance(x, Tensor))
+        calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers))
+        return output
+
+    try:
+        for m in ruled:
+            handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            handles.append(m.register_forward_hook(post_hook, with_kwargs=True))
+        with torch.enable_grad():
+            losses = functional_call(loss_module, LossModule.prefixed({**constants, **leaves}), (batch,))
+    finally:
+        for h in handles:
+            h.remove()
+    if not isinstance(losses, Tensor) or losses.shape != (B,):
+        shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+        raise ValueError(
+            f"loss_fn must return one loss per example, shape [{B}]; got {shape}. Use reduction='none' "
+            "(and sum per-token losses per example)."
+        )
+    # in-place edits of a captured input/output after the layer ran would make a or g stale
+    for c in calls:
+        now = (c.output._version,) + tuple(x._version for x in c.args if isinstance(x, Tensor))
+        if now != c.versions:
+            for c2 in ruled[c.module][2].values():
+                fallback.setdefault(c2, f"{type(c.module).__name__} ({c.mname}): input/output modified in place")
+    leaf_names = [n for n in ruled_names]
+    targets = [c.output for c in calls] + [leaves[n] for n in leaf_names]
+    if losses.requires_grad and targets:
+        grads = torch.autograd.grad(losses.sum(), targets, allow_unused=True)
+    else:
+        grads = (None,) * len(targets)
+    for n, g in zip(leaf_names, grads[len(calls):]):
+        if g is not None:
+            fallback.setdefault(n, "also used outside its layer's forward")
+    uses: Dict[str, List[Use]] = {}
+    for c, g in zip(calls, grads[: len(calls)]):
+        mname, rule, local = ruled[c.module]
+        if all(n in fallback for n in local.values()):
+            continue
+        if g is None:
+            continue  # this call's output does not reach the loss: zero contribution
+        args = tuple(x.detach() if isinstance(x, Tensor) else x for x in c.args)
+        kwargs = {k: (x.detach() if isinstance(x, Tensor) else x) for k, x in c.kwargs.items()}
+        got = rule.uses(c.module, args, kwargs, c.output.detach(), g, B)
+        if got is None:
+            for n in local.values():
+                fallback.setdefault(n, f"{rule.name} rule declined this call of {mname}")
+            continue
+        for pn, c_name in local.items():
+            if pn in got:
+                uses.setdefault(c_name, []).append(got[pn])
+            elif c_name not in fallback:
+                fallback.setdefault(c_name, f"{rule.name} rule gave no factor for {mname}.{pn}")
+    uses = {n: u for n, u in uses.items() if n not in fallback}
+    return _Collected(losses.detach(), uses, fallback, owner)
+
+
+def _options(method: str, opts: Mapping[str, Any]):
+    unknown = set(opts) - set(BK_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown bk_options {sorted(unknown)}; known: {list(BK_OPTIONS)}")
+    registry = opts.get("registry") or DEFAULT_REGISTRY
+    if not isinstance(registry, RuleRegistry):
+        raise TypeError("bk_options['registry'] must be a pdpsgd.rules.RuleRegistry")
+    overrides = dict(opts.get("routes") or {})
+    for k, v in overrides.items():
+        if v not in ("ghost", "explicit", "vmap"):
+            raise ValueError(f"bk_options['routes'][{k!r}] = {v!r}: use 'ghost', 'explicit' or 'vmap'")
+    cm = opts.get("cost_model") or ("fastdp" if method == "bk" else "time")
+    if cm not in COST_MODELS:
+        raise ValueError(f"cost_model={cm!r} is unknown: use one of {COST_MODELS}")
+    return registry, overrides, cm
+
+
+def _routes(col: _Collected, params: Params, B: int, cost_model: str, overrides: Mapping[str, str],
+            opts: Mapping[str, Any], device: torch.device) -> Dict[str, str]:
+    ew = float(opts.get("elementwise_cost") or ELEMENTWISE_COST.get(device.type, ELEMENTWISE_COST["cuda"]))
+    cap = int(opts.get("explicit_max_elems") or EXPLICIT_MAX_ELEMS)
+    routes: Dict[str, str] = {}
+    for n in params:
+        if n in col.fallback:
+            routes[n] = "vmap"
+            continue
+        uses = col.uses.get(n, [])
+        shapes = [_use_shape(u, params[n].shape) for u in uses]
+        forced = overrides.get(n)
+        if forced is None:
+            for mname, m in col.owner.get(n, []):
+                forced = forced or _override(overrides, mname, m)
+        if forced in ("ghost", "explicit") and any(s.kind in ("dense", "index") for s in shapes):
+            routes[n] = forced
+        else:
+            routes[n] = choose_route(shapes, B, cost_model, elementwise_cost=ew, explicit_max_elems=cap)
+    return routes
+
+
+# ------------------------------------------------------------------------------------------------
+# public entry points
+# ------------------------------------------------------------------------------------------------
+def plan(model: nn.Module, loss_fn, params: Mapping[str, Tensor], batch: Batch, *, method: str = "auto",
+         **bk_options: Any) -> Dict[str, str]:
+    """Route per trained parameter for this batch's shapes: "ghost", "explicit" or "vmap".
+
+    Runs one forward and backward (to see the layers' shapes and detect uses outside a layer);
+    the choice itself is a pure function of the shapes (``choose_route``).
+    """
+    registry, overrides, cm = _options(method, bk_options)
+    index = ParamIndex(model)
+    params = {n: p.detach() for n, p in params.items()}
+    constants = {**index.frozen(params), **index.buffers}
+    col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides)
+    dev = next(iter(params.values())).device
+    return _routes(col, params, batch_size(batch), cm, overrides, bk_options, dev)
+
+
+def _empty(params: Params, b: int, device: torch.device):
+    z = {n: torch.zeros(b, dtype=_acc(p.dtype), device=device) for n, p in params.items()}
+    return z
+
+
+def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts):
+    B = mask.shape[0]
+    device = mask.device
+    col = _collect(loss_module, params, constants, batch, registry, overrides)
+    routes = _routes(col, params, B, cm, overrides, opts, device)
+    sq: Dict[str, Tensor] = {}
+    kept_G: Dict[str, Tensor] = {}
+    for n, r in routes.items():
+        if r == "vmap":
+            continue
+        p = params[n]
+        acc = _acc(p.dtype)
+        uses = col.uses.get(n, [])
+        if not uses:
+            sq[n] = torch.zeros(B, dtype=acc, device=device)
+            continue
+        if r == "explicit":
+            G = _materialise(uses[0], p.shape, acc)
+            for u in uses[1:]:
+                G = G + _materialise(u, p.shape, acc)
+            sq[n] = _sq_norm(G)
+            kept_G[n] = G
+        else:
+            tot = None
+            for i, u in enumerate(uses):
+                for j in range(i, len(uses)):
+                    t = _inner(u, uses[j], p.shape, acc)
+                    t = t if i == j else 2 * t
+                    tot = t if tot is None else tot + t
+            sq[n] = tot.clamp_min(0)  # a sum of squares; rounding may dip below 0 only when ~0
+    fb = [n for n, r in routes.items() if r == "vmap"]
+    fb_grads: Dict[str, Tensor] = {}
+    if fb:
+        others = {n: v.detach() for n, v in params.items() if n not in fb}
+        _, fb_grads = per_sample_grads(loss_module, {n: params[n] for n in fb}, {**constants, **others}, batch)
+        for n in fb:
+            sq[n] = sq_norm_per_example(fb_grads[n])
+    sq = {n: sq[n] for n in params}
+    losses = col.losses.to(_acc(col.losses.dtype))
+    w = weights_fn(sq, losses, mask)
+    sums: Dict[str, Tensor] = {}
+    for n, r in routes.items():
+        p = params[n]
+        acc = _acc(p.dtype)
+        if r == "vmap":
+            sums[n] = weighted_sum(w[n], fb_grads[n])
+        elif n in kept_G:
+            sums[n] = _wsum(w[n], kept_G.pop(n))
+        else:
+            uses = col.uses.get(n, [])
+            keep = w[n] != 0
+            keep = None if bool(keep.all()) else keep
+            s = None
+            for u in uses:
+                t = _weighted_use_sum(u, w[n], keep, p.shape, acc)
+                s = t if s is None else s + t
+            sums[n] = s if s is not None else torch.zeros(p.shape, dtype=acc, device=p.device)
+    return losses, sq, w, sums, routes
+
+
+def bk_engine(
+    loss_module: LossModule,
+    params: Params,
+    constants: Mapping[str, Tensor],
+    batch: Batch,
+    mask: Tensor,
+    weights_fn: WeightsFn,
+    *,
+    chunk_size: Optional[int] = None,
+    method: str = "bk",
+    **bk_options: Any,
+) -> EngineResult:
+    """Per-example norms, weights and clipped sums by book-keeping (see the module docstring).
+
+    ``method``: "bk" (default cost model "fastdp": ghost iff 2T² < p·d, Bu et al.) or "auto"
+    (cost model "time", see ``cost``). ``bk_options``: ``registry`` (a ``RuleRegistry``),
+    ``routes`` ({param name | module name | layer type name: "ghost"|"explicit"|"vmap"}),
+    ``cost_model`` ("time", "fastdp", "ghost", "explicit"), ``explicit_max_elems``,
+    ``elementwise_cost``. ``chunk_size``: examples per pass (default: the whole batch).
+
+    Formal guarantee: as in the module docstring; identical in exact arithmetic to
+    ``per_sample.vmap_engine`` whatever the routes.
+    """
+    registry, overrides, cm = _options(method, bk_options)
+    B = batch_size(batch)
+    chunk = chunk_size or B
+    device = mask.device
+    losses_all: List[Tensor] = []
+    sq_all: Dict[str, List[Tensor]] = {n: [] for n in params}
+    w_all: Dict[str, List[Tensor]] = {n: [] for n in params}
+    total: Dict[str, Tensor] = {}
+    routes: Dict[str, str] = {}
+    for start in range(0, B, chunk):
+        stop = min(B, start + chunk)
+        m = mask[start:stop]
+        if not bool(m.any()):
+            z = _empty(params, stop - start, device)
+            losses_all.append(torch.zeros(stop - start, device=device))
+            for n in params:
+                sq_all[n].append(z[n])
+                w_all[n].append(z[n])
+            continue
+        sub = batch if (start == 0 and stop == B) else slice_batch(batch, start, stop)
+        losses, sq, w, sums, r = _chunk(loss_module, params, constants, sub, m, weights_fn, registry,
+                                        overrides, cm, bk_options)
+        for n in params:
+            total[n] = sums[n] if n not in total else total[n] + sums[n]
+            sq_all[n].append(sq[n])
+            w_all[n].append(w[n])
+        losses_all.append(losses)
+        for n, v in r.items():
+            routes[n] = v if routes.get(n, v) == v else "mixed"
+    for n, p in params.items():
+        if n not in total:
+            total[n] = torch.zeros(p.shape, dtype=_acc(p.dtype), device=p.device)
+        routes.setdefault(n, "skipped")
+    ldt = max((l.dtype for l in losses_all), key=lambda d: torch.finfo(d).bits)
+    return EngineResult(
+        losses=torch.cat([l.to(ldt) for l in losses_all]),
+        sq_norms={n: torch.cat(v) for n, v in sq_all.items()},
+        weights={n: torch.cat(v) for n, v in w_all.items()},
+        clipped_sum=total,
+        routes=routes,
+    )

@@ -1,0 +1,100 @@
+"""What a rule returns: each use of a parameter as a factored per-example gradient.
+
+A rule looks at one call of one layer (its input, output and output gradient, all batched with
+leading dim B) and says, for each of the layer's parameters, how example i's gradient *from this
+call* is built. Three forms cover every rule we ship:
+
+* ``Dense(L, R)``: G_i = Σ_t L[i,t] ⊗ R[i,t], an outer-product sum of shape (P0, P1) reshaped to
+  the parameter's shape (Linear: L = output grad, R = input). ``R=None`` means G_i = Σ_t L[i,t]
+  (biases).
+* ``Index(ids, R, num_rows)``: G_i[v] = Σ_{t: ids[i,t]=v} R[i,t] (Embedding; ``ids`` are row
+  indices, rows with R = 0 contribute nothing, which is how padding_idx is honoured).
+* ``Explicit(G)``: G (B, *shape), the per-example gradient itself (norm layers: (B, d), cheap).
+
+Formal guarantee: a rule is correct iff Σ over its calls of the returned G_i equals the exact
+gradient of loss_i w.r.t. the parameter through that layer's forward; the engine sums the uses of
+a parameter (tied weights, layers called several times) before taking norms, so cross terms are
+included exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+from torch import Tensor, nn
+
+__all__ = ["Dense", "Index", "Explicit", "Use", "Rule", "as_btd", "first_input"]
+
+
+@dataclass
+class Dense:
+    """G_i = Σ_t L[i,t] ⊗ R[i,t] -> (P0, P1); with R None, G_i = Σ_t L[i,t] -> (P0,)."""
+
+    L: Tensor  # (B, T, P0)
+    R: Optional[Tensor]  # (B, T, P1) or None
+
+    @property
+    def T(self) -> int:
+        return int(self.L.shape[1])
+
+
+@dataclass
+class Index:
+    """G_i[v] = Σ_{t: ids[i,t] = v} R[i,t] -> (num_rows, d)."""
+
+    ids: Tensor  # (B, T) int64 in [0, num_rows)
+    R: Tensor  # (B, T, d); rows to ignore are exactly 0
+    num_rows: int
+
+    @property
+    def T(self) -> int:
+        return int(self.ids.shape[1])
+
+
+@dataclass
+class Explicit:
+    """The per-example gradient of this use, (B, *param_shape)."""
+
+    G: Tensor
+
+
+Use = Union[Dense, Index, Explicit]
+
+
+def as_btd(x: Tensor, B: int) -> Optional[Tensor]:
+    """(B, *, d) -> (B, T, d) with T = prod(*) (1 if none); None if x is not batch-first (B, ...)."""
+    if x.dim() < 2 or x.shape[0] != B:
+        return None
+    return x.reshape(B, -1, x.shape[-1])
+
+
+def first_input(args: Tuple[Any, ...], kwargs: Mapping[str, Any], name: str = "input") -> Optional[Tensor]:
+    """The layer's tensor input: first positional argument, or keyword ``name``."""
+    x = args[0] if args else kwargs.get(name)
+    return x if isinstance(x, Tensor) else None
+
+
+class Rule:
+    """Base class: per-example gradient factors of one layer type (see module docstring).
+
+    Subclasses implement ``uses`` and may refine ``supports``. ``uses`` returns None when this
+    particular call cannot be handled (unusual input layout, config the rule does not cover): the
+    engine then computes that layer's parameters exactly with vmap instead. Never guess.
+    """
+
+    name = "rule"
+
+    def supports(self, module: nn.Module) -> Optional[str]:
+        """None if the layer's configuration is covered, else a short reason (-> vmap fallback)."""
+        return None
+
+    def uses(
+        self,
+        module: nn.Module,
+        args: Tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        output: Tensor,
+        grad_output: Tensor,
+        batch_size: int,
+    ) -> Optional[Dict[str, Use]]:
+        raise NotImplementedError

@@ -1,0 +1,99 @@
+"""The rule registry: layer type -> Rule. Passed in to the engine, never global state to mutate.
+
+``default_registry()`` returns a fresh copy of the built-in rules; users add their own with
+``reg.register(MyLayer, MyRule())`` and pass ``bk_options={"registry": reg}``. Registering a
+type that already has a rule raises unless ``override=True`` (no silent replacement).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple, Type
+
+from torch import nn
+
+from .base import Rule
+
+__all__ = ["RuleRegistry", "default_registry", "DEFAULT_REGISTRY"]
+
+
+class RuleRegistry:
+    """Layer type -> rule, plus named predicate rules (e.g. custom RMSNorm by class name).
+
+    Lookup: the exact type first; then a registered base class, but only if the subclass does not
+    override ``forward`` (a subclass with its own forward computes something else); then the
+    predicates in registration order.
+    """
+
+    def __init__(self) -> None:
+        self._by_type: Dict[type, Rule] = {}
+        self._predicates: List[Tuple[str, Callable[[nn.Module], bool], Rule]] = []
+
+    def register(self, module_type: Type[nn.Module], rule: Rule, *, override: bool = False) -> None:
+        if not isinstance(module_type, type):
+            raise TypeError(f"module_type must be a class, got {module_type!r}")
+        if not isinstance(rule, Rule):
+            raise TypeError(f"rule must be a pdpsgd.rules.Rule, got {type(rule).__name__}")
+        if module_type in self._by_type and not override:
+            raise ValueError(
+                f"{module_type.__name__} already has a rule ({self._by_type[module_type].name}); pass "
+                "override=True to replace it"
+            )
+        self._by_type[module_type] = rule
+
+    def register_predicate(self, name: str, predicate: Callable[[nn.Module], bool], rule: Rule,
+                           *, override: bool = False) -> None:
+        for i, (n, _, _) in enumerate(self._predicates):
+            if n == name:
+                if not override:
+                    raise ValueError(f"a predicate rule named {name!r} exists; pass override=True to replace it")
+                self._predicates[i] = (name, predicate, rule)
+                return
+        self._predicates.append((name, predicate, rule))
+
+    def lookup(self, module: nn.Module) -> Optional[Rule]:
+        t = type(module)
+        rule = self._by_type.get(t)
+        if rule is not None:
+            return rule
+        for base in t.__mro__[1:]:
+            if base in self._by_type and getattr(t, "forward", None) is getattr(base, "forward", None):
+                return self._by_type[base]
+        for _, pred, r in self._predicates:
+            if pred(module):
+                return r
+        return None
+
+    def copy(self) -> "RuleRegistry":
+        new = RuleRegistry()
+        new._by_type = dict(self._by_type)
+        new._predicates = list(self._predicates)
+        return new
+
+    def __contains__(self, module_type: type) -> bool:
+        return module_type in self._by_type
+
+
+def _build() -> RuleRegistry:
+    from . import conv, embedding, hf_conv1d, layernorm, linear, rmsnorm
+
+    reg = RuleRegistry()
+    for t in linear.TYPES:
+        reg.register(t, linear.LinearRule())
+    for t in embedding.TYPES:
+        reg.register(t, embedding.EmbeddingRule())
+    for t in layernorm.TYPES:
+        reg.register(t, layernorm.LayerNormRule())
+    for t in rmsnorm.TYPES:
+        reg.register(t, rmsnorm.TorchRMSNormRule())
+    reg.register_predicate("hf_conv1d", hf_conv1d.is_hf_conv1d, hf_conv1d.HFConv1DRule())
+    reg.register_predicate("custom_rmsnorm", rmsnorm.is_custom_rmsnorm, rmsnorm.CustomRMSNormRule())
+    for t in conv.TYPES:
+        reg.register(t, conv.ConvRule())
+    return reg
+
+
+DEFAULT_REGISTRY = _build()
+
+
+def default_registry() -> RuleRegistry:
+    """A fresh copy of the built-in rules (safe to extend)."""
+    return DEFAULT_REGISTRY.copy()

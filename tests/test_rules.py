@@ -1,0 +1,172 @@
+"""Unit tests of the per-layer rules and the factored-gradient algebra (pdpsgd.rules, bookkeeping)."""
+import pytest
+import torch
+from torch import nn
+
+from pdpsgd import bookkeeping as bk
+from pdpsgd.rules import Dense, Explicit, Index, default_registry
+from pdpsgd.rules.base import as_btd
+
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def _per_example_grads(module, x, gy_fn):
+    """Per-example grads of Σ<gy_i, module(x_i)> by a loop (the oracle)."""
+    out = {}
+    for i in range(x.shape[0]):
+        y = module(x[i : i + 1])
+        gs = torch.autograd.grad((y * gy_fn(y, i)).sum(), [p for _, p in module.named_parameters()])
+        for (n, _), g in zip(module.named_parameters(), gs):
+            out.setdefault(n, []).append(g)
+    return {n: torch.stack(v) for n, v in out.items()}
+
+
+def _check_rule(module, x, rule=None):
+    torch.manual_seed(1)
+    y = module(x)
+    gy = torch.randn_like(y)
+    rule = rule or default_registry().lookup(module)
+    assert rule is not None and rule.supports(module) is None
+    uses = rule.uses(module, (x,), {}, y.detach(), gy, x.shape[0])
+    ref = _per_example_grads(module, x, lambda yy, i: gy[i : i + 1])
+    assert set(uses) == set(ref)
+    for n, u in uses.items():
+        p = dict(module.named_parameters())[n]
+        G = bk._materialise(u, p.shape, torch.float64)
+        torch.testing.assert_close(G, ref[n], rtol=1e-10, atol=1e-12)
+        sq = bk._inner(u, u, p.shape, torch.float64)
+        torch.testing.assert_close(sq, ref[n].flatten(1).pow(2).sum(1), rtol=1e-10, atol=1e-12)
+        w = torch.rand(x.shape[0])
+        s = bk._weighted_use_sum(u, w, None, p.shape, torch.float64)
+        torch.testing.assert_close(s, torch.einsum("b,b...->...", w, ref[n]), rtol=1e-10, atol=1e-12)
+
+
+def test_linear_any_leading_dims():
+    _check_rule(nn.Linear(4, 3), torch.randn(3, 2, 5, 4))
+    _check_rule(nn.Linear(4, 3, bias=False), torch.randn(3, 4))
+
+
+def test_hf_conv1d():
+    from transformers.pytorch_utils import Conv1D
+
+    _check_rule(Conv1D(6, 4), torch.randn(3, 5, 4))
+
+
+def test_embedding_padding_idx():
+    emb = nn.Embedding(7, 3, padding_idx=2)
+    ids = torch.tensor([[2, 1, 1, 2], [0, 6, 2, 6]])
+    y = emb(ids)
+    gy = torch.randn_like(y)
+    u = default_registry().lookup(emb).uses(emb, (ids,), {}, y, gy, 2)["weight"]
+    G = bk._materialise(u, emb.weight.shape, torch.float64)
+    assert G[:, 2].abs().sum() == 0  # padding row gets no gradient
+    torch.testing.assert_close(G[0, 1], gy[0, 1] + gy[0, 2])
+    torch.testing.assert_close(bk._inner(u, u, emb.weight.shape, torch.float64), G.flatten(1).pow(2).sum(1))
+
+
+def test_layernorm_and_rmsnorm():
+    _check_rule(nn.LayerNorm(5), torch.randn(3, 4, 5))
+    _check_rule(nn.LayerNorm((2, 5)), torch.randn(3, 4, 2, 5))
+    _check_rule(nn.RMSNorm(5, eps=1e-3), torch.randn(3, 4, 5))
+
+
+class LlamaRMSNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d) + 0.1 * torch.randn(d))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        dt = hidden_states.dtype
+        h = hidden_states.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dt)
+
+
+class GemmaRMSNorm(LlamaRMSNorm):
+    def forward(self, hidden_states):
+        h = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (1.0 + self.weight) * h
+
+
+def test_custom_rmsnorm_detected_and_verified():
+    reg = default_registry()
+    m = LlamaRMSNorm(5)
+    assert reg.lookup(m) is not None
+    _check_rule(m, torch.randn(3, 4, 5))
+    g = GemmaRMSNorm(5)
+    x = torch.randn(3, 4, 5)
+    y = g(x)
+    assert reg.lookup(g).uses(g, (x,), {}, y, torch.ones_like(y), 3) is None  # formula mismatch -> fallback
+
+
+@pytest.mark.parametrize("kw", [dict(padding=1), dict(stride=2, dilation=2), dict(padding="same"), dict(bias=False)])
+def test_conv1d_conv2d(kw):
+    _check_rule(nn.Conv1d(3, 4, 3, **kw), torch.randn(2, 3, 11))
+    _check_rule(nn.Conv2d(2, 3, (3, 3), **kw), torch.randn(2, 2, 7, 8))
+
+
+def test_conv_groups_unsupported():
+    assert default_registry().lookup(nn.Conv1d(4, 4, 3, groups=2)).supports(nn.Conv1d(4, 4, 3, groups=2)) is not None
+
+
+def test_cross_terms_match_materialised():
+    torch.manual_seed(0)
+    B, T, S, V, d = 3, 4, 5, 6, 2
+    dense = Dense(torch.randn(B, S, V), torch.randn(B, S, d))
+    idx = Index(torch.randint(0, V, (B, T)), torch.randn(B, T, d), V)
+    idx2 = Index(torch.randint(0, V, (B, S)), torch.randn(B, S, d), V)
+    expl = Explicit(torch.randn(B, V, d))
+    shape = torch.Size([V, d])
+    for u, v in [(dense, idx), (idx, dense), (idx, idx2), (dense, dense), (expl, idx), (dense, expl)]:
+        want = (bk._materialise(u, shape, torch.float64) * bk._materialise(v, shape, torch.float64)).sum((1, 2))
+        torch.testing.assert_close(bk._inner(u, v, shape, torch.float64), want)
+
+
+def test_registry_refuses_silent_overwrite():
+    reg = default_registry()
+    with pytest.raises(ValueError, match="already has a rule"):
+        reg.register(nn.Linear, reg.lookup(nn.Linear(1, 1)))
+    reg.register(nn.Linear, reg.lookup(nn.Linear(1, 1)), override=True)
+    with pytest.raises(ValueError, match="exists"):
+        reg.register_predicate("custom_rmsnorm", lambda m: False, reg.lookup(nn.Linear(1, 1)))
+    with pytest.raises(TypeError):
+        reg.register(nn.Linear, object(), override=True)
+    assert nn.Linear in default_registry()  # the default is a fresh copy each time
+
+
+def test_subclass_with_own_forward_not_matched():
+    class Lin2(nn.Linear):
+        def forward(self, x):
+            return super().forward(2 * x)
+
+    class Lin3(nn.Linear):
+        pass
+
+    reg = default_registry()
+    assert reg.lookup(Lin2(2, 2)) is None
+    assert reg.lookup(Lin3(2, 2)) is not None
+
+
+def test_as_btd_requires_batch_first():
+    assert as_btd(torch.zeros(4, 3), 5) is None
+    assert as_btd(torch.zeros(5, 2, 3, 4), 5).shape == (5, 6, 4)
+
+
+def test_cost_model_is_pure_and_sane():
+    small_T = [bk.UseShape("dense", 4, 256, 256)]
+    big_T = [bk.UseShape("dense", 512, 256, 256)]
+    kw = dict(elementwise_cost=24.0, explicit_max_elems=1 << 30)
+    assert bk.choose_route(small_T, 8, "fastdp", **kw) == "ghost"
+    assert bk.choose_route(big_T, 8, "fastdp", **kw) == "explicit"
+    assert bk.choose_route(big_T, 8, "time", **kw) == "explicit"
+    assert bk.choose_route(small_T, 8, "time", **kw) == "ghost"
+    assert bk.choose_route(big_T, 8, "time", elementwise_cost=24.0, explicit_max_elems=10) == "ghost"  # memory cap
+    assert bk.choose_route([bk.UseShape("bias", 9, 5, 1)], 8, "time", **kw) == "explicit"
