@@ -7,7 +7,7 @@ accountants, test-only dependencies).
 import json
 import logging
 import math
-import time
+
 import warnings
 
 import numpy as np
@@ -414,37 +414,18 @@ def test_empty_history_and_zero_steps():
     assert RDPAccountant().epsilon(1e-5).upper == 0.0
 
 
-def test_running_epsilon_is_cached_and_cheap():
+def test_running_epsilon_is_monotone_and_equals_a_fresh_accountant():
+    # Speed (running ε per step, 10k-step ε, calibration) is measured in
+    # benchmarks/bench_accounting.py, not asserted here: timed tests are flaky on shared machines.
     acct = PRVAccountant()
     prev = 0.0
-    t0 = time.perf_counter()
     for _ in range(300):
         acct.step(noise_multiplier=1.0, sample_rate=0.01)
         e = acct.epsilon(1e-5)
         assert e.estimate >= prev
         prev = e.estimate
-    per_step = (time.perf_counter() - t0) / 300
-    assert per_step < 0.05, f"running ε costs {per_step:.3f}s per step"
-    t0 = time.perf_counter()
-    assert acct.epsilon(1e-5) == e
-    assert time.perf_counter() - t0 < 1e-3  # cached
+    assert acct.epsilon(1e-5) == e  # repeated query: same (cached) answer
     assert e == prv(1.0, 0.01, 300).epsilon(1e-5)  # same as a fresh accountant
-
-
-def _best_of(n, fn):
-    best = math.inf
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def test_speed_epsilon_10k_steps_under_1s_and_calibrate_under_3s():
-    t_eps = _best_of(2, lambda: prv(1.1, 0.01, 10_000).epsilon(1e-5))
-    assert t_eps < 1.0, f"epsilon(10k steps) took {t_eps:.2f}s"
-    t_cal = _best_of(1, lambda: calibrate_noise(target_epsilon=3.0, delta=1e-5, sample_rate=0.01, steps=5000))
-    assert t_cal < 3.0, f"calibrate_noise took {t_cal:.2f}s"
 
 
 # ----------------------------------------------------------------------------------
