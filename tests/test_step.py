@@ -271,3 +271,31 @@ def test_logical_batch_split_equals_one_physical_batch(seed, B, split, sigma):
         torch.testing.assert_close(acc.grads[n], whole.grads[n], rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(acc.loss, whole.loss)
     assert int(acc.num_examples) == B
+
+
+@given(seed=st.integers(0, 10_000), max_phys=st.integers(1, 6), sigma=st.sampled_from([0.0, 0.8]))
+def test_poisson_physical_batches_with_padding_equal_one_batch(seed, max_phys, sigma):
+    """Sampler → fixed-shape padded physical batches → accumulate → finalize == the logical batch at once."""
+    from pdpsgd.sampling import PoissonSampler, collate, to_physical_batches
+
+    N = 20
+    m, data = mlp_case(seed, N, 4, 5)
+    params = pdpsgd.trainable_params(m)
+    idx = next(iter(PoissonSampler(N, 0.4, 1, generator=torch.Generator().manual_seed(seed))))
+    def make():
+        return pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.5, noise_multiplier=sigma, expected_batch_size=8,
+                                   generator=torch.Generator().manual_seed(seed))
+    s = make()
+    part = None
+    for pb in to_physical_batches(idx, max_phys):
+        assert pb.indices.shape == (max_phys,)
+        batch, mask = collate(data, pb)
+        p = s.clipped_sum(params, batch, mask)
+        part = p if part is None else part + p
+    acc = s.finalize(part, params=params)
+    assert int(acc.num_examples) == len(idx)
+    if len(idx) == 0:
+        return
+    whole = make()(params, {k: v[idx] for k, v in data.items()})
+    for n in params:
+        torch.testing.assert_close(acc.grads[n], whole.grads[n], rtol=1e-12, atol=1e-14)
