@@ -1,0 +1,141 @@
+"""``pdpsgd check FILE``: run the naive-oracle exactness check (``pdpsgd.testing.assert_exact``) on
+a user's model.
+
+FILE is a Python file defining
+
+* ``model`` (an ``nn.Module``) or ``make_model()`` returning one,
+* ``loss_fn(model, batch) -> Tensor[B]`` (per-example losses), and
+* ``batch`` or ``make_batch()`` (a pytree of tensors with leading dim B);
+
+optionally ``params`` (name -> tensor; default: the trainable parameters) and ``mask``.
+For each requested method the per-example norms and the clipped sum are compared with a loop over
+single examples in float64; a readable report is printed and the exit status is 1 on a mismatch.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Dict, Iterable, List, Optional, TextIO
+
+__all__ = ["load_user_file", "check_file", "run_check", "CheckResult"]
+
+
+class CheckResult:
+    def __init__(self, method: str, ok: bool, report: Any = None, error: Optional[str] = None):
+        self.method, self.ok, self.report, self.error = method, ok, report, error
+
+    def __repr__(self) -> str:
+        return f"CheckResult({self.method!r}, ok={self.ok})"
+
+
+def load_user_file(path: str) -> Dict[str, Any]:
+    """Execute FILE as a module and return ``{"model", "loss_fn", "batch", "params", "mask"}``.
+
+    Raises ``UserError`` (from ``pdpsgd.cli``) for a missing file or missing names.
+    """
+    from .cli import UserError
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"file not found: {path}")
+    if p.suffix != ".py":
+        raise UserError(f"{path}: expected a Python file (.py) defining model, loss_fn and batch")
+    spec = importlib.util.spec_from_file_location(f"_pdpsgd_check_{abs(hash(str(p.resolve())))}", str(p))
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    folder = str(p.parent.resolve())
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    except Exception as e:
+        tb = traceback.extract_tb(e.__traceback__)
+        where = next((f"{f.filename}:{f.lineno}" for f in reversed(tb) if f.filename == str(p)), str(p))
+        raise UserError(f"{where}: running the file failed: {type(e).__name__}: {e}") from None
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
+    return {
+        "model": _get(mod, "model", "make_model", path),
+        "loss_fn": _need(mod, "loss_fn", path),
+        "batch": _get(mod, "batch", "make_batch", path),
+        "params": getattr(mod, "params", None),
+        "mask": getattr(mod, "mask", None),
+    }
+
+
+def _need(mod: ModuleType, name: str, path: str) -> Any:
+    from .cli import UserError
+
+    if not hasattr(mod, name):
+        raise UserError(f"{path} does not define {name!r}")
+    v = getattr(mod, name)
+    if name == "loss_fn" and not callable(v):
+        raise UserError(f"{path}: loss_fn must be a function loss_fn(model, batch) -> Tensor[B]")
+    return v
+
+
+def _get(mod: ModuleType, value: str, factory: str, path: str) -> Any:
+    from .cli import UserError
+
+    if hasattr(mod, value):
+        return getattr(mod, value)
+    if hasattr(mod, factory):
+        try:
+            return getattr(mod, factory)()
+        except Exception as e:
+            raise UserError(f"{path}: {factory}() failed: {type(e).__name__}: {e}") from None
+    raise UserError(f"{path} defines neither {value!r} nor {factory}()")
+
+
+def check_file(path: str, methods: Iterable[str] = ("vmap", "bk", "auto"), *, rtol: float = 1e-9,
+               max_grad_norm: float = 1.0, float64: bool = True, out: TextIO = sys.stdout) -> List[CheckResult]:
+    """Run ``assert_exact`` on FILE's model for each method; print a report per method."""
+    import torch.nn as nn
+
+    from .cli import UserError
+    from .testing import assert_exact
+    from .train import resolve_method
+
+    u = load_user_file(path)
+    if not isinstance(u["model"], nn.Module):
+        raise UserError(f"{path}: model must be a torch.nn.Module, got {type(u['model']).__name__}")
+    results = []
+    for m in methods:
+        m = m.strip()
+        if not m:
+            continue
+        if m not in ("vmap", "bk", "auto"):
+            raise UserError(f"--method {m!r}: use vmap, bk, auto (comma-separated)")
+        if resolve_method(m) != m:
+            print(f"[{m}] skipped: pdpsgd.bookkeeping is not available", file=out)
+            continue
+        try:
+            rep = assert_exact(u["model"], u["loss_fn"], u["batch"], method=m, params=u["params"], mask=u["mask"],
+                               max_grad_norm=max_grad_norm, rtol=rtol, float64=float64)
+            results.append(CheckResult(m, True, rep))
+            print(f"[{m}] OK (rtol={rtol:g})\n{_indent(str(rep))}", file=out)
+        except AssertionError as e:
+            results.append(CheckResult(m, False, error=str(e)))
+            print(f"[{m}] MISMATCH\n{_indent(str(e))}", file=out)
+        except Exception as e:  # the model cannot run under this method: a readable line, not a traceback
+            results.append(CheckResult(m, False, error=f"{type(e).__name__}: {e}"))
+            print(f"[{m}] ERROR {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", file=out)
+    return results
+
+
+def _indent(s: str) -> str:
+    return "\n".join("    " + ln for ln in s.splitlines())
+
+
+def run_check(path: str, methods: Iterable[str], *, rtol: float = 1e-9, max_grad_norm: float = 1.0,
+              float64: bool = True) -> int:
+    """CLI entry: 0 if every checked method matches the naive loop, else 1."""
+    results = check_file(path, methods, rtol=rtol, max_grad_norm=max_grad_norm, float64=float64)
+    bad = [r.method for r in results if not r.ok]
+    if bad:
+        print(f"FAILED: {', '.join(bad)} differ from the naive per-example loop", file=sys.stdout)
+        return 1
+    print(f"all checked methods are exact ({', '.join(r.method for r in results) or 'none'})")
+    return 0

@@ -1,0 +1,159 @@
+"""Safe, atomic checkpoints for DP training.
+
+A checkpoint holds everything needed to continue with the *same* guarantee: the trained
+parameters, the optimizer state, the accountant's history, the sampler's position and every RNG
+state (sampling, noise, dropout). It is a ``torch.save`` file of plain containers, tensors and
+numbers only, loaded with ``torch.load(weights_only=True)``: loading never unpickles arbitrary
+objects. Writes go to a temporary file in the same folder, are fsync'ed, then renamed over the
+old file (``os.replace`` is atomic), so a crash mid-write leaves the previous checkpoint intact.
+
+Formal guarantee (with ``pdpsgd.train``): RNG *states* are saved and restored, never re-derived
+from a seed, so a resumed run continues each random stream where it stopped and never repeats
+noise that was already used in a released update.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Mapping
+
+import torch
+
+__all__ = [
+    "CheckpointError",
+    "save_checkpoint",
+    "load_checkpoint",
+    "check_fingerprint",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "atomic_write_json",
+    "FORMAT_VERSION",
+]
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, corrupt, or belongs to another run (model, data, privacy plan)."""
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic(path: os.PathLike, write) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temp file in the same folder, fsync, rename)."""
+    _atomic(path, lambda f: f.write(data))
+
+
+def atomic_write_text(path: os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, torch.Tensor):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
+
+
+def save_checkpoint(path: os.PathLike, state: Mapping[str, Any]) -> None:
+    """Atomically save ``state`` (dicts/lists/tuples of tensors, numbers, strings, None).
+
+    Tensors are moved to CPU. Use ``load_checkpoint`` to read it back safely.
+    """
+    payload = {"format": "pdpsgd-checkpoint", "format_version": FORMAT_VERSION, **_to_cpu(dict(state))}
+    _atomic(path, lambda f: torch.save(payload, f))
+
+
+def _to_cpu(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(v) for v in x)
+    return x
+
+
+def load_checkpoint(path: os.PathLike) -> Dict[str, Any]:
+    """Load a checkpoint written by ``save_checkpoint`` with ``torch.load(weights_only=True)``.
+
+    Raises ``CheckpointError`` (never a silent fallback) if the file is missing, truncated,
+    corrupt, not a pdpsgd checkpoint or from an unknown format version.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, bad pickle opcode, disallowed global, ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({first[:200]})") from None
+    if not isinstance(state, dict) or state.get("format") != "pdpsgd-checkpoint":
+        raise CheckpointError(f"{path} is not a pdpsgd checkpoint")
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format {state.get('format_version')}, this pdpsgd reads {FORMAT_VERSION}"
+        )
+    return state
+
+
+def check_fingerprint(saved: Mapping[str, Any], current: Mapping[str, Any], *, path: Any = "checkpoint") -> None:
+    """Raise ``CheckpointError`` naming every key whose value differs between a checkpoint's
+    fingerprint and the current run's (model, dataset size, privacy plan, ...)."""
+    diffs = []
+    for k in sorted(set(saved) | set(current)):
+        a, b = saved.get(k, "<missing>"), current.get(k, "<missing>")
+        if isinstance(a, float) or isinstance(b, float):
+            try:
+                same = abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(a)))
+            except (TypeError, ValueError):
+                same = False
+        else:
+            same = a == b
+        if not same:
+            diffs.append(f"{k}: {_short(a)} in the checkpoint vs {_short(b)} now")
+    if diffs:
+        raise CheckpointError(f"{path} belongs to a different run ({'; '.join(diffs)}); "
+                              "use the same model, data and privacy settings, or a new --output-dir")
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 40 else s[:18] + "…" + s[-18:]

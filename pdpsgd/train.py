@@ -1,0 +1,563 @@
+"""The DP training recipe behind ``pdpsgd train``, as a small library a custom loop can copy.
+
+One logical step::
+
+    Poisson sampler ──> fixed-shape physical batches ──> dp_step.clipped_sum (per physical batch)
+        ──> Σ parts ──> dp_step.finalize (noise once) ──> accountant.step + ledger ──> optimizer.step
+        ──> telemetry
+
+``DPTrainer`` does exactly this (see ``DPTrainer.step``); ``plan_training`` picks σ for a target
+(ε, δ); ``TextClassifier`` / ``load_text_classifier`` / ``select_trainable`` build the default
+model (a pretrained Hugging Face encoder + mean pooling + a linear head).
+
+Formal guarantee (``dp=True``): each logical step samples every training example independently
+with probability q (Poisson), clips each example's gradient to norm C, adds N(0, σ²C²) once to the
+sum and divides by the *expected* batch size q·N. So T steps are the Poisson-subsampled Gaussian
+mechanism composed T times; the accountant records each step (and the ledger file is written)
+*before* the step's update is applied, so every released update is on the ledger. RNG states are
+checkpointed and restored, never re-derived from a seed, so a resumed run never reuses noise.
+Hyper-parameters (C, lr, epochs, layers) are assumed chosen without looking at the private data.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import secrets
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .functional import trainable_params
+
+__all__ = [
+    "DPTrainer",
+    "TrainingPlan",
+    "plan_training",
+    "TextClassifier",
+    "load_text_classifier",
+    "select_trainable",
+    "classification_loss",
+    "causal_lm_loss",
+    "evaluate",
+    "ModelError",
+    "physical_batches",
+    "gather",
+    "resolve_method",
+    "default_delta",
+    "model_fingerprint",
+    "head_body_groups",
+]
+
+
+class ModelError(ValueError):
+    """The model folder cannot be used (missing, not a Hugging Face model, bad --train-params)."""
+
+
+# =============================================================================================
+# privacy plan
+# =============================================================================================
+class TrainingPlan(NamedTuple):
+    noise_multiplier: float  # σ
+    sample_rate: float  # q
+    steps: int  # T logical steps
+    expected_batch_size: float  # q·N
+    num_examples: int  # N
+    target_epsilon: Optional[float]
+    delta: float
+
+
+def default_delta(num_examples: int) -> float:
+    """min(1e-5, 1/(10·N)): well below 1/N, the usual ceiling."""
+    return min(1e-5, 1.0 / (10.0 * max(1, num_examples)))
+
+
+def plan_training(num_examples: int, *, batch_size: float, epochs: float, target_epsilon: Optional[float],
+                  delta: float, noise_multiplier: Optional[float] = None) -> TrainingPlan:
+    """σ, q = batch_size/N and T = ceil(epochs/q) for a target ε at δ (σ from ``calibrate_noise``).
+
+    Pass ``noise_multiplier`` to fix σ instead (then ``target_epsilon`` is only recorded).
+    """
+    if num_examples <= 0:
+        raise ValueError("the training set is empty")
+    if not 0 < batch_size <= num_examples:
+        raise ValueError(f"batch size {batch_size} must be in (0, N={num_examples}]")
+    q = float(batch_size) / num_examples
+    steps = max(1, int(math.ceil(epochs / q - 1e-9)))
+    if noise_multiplier is None:
+        if target_epsilon is None:
+            raise ValueError("give a target epsilon or a noise multiplier")
+        from .accounting import calibrate_noise
+
+        res = calibrate_noise(target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=steps)
+        noise_multiplier = float(getattr(res, "noise_multiplier", res))
+    return TrainingPlan(float(noise_multiplier), q, steps, q * num_examples, num_examples, target_epsilon, delta)
+
+
+def resolve_method(method: str) -> str:
+    """"auto"/"bk" need ``pdpsgd.bookkeeping``; without it, fall back to "vmap" (exact, slower)."""
+    if method in ("auto", "bk"):
+        import importlib.util
+
+        if importlib.util.find_spec("pdpsgd.bookkeeping") is None:
+            warnings.warn(f"method={method!r} needs pdpsgd.bookkeeping, which is not installed; using 'vmap'")
+            return "vmap"
+    return method
+
+
+# =============================================================================================
+# sampling (pdpsgd.sampling)
+# =============================================================================================
+def physical_batches(indices: Tensor, max_batch_size: int) -> List[Any]:
+    """``pdpsgd.sampling.to_physical_batches``: ``max(1, ceil(len/max))`` physical batches of exactly
+    ``max_batch_size`` slots; padding slots have ``mask`` False (they contribute exactly 0)."""
+    from .sampling import to_physical_batches
+
+    return to_physical_batches(indices, max_batch_size)
+
+
+def gather(data: Mapping[str, Tensor], indices: Tensor, device: Optional[torch.device] = None) -> Dict[str, Tensor]:
+    """Rows ``indices`` of every tensor in ``data`` (moved to ``device``)."""
+    return {k: (v[indices].to(device) if device is not None else v[indices]) for k, v in data.items()}
+
+
+# =============================================================================================
+# the trainer
+# =============================================================================================
+def _derive_seed(seed: int, what: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"pdpsgd:{seed}:{what}".encode()).digest()[:8], "little") >> 1
+
+
+def _fresh_generator(seed: Optional[int], what: str, device: Any = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(_derive_seed(seed, what) if seed is not None else secrets.randbits(63))
+    return g
+
+
+class DPTrainer:
+    """A DP-SGD training loop for ``model`` on in-memory tensors ``data`` (name -> (N, ...)).
+
+    Args:
+        loss_fn: ``loss_fn(model, batch) -> Tensor[B]`` (per-example losses).
+        optimizer: over the model's trainable parameters (``requires_grad=True``); it sees the
+            noisy, clipped gradient in ``p.grad``.
+        plan: a ``TrainingPlan`` (σ, q, T); see ``plan_training``.
+        max_grad_norm: C. ``max_physical_batch``: examples per forward/backward (memory).
+        method: "vmap" | "bk" | "auto" (``make_dp_step``); ``clipping`` / ``clip_budget``: as in
+            ``make_dp_step`` (flat, per_layer or parameter groups sharing C). ``train_mode``: run the
+            model in train mode (dropout on) while training; False = eval mode. ``dp=False`` trains non-privately on the
+            same sampled batches (mean loss over q·N, no clipping, no noise) as a baseline.
+        seed: None (fresh OS entropy for every stream) or an int (reproducible runs).
+        ledger_path: a JSON file rewritten atomically after each ``accountant.step`` and before
+            the update is applied.
+        accountant: default ``PRVAccountant()``. ``telemetry``: default ``Telemetry()``.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, data: Mapping[str, Tensor], *, optimizer: torch.optim.Optimizer,
+                 plan: TrainingPlan, max_grad_norm: float, max_physical_batch: int, method: str = "vmap",
+                 dp: bool = True, seed: Optional[int] = None, ledger_path: Optional[os.PathLike] = None,
+                 accountant: Any = None, telemetry: Any = None, device: Any = None, chunk_size: Optional[int] = None,
+                 epsilon_every: int = 1, clipping: Any = "flat", clip_budget: Optional[Sequence[float]] = None,
+                 train_mode: bool = True):
+        from .step import make_dp_step
+        from .telemetry import Telemetry
+
+        n = len(next(iter(data.values())))
+        if n != plan.num_examples:
+            raise ValueError(f"data has {n} examples, the plan {plan.num_examples}")
+        self.model, self.loss_fn, self.data = model, loss_fn, data
+        self.optimizer, self.plan = optimizer, plan
+        self.max_grad_norm, self.max_physical_batch = float(max_grad_norm), int(max_physical_batch)
+        self.dp, self.seed, self.train_mode = dp, seed, bool(train_mode)
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.params = trainable_params(model)
+        if not self.params:
+            raise ValueError("the model has no trainable parameter (requires_grad=True)")
+        self.ledger_path = Path(ledger_path) if ledger_path is not None else None
+        self.epsilon_every = max(1, int(epsilon_every))
+        self.telemetry = telemetry if telemetry is not None else Telemetry()
+        if accountant is None:
+            from .accounting import PRVAccountant
+
+            accountant = PRVAccountant()
+        self.accountant = accountant
+        if seed is not None:
+            torch.manual_seed(_derive_seed(seed, "torch"))  # dropout (global RNG)
+        self.sample_generator = _fresh_generator(seed, "sample")
+        noise_dev = "cpu" if self.device.type == "cpu" else self.device
+        self.noise_generator = _fresh_generator(seed, "noise", noise_dev)
+        from .sampling import PoissonSampler
+
+        self.sampler = PoissonSampler(n, plan.sample_rate, plan.steps, generator=self.sample_generator)
+        self.method = method
+        self.dp_step = make_dp_step(model, loss_fn, max_grad_norm=self.max_grad_norm,
+                                    noise_multiplier=plan.noise_multiplier if dp else 0.0,
+                                    expected_batch_size=plan.expected_batch_size, method=method,
+                                    chunk_size=chunk_size, generator=self.noise_generator, clipping=clipping,
+                                    clip_budget=clip_budget)
+        self.step_count = 0
+        self.released = 0  # steps on the ledger (== step_count except after a crash)
+        self.last_epsilon: Optional[float] = None
+        self.step_times: List[float] = []
+
+    # ---------------------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.step_count >= self.plan.steps
+
+    def epsilon(self, delta: Optional[float] = None):
+        """``EpsilonBounds(lower, estimate, upper)`` spent so far (None without DP / before any step)."""
+        if not self.dp or self.accountant.num_steps == 0:
+            return None
+        return self.accountant.epsilon(delta=self.plan.delta if delta is None else delta)
+
+    def step(self) -> Dict[str, Any]:
+        """One logical step; returns its telemetry record."""
+        t0 = time.perf_counter()
+        self.model.train(self.train_mode)
+        indices = self.sampler.sample()
+        pbs = physical_batches(indices, self.max_physical_batch)
+        if self.dp:
+            total = None
+            for pb in pbs:
+                batch = gather(self.data, pb.indices, self.device)
+                part = self.dp_step.clipped_sum(self.params, batch, pb.mask.to(self.device))
+                total = part if total is None else total + part
+            out = self.dp_step.finalize(total, params=self.params)
+            grads = out.grads
+            # the ledger first: this step is recorded before its update can be released
+            self.accountant.step(noise_multiplier=self.plan.noise_multiplier, sample_rate=self.plan.sample_rate,
+                                 num_steps=1)
+            self.released += 1
+            self._write_ledger()
+            mask = total.mask
+        else:
+            out, grads, mask = self._nonprivate_grads(pbs), None, None
+        for name, p in self.params.items():
+            if grads is not None:
+                p.grad = grads[name].to(p.dtype)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        self.step_times.append(time.perf_counter() - t0)
+        eps = None
+        if self.dp and (self.step_count % self.epsilon_every == 0 or self.done):
+            self.last_epsilon = self.epsilon().estimate
+            eps = self.last_epsilon
+        return self.telemetry.record(self.step_count, out, epsilon=eps if eps is not None else self.last_epsilon,
+                                     mask=mask, step_time=self.step_times[-1])
+
+    def _nonprivate_grads(self, pbs) -> Any:
+        """Standard backward of Σ_i loss_i / (q·N) over the real examples (no clip, no noise)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for pb in pbs:
+            batch = gather(self.data, pb.indices, self.device)
+            m = pb.mask.to(self.device)
+            l = self.loss_fn(self.model, batch)
+            l = torch.where(m, l, torch.zeros_like(l))
+            (l.sum() / self.plan.expected_batch_size).backward()
+            losses.append(l.detach()[m])
+        allv = torch.cat(losses)
+
+        class _Out(NamedTuple):
+            loss: Tensor
+            num_examples: Tensor
+
+        return _Out(allv.mean() if allv.numel() else torch.tensor(float("nan")), torch.tensor(allv.numel()))
+
+    def nonprivate_step_time(self, repeats: int = 1) -> float:
+        """Seconds of one non-private logical step (forward+backward of the same fixed-shape
+        physical batches, expected batch size), measured without changing the model or any RNG
+        that the DP run uses. For the "time per step vs non-private" figure."""
+        k = max(1, math.ceil(self.plan.expected_batch_size / self.max_physical_batch))
+        idx = torch.arange(min(self.plan.num_examples, k * self.max_physical_batch))
+        pbs = physical_batches(idx, self.max_physical_batch)
+        rng = torch.get_rng_state()
+        self.model.train(self.train_mode)
+        best = math.inf
+        try:
+            for _ in range(repeats + 1):  # first is warm-up
+                t0 = time.perf_counter()
+                for pb in pbs:
+                    batch = gather(self.data, pb.indices, self.device)
+                    l = self.loss_fn(self.model, batch)
+                    grads = torch.autograd.grad(l.sum(), list(self.params.values()), allow_unused=True)
+                    del grads
+                best = min(best, time.perf_counter() - t0)
+        finally:
+            torch.set_rng_state(rng)
+        return best
+
+    # ---------------------------------------------------------------------------------------
+    def _ledger(self) -> Dict[str, Any]:
+        return {"steps_released": self.released, "noise_multiplier": self.plan.noise_multiplier,
+                "sample_rate": self.plan.sample_rate, "delta": self.plan.delta,
+                "accountant": self.accountant.state_dict()}
+
+    def _write_ledger(self) -> None:
+        if self.ledger_path is not None:
+            from .checkpoint import atomic_write_json
+
+            atomic_write_json(self.ledger_path, self._ledger())
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Everything needed to continue: params, optimizer, accountant, sampler, RNG states."""
+        rng = {"sample": self.sample_generator.get_state(), "noise": self.noise_generator.get_state(),
+               "torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {
+            "step": self.step_count,
+            "released": self.released,
+            "params": {n: p.detach().clone() for n, p in self.params.items()},
+            "optimizer": self.optimizer.state_dict(),
+            "accountant": json.dumps(self.accountant.state_dict()),
+            "sampler": self.sampler.state_dict(),
+            "rng": rng,
+            "telemetry": self.telemetry.state_dict() if hasattr(self.telemetry, "state_dict") else {},
+            "step_times": torch.tensor(self.step_times, dtype=torch.float64),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], *, ledger: Optional[Mapping[str, Any]] = None) -> Optional[str]:
+        """Restore ``state_dict()`` output. ``ledger``: the ledger file's content, if any.
+
+        If the ledger shows more released steps than the checkpoint (a crash after a checkpoint),
+        the ledger's accountant is kept (the lost releases stay counted) and every random stream
+        is re-seeded from fresh OS entropy (no noise or sample is ever reused); returns a warning
+        message in that case, else None.
+        """
+        params = state["params"]
+        if set(params) != set(self.params):
+            raise ValueError("checkpoint parameters differ from the model's trainable parameters")
+        with torch.no_grad():
+            for n, p in self.params.items():
+                if params[n].shape != p.shape:
+                    raise ValueError(f"checkpoint parameter {n} has shape {tuple(params[n].shape)}, model {tuple(p.shape)}")
+                p.copy_(params[n])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+        self.accountant.load_state_dict(json.loads(state["accountant"]))
+        self.sampler.load_state_dict(state["sampler"])
+        self.step_count = int(state["step"])
+        self.released = int(state.get("released", self.step_count))
+        if hasattr(self.telemetry, "load_state_dict") and state.get("telemetry"):
+            self.telemetry.load_state_dict(state["telemetry"])
+        self.step_times = [float(x) for x in state.get("step_times", torch.zeros(0)).tolist()]
+        rng = state["rng"]
+        self.sample_generator.set_state(rng["sample"])
+        self.noise_generator.set_state(rng["noise"])
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available() and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+        if ledger is not None and int(ledger.get("steps_released", 0)) > self.released:
+            lost = int(ledger["steps_released"]) - self.released
+            self.accountant.load_state_dict(ledger["accountant"])
+            self.released = int(ledger["steps_released"])
+            self.sample_generator.manual_seed(secrets.randbits(63))
+            self.noise_generator.manual_seed(secrets.randbits(63))
+            torch.manual_seed(secrets.randbits(63))
+            return (f"{lost} step(s) were released after the last checkpoint and are lost; they stay on the "
+                    f"privacy ledger (ε will exceed the plan slightly) and all random streams were re-seeded "
+                    "from fresh entropy")
+        return None
+
+
+# =============================================================================================
+# models
+# =============================================================================================
+class TextClassifier(nn.Module):
+    """A Hugging Face encoder (``AutoModel``), masked mean pooling, a linear head."""
+
+    def __init__(self, encoder: nn.Module, num_labels: int, hidden_size: Optional[int] = None):
+        super().__init__()
+        self.encoder = encoder
+        hidden = hidden_size or getattr(encoder.config, "hidden_size", None) or getattr(encoder.config, "n_embd")
+        self.head = nn.Linear(hidden, num_labels)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        h = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        m = attention_mask.unsqueeze(-1).to(h.dtype)
+        return self.head((h * m).sum(1) / m.sum(1).clamp_min(1.0))
+
+
+def classification_loss(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
+    """Per-example cross-entropy of a ``TextClassifier`` on ``input_ids/attention_mask/labels``."""
+    logits = model(batch["input_ids"], batch["attention_mask"])
+    return F.cross_entropy(logits, batch["labels"], reduction="none")
+
+
+def causal_lm_loss(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
+    """Per-example *summed* next-token loss of a causal LM (labels -100 are ignored)."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    logits = getattr(out, "logits", out)[:, :-1]
+    labels = batch["labels"][:, 1:]
+    tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none",
+                          ignore_index=-100)
+    return tok.view(labels.shape).sum(1)
+
+
+def load_text_classifier(path: os.PathLike, num_labels: int) -> Tuple[TextClassifier, Any]:
+    """(model, tokenizer) from a local Hugging Face folder (offline); ``ModelError`` if unusable.
+
+    Dropout stays as configured (the model is put in train mode while training).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelError(f"model folder not found: {path}")
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path} is not a Hugging Face model folder (no config.json)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        raise ModelError("pdpsgd train needs transformers: pip install 'pdpsgd[train]'") from None
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path))
+        except Exception as e:
+            raise ModelError(f"cannot load a tokenizer from {path}: {_first_line(e)}") from None
+        try:
+            enc = AutoModel.from_pretrained(str(path), attn_implementation="eager")
+        except Exception as e:
+            raise ModelError(f"cannot load a model from {path}: {_first_line(e)}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+    return TextClassifier(enc, num_labels), tok
+
+
+def head_body_groups(model: nn.Module) -> Optional[Dict[str, List[str]]]:
+    """Clipping groups ``{"head": [...], "body": [...]}`` of the trained parameters (None when only
+    one of them trains). With ``clip_budget=[1, 1]`` each group is clipped to C/√2, so the total
+    sensitivity stays C while the small, randomly initialised head is not drowned by the
+    encoder's much larger per-example gradients."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    head = [n for n in names if n.startswith("head.")]
+    body = [n for n in names if not n.startswith("head.")]
+    return {"head": head, "body": body} if head and body else None
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return (s[0] if s else type(e).__name__)[:300]
+
+
+def _layer_index(name: str) -> Optional[int]:
+    parts = name.split(".")
+    for a, b in zip(parts, parts[1:]):
+        if a in ("layer", "layers", "h", "block", "blocks") and b.isdigit():
+            return int(b)
+    return None
+
+
+def select_trainable(model: TextClassifier, spec: str) -> str:
+    """Freeze/unfreeze ``model``'s parameters by ``spec`` and return a short description.
+
+    * ``all``: everything; ``head``: the classifier only; ``bias``: biases + head (BitFit);
+    * ``top-N``: the top N transformer blocks + head (+ the final norm, if any);
+    * ``lora`` / ``lora-R``: LoRA adapters of rank R (default 8) on the attention projections
+      (``peft``) + head; the pretrained weights stay frozen. Adapters are ordinary submodules, so
+      they get exact per-example clipping like any other parameter.
+    """
+    spec = spec.strip().lower()
+    if spec.startswith("lora"):
+        r = 8
+        if spec not in ("lora",):
+            try:
+                r = int(spec.split("-", 1)[1])
+            except (IndexError, ValueError):
+                raise ModelError(f"--train-params {spec!r}: use lora or lora-R (e.g. lora-8)") from None
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            raise ModelError("--train-params lora needs peft: pip install peft") from None
+        try:
+            cfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, bias="none")
+            model.encoder = get_peft_model(model.encoder, cfg)
+        except ValueError as e:
+            raise ModelError(f"--train-params lora: {_first_line(e)}") from None
+        for n, p in model.named_parameters():
+            p.requires_grad_(n.startswith("head.") or "lora_" in n)
+        return f"LoRA r={r} adapters + head"
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in model.head.parameters():
+        p.requires_grad_(True)
+    if spec == "all":
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return "all parameters"
+    if spec == "head":
+        return "classification head only"
+    if spec == "bias":
+        for n, p in model.named_parameters():
+            if n.endswith(".bias"):
+                p.requires_grad_(True)
+        return "biases + head (BitFit)"
+    if spec.startswith("top-") or spec.startswith("top"):
+        try:
+            k = int(spec.split("-", 1)[1] if "-" in spec else spec[3:])
+        except ValueError:
+            raise ModelError(f"--train-params {spec!r}: use top-N, e.g. top-2") from None
+        layers = sorted({i for n, _ in model.encoder.named_parameters() if (i := _layer_index(n)) is not None})
+        if not layers:
+            raise ModelError("--train-params top-N: cannot find numbered transformer blocks in this model")
+        if not 0 <= k <= len(layers):
+            raise ModelError(f"--train-params top-{k}: the model has {len(layers)} blocks")
+        chosen = set(layers[len(layers) - k:])
+        for n, p in model.encoder.named_parameters():
+            i = _layer_index(n)
+            if i is not None and i in chosen:
+                p.requires_grad_(True)
+            elif i is None and k > 0 and _after_blocks(n):
+                p.requires_grad_(True)  # final norm (GPT-2 ln_f, ...)
+        return f"top {k} of {len(layers)} blocks + head"
+    raise ModelError(f"--train-params {spec!r}: use all, head, bias, top-N or lora")
+
+
+def _after_blocks(name: str) -> bool:
+    return any(k in name for k in ("ln_f", "final_layer_norm", "norm.weight", "norm.bias")) and "embed" not in name
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: Mapping[str, Tensor], *, batch_size: int = 64, device: Any = None) -> Dict[str, float]:
+    """Accuracy and mean loss of a classifier on ``data`` (input_ids, attention_mask, labels)."""
+    was = model.training
+    model.eval()
+    n = len(data["labels"])
+    correct, loss = 0, 0.0
+    try:
+        for s in range(0, n, batch_size):
+            b = {k: v[s:s + batch_size] for k, v in data.items()}
+            if device is not None:
+                b = {k: v.to(device) for k, v in b.items()}
+            logits = model(b["input_ids"], b["attention_mask"])
+            loss += float(F.cross_entropy(logits.float(), b["labels"], reduction="sum"))
+            correct += int((logits.argmax(-1) == b["labels"]).sum())
+    finally:
+        model.train(was)
+    return {"accuracy": correct / max(1, n), "loss": loss / max(1, n), "examples": n}
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """sha256 over every parameter's name, shape, dtype and trainability, and the *values* of all
+    parameters that come from the pretrained folder (everything except the randomly initialised
+    ``head.*`` and LoRA adapters). Call it right after loading: two different pretrained models
+    (or architectures) never share it, whatever is trained."""
+    h = hashlib.sha256()
+    for n, p in model.named_parameters():
+        h.update(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
+        if not n.startswith("head.") and "lora_" not in n:
+            h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

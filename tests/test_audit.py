@@ -1,0 +1,201 @@
+"""Membership-inference metrics, DP bounds and the one-run audit (pdpsgd.audit)."""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from scipy import stats
+
+from pdpsgd import audit as A
+
+
+# ----------------------------------------------------------------------------- MIA metrics
+def test_perfect_separation():
+    r = A.mia_metrics([5, 6, 7, 1, 2, 3], [1, 1, 1, 0, 0, 0])
+    assert r.auc == 1.0 and r.advantage == 1.0
+    assert r.tpr_at_fpr[0.01] == 1.0 and r.tpr_at_fpr[0.001] == 1.0
+    inv = A.mia_metrics([1, 2, 3, 5, 6, 7], [1, 1, 1, 0, 0, 0])
+    assert inv.auc == 0.0 and inv.tpr_at_fpr[0.01] == 0.0
+
+
+def test_identical_scores_are_chance():
+    r = A.mia_metrics(np.zeros(10), np.arange(10) % 2 == 0)
+    assert r.auc == 0.5 and r.advantage == 0.0 and r.tpr_at_fpr[0.01] == 0.0
+
+
+def test_hand_made_case():
+    # members 0.9, 0.4 ; non-members 0.5, 0.1: pairs (0.9>0.5, 0.9>0.1, 0.4<0.5, 0.4>0.1) -> 3/4
+    r = A.mia_metrics([0.9, 0.4, 0.5, 0.1], [1, 1, 0, 0], fprs=(0.0, 0.5))
+    assert r.auc == pytest.approx(0.75)
+    assert r.tpr_at_fpr[0.0] == 0.5 and r.tpr_at_fpr[0.5] == 1.0
+    assert r.advantage == pytest.approx(0.5)
+    fpr, tpr, thr = A.roc_curve([0.9, 0.4, 0.5, 0.1], [1, 1, 0, 0])
+    assert fpr[0] == tpr[0] == 0 and fpr[-1] == tpr[-1] == 1
+
+
+def test_auc_matches_mannwhitney_and_ties():
+    rng = np.random.default_rng(0)
+    s = rng.integers(0, 5, 200).astype(float)  # many ties
+    y = rng.random(200) < 0.4
+    u = stats.mannwhitneyu(s[y], s[~y]).statistic
+    assert A.mia_metrics(s, y).auc == pytest.approx(u / (y.sum() * (~y).sum()))
+
+
+def test_loss_threshold_attack_direction():
+    r = A.loss_threshold_attack([0.01, 0.02, 0.05], [1.0, 2.0, 0.5])  # members have low loss
+    assert r.auc == 1.0 and r.num_members == 3 and r.num_nonmembers == 3
+
+
+def test_metrics_reject_bad_input():
+    with pytest.raises(ValueError):
+        A.mia_metrics([1, 2], [1, 1])  # no non-member
+    with pytest.raises(ValueError):
+        A.mia_metrics([1, np.nan], [1, 0])
+    with pytest.raises(ValueError):
+        A.mia_metrics([1, 2, 3], [1, 0])
+
+
+def test_logit_confidence():
+    p = np.array([0.1, 0.5, 0.9, 0.999999])
+    np.testing.assert_allclose(A.logit_confidence(-np.log(p)), np.log(p / (1 - p)), rtol=1e-6)
+    assert np.isfinite(A.logit_confidence([0.0, 1e-20, 50.0])).all()
+
+
+@pytest.mark.parametrize("online", [True, False])
+@pytest.mark.parametrize("fix_variance", [True, False])
+def test_lira_separates_simulated_shadows(online, fix_variance):
+    rng = np.random.default_rng(1)
+    K, n = 16, 400
+    base = rng.normal(0, 2, n)  # example difficulty
+    shadow_in = rng.random((K, n)) < 0.5
+    shadow = base + 1.0 * shadow_in + rng.normal(0, 0.3, (K, n))
+    member = rng.random(n) < 0.5
+    target = base + 1.0 * member + rng.normal(0, 0.3, n)
+    sc = A.lira_scores(target, shadow, shadow_in, online=online, fix_variance=fix_variance)
+    lira = A.mia_metrics(sc, member)
+    naive = A.mia_metrics(target, member)  # global threshold on the statistic
+    assert lira.auc > 0.9 and lira.auc > naive.auc + 0.1
+
+
+def test_lira_shapes_checked():
+    with pytest.raises(ValueError):
+        A.lira_scores(np.zeros(3), np.zeros((2, 4)), np.zeros((2, 4), bool))
+
+
+# ----------------------------------------------------------------------------- DP bounds
+def test_dp_tpr_bound():
+    assert A.dp_tpr_bound(0.01, 1.0, 0.0) == pytest.approx(math.e * 0.01)
+    assert A.dp_tpr_bound(0.0, 2.0, 1e-5) == pytest.approx(1e-5)
+    assert A.dp_tpr_bound(0.5, math.inf, 0.0) == 1.0
+    assert A.dp_tpr_bound(0.3, 0.0, 0.0) == pytest.approx(0.3)  # 0-DP: no better than chance
+    f = np.linspace(0, 1, 101)
+    b = A.dp_tpr_bound(f, 1.5, 1e-3)
+    assert np.all(np.diff(b) >= -1e-15) and np.all(b >= f - 1e-12) and b[-1] == 1.0
+
+
+def test_advantage_and_auc_bounds_consistent_with_curve():
+    for eps, delta in [(0.5, 0.0), (1.0, 1e-5), (3.0, 1e-5)]:
+        f = np.linspace(0, 1, 200001)
+        assert A.dp_advantage_bound(eps, delta) == pytest.approx(np.max(A.dp_tpr_bound(f, eps, delta) - f), abs=1e-5)
+        assert 0.5 <= A.dp_auc_bound(eps, delta) <= 1.0
+    assert A.dp_auc_bound(0.0, 0.0) == pytest.approx(0.5, abs=1e-6)
+    assert A.dp_advantage_bound(1.0, 0.0) == pytest.approx((math.e - 1) / (math.e + 1))
+
+
+def test_empirical_epsilon_inverts_bound():
+    for eps in [0.5, 1.0, 2.0]:
+        fpr = 0.05
+        tpr = A.dp_tpr_bound(fpr, eps, 0.0)
+        assert A.empirical_epsilon(tpr, fpr, 0.0) == pytest.approx(eps)
+    assert A.empirical_epsilon(0.3, 0.3) == 0.0
+
+
+# ----------------------------------------------------------------------------- one-run audit
+def test_audit_random_guesses_give_about_zero():
+    assert A.one_run_audit_epsilon(500, 1000, 1000) == 0.0
+    assert A.one_run_audit_epsilon(0, 0, 1000) == 0.0
+    assert A.one_run_audit_epsilon(520, 1000, 1000) < 0.1
+
+
+def test_audit_grows_with_accuracy_and_is_monotone():
+    r = m = 1000
+    eps = [A.one_run_audit_epsilon(v, r, m) for v in range(500, 1001, 25)]
+    assert all(b >= a for a, b in zip(eps, eps[1:]))
+    assert eps[-1] > 5.0 and eps[len(eps) // 2] > 0.5
+    # all-correct bound ~ log(r / log(1/β)): more guesses, larger possible bound
+    assert A.one_run_audit_epsilon(100, 100, 1000) < A.one_run_audit_epsilon(1000, 1000, 1000)
+
+
+@given(v=st.integers(0, 200), r=st.integers(1, 200), d=st.sampled_from([0.0, 1e-6, 1e-3]))
+def test_audit_monotone_in_correct_and_delta(v, r, d):
+    v = min(v, r)
+    m = 400
+    e = A.one_run_audit_epsilon(v, r, m, d)
+    assert e >= 0
+    if v < r:
+        assert A.one_run_audit_epsilon(v + 1, r, m, d) >= e - 1e-5
+    assert A.one_run_audit_epsilon(v, r, m, 0.0) >= e - 1e-5  # δ only weakens the bound
+
+
+def test_pvalue_properties():
+    assert A.one_run_audit_pvalue(0, 10, 10, 1.0) == 1.0
+    assert A.one_run_audit_pvalue(10, 10, 10, math.inf) == 1.0
+    q = 1 / (1 + math.exp(-1.0))
+    assert A.one_run_audit_pvalue(8, 10, 10, 1.0) == pytest.approx(stats.binom.sf(7, 10, q))
+    assert A.one_run_audit_pvalue(8, 10, 10, 1.0, 1e-3) > A.one_run_audit_pvalue(8, 10, 10, 1.0)
+    ps = [A.one_run_audit_pvalue(80, 100, 100, e) for e in np.linspace(0, 5, 20)]
+    assert all(b >= a - 1e-15 for a, b in zip(ps, ps[1:]))  # δ = 0: increasing in ε
+    ps_d = [A.one_run_audit_pvalue(80, 100, 100, e, 1e-5) for e in np.linspace(0.1, 5, 20)]
+    np.testing.assert_allclose(ps_d, A._pvalues(80, 100, 100, np.linspace(0.1, 5, 20), 1e-5), rtol=1e-10)
+    # δ > 0: every ε below the bound is rejected (the first crossing is found, not a later one)
+    for v, d in [(80, 1e-5), (95, 1e-3), (700, 1e-5)]:
+        r = m = 100 if v < 100 else 1000
+        e = A.one_run_audit_epsilon(v, r, m, d)
+        assert e > 0
+        assert all(A.one_run_audit_pvalue(v, r, m, x, d) < 0.05 for x in np.linspace(0, e, 200))
+    with pytest.raises(ValueError):
+        A.one_run_audit_epsilon(11, 10, 10)
+
+
+@pytest.mark.parametrize("eps0", [0.5, 1.0, 2.0, 4.0])
+def test_audit_is_valid_exactly_on_randomized_response(eps0):
+    """P[bound > ε0] ≤ 5% under ε0-DP randomized response, summed exactly over all outcomes."""
+    m = 500
+    q0 = 1 / (1 + math.exp(-eps0))
+    bound = np.array([A.one_run_audit_epsilon(v, m, m) for v in range(m + 1)])
+    p_exceed = stats.binom.pmf(np.arange(m + 1), m, q0)[bound > eps0].sum()
+    assert p_exceed <= 0.05 + 1e-12
+
+
+@pytest.mark.parametrize("eps0,delta", [(1.0, 0.0), (2.0, 1e-5)])
+def test_audit_is_valid_on_simulated_canaries(eps0, delta):
+    """Simulated ε0-DP randomized-response canaries, scored and audited end to end."""
+    rng = np.random.default_rng(12345)
+    m, trials, exceed = 1000, 300, 0
+    q0 = 1 / (1 + math.exp(-eps0))
+    for _ in range(trials):
+        inc = rng.random(m) < 0.5
+        answer = np.where(rng.random(m) < q0, inc, ~inc)  # ε0-DP randomized response
+        scores = answer + 1e-3 * rng.random(m)  # tie-break
+        res = A.one_run_audit(scores, inc, delta=delta, k_pos=m // 2, k_neg=m // 2)
+        exceed += res.epsilon_lower_bound > eps0
+    # the true exceedance probability is ≤ 5%; allow 2 binomial standard deviations of noise
+    assert exceed / trials <= 0.05 + 2 * math.sqrt(0.05 * 0.95 / trials)
+
+
+def test_one_run_audit_from_scores():
+    rng = np.random.default_rng(3)
+    m = 2000
+    inc = rng.random(m) < 0.5
+    strong = A.one_run_audit(inc + 0.01 * rng.random(m), inc, delta=1e-5)
+    weak = A.one_run_audit(inc * 0.3 + rng.normal(0, 1, m), inc, delta=1e-5)
+    none = A.one_run_audit(rng.normal(0, 1, m), inc, delta=1e-5)
+    assert strong.epsilon_lower_bound > 4 and strong.num_correct == strong.num_guesses
+    assert 0 < weak.epsilon_lower_bound < strong.epsilon_lower_bound
+    assert none.epsilon_lower_bound < 0.3
+    # Bonferroni over a grid never beats the single best k at the uncorrected level
+    single = A.one_run_audit(inc + 0.01 * rng.random(m), inc, delta=1e-5, k_pos=strong.k_pos, k_neg=strong.k_neg)
+    assert single.epsilon_lower_bound >= strong.epsilon_lower_bound
+    with pytest.raises(ValueError):
+        A.one_run_audit(np.zeros(5), np.zeros(5, bool), k_pos=4, k_neg=4)

