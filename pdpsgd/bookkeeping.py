@@ -45,15 +45,21 @@ from .rules.base import Dense, Explicit, Index, Rule, Use
 __all__ = ["bk_engine", "plan", "cost", "choose_route", "COST_MODELS", "BK_OPTIONS"]
 
 COST_MODELS = ("time", "fastdp", "ghost", "explicit")
-BK_OPTIONS = ("registry", "routes", "cost_model", "explicit_max_elems", "elementwise_cost")
+BK_OPTIONS = ("registry", "routes", "cost_model", "explicit_max_elems", "elementwise_cost", "explicit_keep_elems")
 
 # Relative cost of one element of an elementwise / memory-bound pass vs one multiply-add inside
 # a matmul. Rough estimates (CPU: norm + weighted-sum passes over a (B, p, d) tensor vs bmm
 # throughput, single thread; CUDA: HBM bandwidth vs tensor-core rate), not yet calibrated by a
 # sweep; override per call with bk_options={"elementwise_cost": x}.
 ELEMENTWISE_COST = {"cpu": 24.0, "cuda": 64.0}
-# Largest per-example gradient (B·p·d elements) the explicit route materialises by default.
+# The explicit route materialises a per-example gradient (B·p·d elements) only if it is at most
+# this big, or at most EXPLICIT_ACT_FACTOR × the layer's own captured activations B·T·(p+d)
+# (which BK holds anyway), so memory stays within a small factor of the non-private step.
 EXPLICIT_MAX_ELEMS = 1 << 23
+EXPLICIT_ACT_FACTOR = 2
+# Explicit per-example gradients kept (for reuse in the clipped sum) per call, in elements; past
+# this, the norm is taken and the gradient dropped, and the clipped sum is one matmul aᵀ·diag(c)·g.
+EXPLICIT_KEEP_ELEMS = 1 << 23
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -97,7 +103,8 @@ def cost(shapes: List[UseShape], B: int, *, elementwise_cost: float) -> Tuple[fl
             ghost += B * u.T * v.T * ((1 if u.kind == "index" else u.P0) + u.P1)
     P0 = max((s.P0 for s in big), default=1)
     P1 = max((s.P1 for s in big), default=1)
-    explicit = elementwise_cost * B * P0 * P1 * (len(big) + 2)
+    passes = sum(2 if s.kind == "index" else 1 for s in big) + (len(big) - 1) + 2  # build, add, norm, sum
+    explicit = elementwise_cost * B * P0 * P1 * passes
     return ghost, explicit
 
 
@@ -114,7 +121,8 @@ def choose_route(shapes: List[UseShape], B: int, cost_model: str, *, elementwise
     if cost_model == "fastdp":  # Bu et al.: ghost iff 2T² < p·d (memory-minimising)
         T = sum(s.T for s in big)
         return "ghost" if 2 * T * T < P0 * P1 else "explicit"
-    if B * P0 * P1 > explicit_max_elems:
+    acts = max(B * s.T * (s.P0 + s.P1) for s in big)
+    if B * P0 * P1 > max(explicit_max_elems, EXPLICIT_ACT_FACTOR * acts):
         return "ghost"
     g, e = cost(shapes, B, elementwise_cost=elementwise_cost)
     return "ghost" if g < e else "explicit"
@@ -409,6 +417,8 @@ def _routes(col: _Collected, params: Params, B: int, cost_model: str, overrides:
             opts: Mapping[str, Any], device: torch.device) -> Dict[str, str]:
     ew = float(opts.get("elementwise_cost") or ELEMENTWISE_COST.get(device.type, ELEMENTWISE_COST["cuda"]))
     cap = int(opts.get("explicit_max_elems") or EXPLICIT_MAX_ELEMS)
+    keep_budget = int(opts.get("explicit_keep_elems") or EXPLICIT_KEEP_ELEMS)
+    kept = 0  # mirrors _chunk's greedy keep policy (same parameter order)
     routes: Dict[str, str] = {}
     for n in params:
         if n in col.fallback:
@@ -420,10 +430,22 @@ def _routes(col: _Collected, params: Params, B: int, cost_model: str, overrides:
         if forced is None:
             for mname, m in col.owner.get(n, []):
                 forced = forced or _override(overrides, mname, m)
-        if forced in ("ghost", "explicit") and any(s.kind in ("dense", "index") for s in shapes):
+        big = [s for s in shapes if s.kind in ("dense", "index")]
+        if forced in ("ghost", "explicit") and big:
             routes[n] = forced
         else:
             routes[n] = choose_route(shapes, B, cost_model, elementwise_cost=ew, explicit_max_elems=cap)
+            if routes[n] == "explicit" and big and cost_model == "time":
+                numel = B * max(s.P0 for s in big) * max(s.P1 for s in big)
+                if kept + numel > keep_budget:
+                    # G would be dropped after its norm: the clipped sum then costs one more
+                    # B·T·p·d matmul per use; re-compare with ghost under that handicap.
+                    g, e = cost(shapes, B, elementwise_cost=ew)
+                    e += sum(B * s.T * s.P0 * s.P1 for s in big if s.kind == "dense")
+                    routes[n] = "ghost" if g < e else "explicit"
+        if routes[n] == "explicit" and big:
+            numel = B * max(s.P0 for s in big) * max(s.P1 for s in big)
+            kept += numel if kept + numel <= keep_budget else 0
     return routes
 
 
@@ -458,6 +480,8 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
     routes = _routes(col, params, B, cm, overrides, opts, device)
     sq: Dict[str, Tensor] = {}
     kept_G: Dict[str, Tensor] = {}
+    keep_budget = int(opts.get("explicit_keep_elems") or EXPLICIT_KEEP_ELEMS)
+    kept = 0
     for n, r in routes.items():
         if r == "vmap":
             continue
@@ -472,7 +496,12 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
             for u in uses[1:]:
                 G = G + _materialise(u, p.shape, acc)
             sq[n] = _sq_norm(G)
-            kept_G[n] = G
+            small = len(uses) == 1 and not isinstance(uses[0], (Dense, Index))
+            small = small or all(isinstance(u, Dense) and u.R is None for u in uses)
+            if small or kept + G.numel() <= keep_budget:
+                kept_G[n] = G  # reused for Σ c_i G_i
+                kept += 0 if small else G.numel()
+            del G
         else:
             tot = None
             for i, u in enumerate(uses):

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 from ._types import Batch, EngineResult, LossFn, Params, StepOutput
 from .clipping import Clipping, make_groups, make_weights_fn
 from .functional import LossModule, ParamIndex, check_no_batch_mixing
-from .noise import add_noise, entropy_generator, noise_dtype
+from .fused import noise_and_scale
+from .noise import entropy_generator
 from .per_sample import batch_size, vmap_engine
 
 __all__ = ["make_dp_step", "DPStep", "ClippedSum", "StepOutput"]
@@ -81,6 +82,7 @@ class DPStep:
         gamma: float = 0.01,
         on_nonfinite: str = "drop",
         bk_options: Optional[Mapping[str, Any]] = None,
+        fused: Optional[bool] = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -117,6 +119,7 @@ class DPStep:
         self.gamma = gamma
         self.on_nonfinite = on_nonfinite
         self.bk_options = dict(bk_options or {})
+        self.fused = fused
         self._index = ParamIndex(model)
         self._loss_module = LossModule(model, loss_fn)
         if clip_fn not in ("abadi", "automatic"):
@@ -203,9 +206,9 @@ class DPStep:
         first = next(iter(sums.values()))
         n_real = partial.mask.sum()
         denom = float(self.expected_batch_size) if self.expected_batch_size is not None else float(partial.mask.numel())
-        noisy = add_noise(sums, self.noise_std, self._generator(first.device) if self.noise_std > 0 else None)
         dtypes = {n: (params[n].dtype if params is not None and n in params else s.dtype) for n, s in sums.items()}
-        grads = {n: (g / denom).to(dtypes[n]) for n, g in noisy.items()}
+        gen = self._generator(first.device) if self.noise_std > 0 else None
+        grads = noise_and_scale(sums, self.noise_std, gen, denom, dtypes, compile=self.fused)
         kept = partial.kept
         n_kept = kept.sum()
         losses = torch.where(kept, partial.losses, torch.zeros_like(partial.losses))
@@ -249,6 +252,7 @@ def make_dp_step(
     gamma: float = 0.01,
     on_nonfinite: str = "drop",
     bk_options: Optional[Mapping[str, Any]] = None,
+    fused: Optional[bool] = None,
 ) -> DPStep:
     """Build a DP-SGD step: ``dp_step(params, batch, mask=None) -> StepOutput``.
 
@@ -267,6 +271,9 @@ def make_dp_step(
             (dict or list of name lists); ``clip_budget`` weights the groups' share of C².
         clip_fn: "abadi" (min(1, C/‖g‖)) or "automatic" (C/(‖g‖+γ), Bu et al.; ``gamma`` = γ).
         on_nonfinite: "drop" (a non-finite example contributes 0 and is counted) or "raise".
+        bk_options: book-keeping options (``routes`` overrides, ``registry``, ``cost_model``, ...;
+            see ``pdpsgd.bookkeeping.BK_OPTIONS``).
+        fused: noise + scale + cast through one ``torch.compile``d function; None = on CUDA only.
 
     Formal guarantee: see ``DPStep``; the returned step exposes ``sensitivity`` (C) and
     ``noise_std`` (σC).
@@ -275,5 +282,5 @@ def make_dp_step(
         model, loss_fn, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
         expected_batch_size=expected_batch_size, method=method, chunk_size=chunk_size,
         generator=generator, clipping=clipping, clip_budget=clip_budget, clip_fn=clip_fn,
-        gamma=gamma, on_nonfinite=on_nonfinite, bk_options=bk_options,
+        gamma=gamma, on_nonfinite=on_nonfinite, bk_options=bk_options, fused=fused,
     )

@@ -315,3 +315,11 @@ def test_inplace_modified_output_falls_back():
     b = {"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))}
     r = assert_exact(InPlaceAfter(), models.mlp_loss, b, method="auto", max_grad_norm=0.1)
     assert r.routes["lin.weight"] == "vmap" and r.routes["out.weight"] != "vmap"
+
+
+def test_explicit_without_keeping_per_example_grads():
+    """Explicit norms with the per-example gradient dropped (memory budget): sum by one matmul."""
+    model = models.tiny_gpt2()
+    r = assert_exact(model, models.hf_lm_loss, _gpt2_batch(), method="auto", max_grad_norm=0.5,
+                     bk_options={"cost_model": "explicit", "explicit_keep_elems": 1})
+    assert r.routes["transformer.h.0.mlp.c_fc.weight"] == "explicit"

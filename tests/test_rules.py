@@ -168,5 +168,9 @@ def test_cost_model_is_pure_and_sane():
     assert bk.choose_route(big_T, 8, "fastdp", **kw) == "explicit"
     assert bk.choose_route(big_T, 8, "time", **kw) == "explicit"
     assert bk.choose_route(small_T, 8, "time", **kw) == "ghost"
-    assert bk.choose_route(big_T, 8, "time", elementwise_cost=24.0, explicit_max_elems=10) == "ghost"  # memory cap
+    wide = [bk.UseShape("dense", 200, 1024, 1024)]  # per-example grad (B·p·d) ≫ 2× its activations
+    assert bk.choose_route(wide, 8, "time", **kw) == "explicit"
+    assert bk.choose_route(wide, 8, "time", elementwise_cost=24.0, explicit_max_elems=10) == "ghost"  # memory cap
+    tied = [bk.UseShape("index", 128, 8192, 256), bk.UseShape("dense", 128, 8192, 256)]
+    assert bk.choose_route(tied, 8, "time", elementwise_cost=24.0, explicit_max_elems=1 << 23) == "ghost"
     assert bk.choose_route([bk.UseShape("bias", 9, 5, 1)], 8, "time", **kw) == "explicit"

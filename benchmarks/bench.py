@@ -1,0 +1,306 @@
+"""Step time and peak memory: pdpsgd (bk / auto / vmap) vs non-private vs Opacus 1.6.
+
+Timing: all variants of one config live in ONE process and are timed interleaved (round-robin,
+median of --reps), so ratios come from the same run. Peak memory: one fresh subprocess per
+variant (CPU: peak RSS growth over the step, ru_maxrss; CUDA: max_memory_allocated).
+
+    python benchmarks/bench.py                       # the CPU table of benchmarks/README.md
+    python benchmarks/bench.py --configs gpt2-128 --variants nonprivate,bk,auto --reps 5
+    python benchmarks/bench.py --device cuda --configs gpt2small-256 --compile   # see gpu.sh
+
+Every variant runs the same model, loss (per-sequence summed token CE / per-example CE), batch
+and optimizer (Adam); DP variants use C = 1, σ = 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+warnings.filterwarnings("ignore")
+
+CONFIGS = {
+    # name: (family, layers, width, heads, vocab, T, B)
+    "gpt2-32": ("gpt2", 4, 256, 4, 8192, 32, 8),
+    "gpt2-128": ("gpt2", 4, 256, 4, 8192, 128, 8),
+    "gpt2-512": ("gpt2", 4, 256, 4, 8192, 512, 8),
+    "bert-128": ("bert", 4, 256, 4, 8192, 128, 8),
+    "gpt2small-256": ("gpt2", 12, 768, 12, 50257, 256, 8),
+    "tiny": ("gpt2", 2, 64, 2, 512, 16, 4),
+}
+FUSED = False
+COMPILE = False
+VARIANTS = ["nonprivate", "bk", "auto", "vmap", "opacus", "opacus_ghost"]
+
+
+def build(cfg_name, device, dtype=torch.float32, untied=False):
+    fam, L, d, h, V, T, B = CONFIGS[cfg_name]
+    torch.manual_seed(0)
+    if fam == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(n_layer=L, n_embd=d, n_head=h, vocab_size=V, n_positions=max(T, 32), resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=not untied,
+                         bos_token_id=0, eos_token_id=0)
+        model = GPT2LMHeadModel(cfg)
+    else:
+        from transformers import BertConfig, BertForSequenceClassification
+
+        cfg = BertConfig(num_hidden_layers=L, hidden_size=d, num_attention_heads=h, intermediate_size=4 * d,
+                         vocab_size=V, num_labels=2, max_position_embeddings=max(T, 32), hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0)
+        model = BertForSequenceClassification(cfg)
+    model = model.to(device=device, dtype=dtype).train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    am = torch.ones(B, T, dtype=torch.long)
+    if fam == "bert":
+        lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
+        am = (torch.arange(T)[None] < lengths[:, None]).long()
+    batch = {"input_ids": ids, "attention_mask": am, "labels": torch.randint(0, 2, (B,), generator=g),
+             "position_ids": torch.arange(T).expand(B, T).contiguous()}
+    batch = {k: v.to(device) for k, v in batch.items()}
+    return fam, model, batch
+
+
+def make_loss(fam, explicit_pos=False):
+    def gpt2_loss(m, b):
+        kw = {"position_ids": b["position_ids"]} if explicit_pos else {}
+        logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"], **kw).logits[:, :-1]
+        tgt = b["input_ids"][:, 1:]
+        tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1), reduction="none")
+        return tok.view(tgt.shape).sum(1)
+
+    def bert_loss(m, b):
+        kw = {"position_ids": b["position_ids"]} if explicit_pos else {}
+        logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"], **kw).logits
+        return F.cross_entropy(logits.float(), b["labels"], reduction="none")
+
+    return gpt2_loss if fam == "gpt2" else bert_loss
+
+
+def make_step(variant, cfg_name, device, compile_noise=False):
+    """Returns a zero-arg function doing one full training step, and a description."""
+    fam, model, batch = build(cfg_name, device, untied=(variant == "opacus_ghost"))
+    B = batch["input_ids"].shape[0]
+    loss_fn = make_loss(fam)
+    if variant == "nonprivate":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model, batch).sum().div(B).backward()
+            opt.step()
+
+        return step, ""
+    if variant in ("bk", "auto", "vmap"):
+        import pdpsgd
+
+        params = pdpsgd.trainable_params(model)
+        opt = torch.optim.Adam(params.values(), lr=1e-4)
+        dp = pdpsgd.make_dp_step(model, loss_fn, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=B,
+                                 method=variant, generator=torch.Generator(device=device).manual_seed(0))
+        info = {}
+        dtypes = {n: p.dtype for n, p in params.items()}
+        gen = torch.Generator(device=device).manual_seed(1)
+
+        def step():
+            if FUSED:  # clipped sums, then pdpsgd.fused noise + scale (compiled with --compile)
+                from pdpsgd import fused
+
+                part = dp.clipped_sum(params, batch)
+                grads = fused.noise_and_scale(part.sums, dp.noise_std, gen, float(B), dtypes, compile=COMPILE)
+                routes = part.routes
+            else:
+                out = dp(params, batch)
+                grads, routes = out.grads, out.routes
+            for n, p in params.items():
+                p.grad = grads[n]
+            opt.step()
+            info["routes"] = routes
+
+        from collections import Counter
+
+        class Note:
+            def __str__(self):
+                return str(dict(Counter(info.get("routes", {}).values())))
+
+        return step, Note()
+    if variant in ("opacus", "opacus_ghost"):
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+
+        ploss = make_loss(fam, explicit_pos=True)
+        if variant == "opacus":
+            gsm = GradSampleModule(model, loss_reduction="sum")
+            opt = DPOptimizer(torch.optim.Adam(gsm.parameters(), lr=1e-4), noise_multiplier=1.0, max_grad_norm=1.0,
+                              expected_batch_size=B, loss_reduction="sum")
+
+            def step():
+                opt.zero_grad(set_to_none=True)
+                ploss(gsm, batch).sum().backward()
+                opt.step()
+
+            return step, "hooks"
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+        from opacus.optimizers import DPOptimizerFastGradientClipping
+        from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+        gsm = GradSampleModuleFastGradientClipping(model, max_grad_norm=1.0, use_ghost_clipping=True,
+                                                   loss_reduction="sum")
+        opt = DPOptimizerFastGradientClipping(torch.optim.Adam(gsm.parameters(), lr=1e-4), noise_multiplier=1.0,
+                                              max_grad_norm=1.0, expected_batch_size=B, loss_reduction="sum")
+        crit = DPLossFastGradientClipping(gsm, opt, nn.CrossEntropyLoss(reduction="sum"), "sum")
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            kw = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                  "position_ids": batch["position_ids"]}
+            logits = gsm(**kw).logits
+            if fam == "gpt2":
+                lg = logits[:, :-1]
+                loss = crit(lg.reshape(-1, lg.shape[-1]), batch["input_ids"][:, 1:].reshape(-1), shape=lg.shape)
+            else:
+                loss = crit(logits, batch["labels"])
+            loss.backward()
+            opt.step()
+
+        return step, "ghost, untied copy" if fam == "gpt2" else "ghost"
+    raise ValueError(variant)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def hwm_mb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def memory_run(variant, cfg_name, device, steps=2):
+    step, _ = make_step(variant, cfg_name, device)
+    if device.type == "cuda":
+        sync(device)
+        base = torch.cuda.memory_allocated() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(steps):
+            step()
+        sync(device)
+        return {"base": base, "peak": torch.cuda.max_memory_allocated() / 2**20}
+    base = rss_mb()
+    with open("/proc/self/clear_refs", "w") as f:  # reset the kernel's peak-RSS mark (VmHWM)
+        f.write("5")
+    for _ in range(steps):
+        step()
+    return {"base": base, "peak": hwm_mb()}
+
+
+def timing_run(cfg_name, variants, device, reps, warmup=1):
+    steps, notes, times, cpu = {}, {}, {v: [] for v in variants}, {v: [] for v in variants}
+    for v in variants:
+        try:
+            steps[v], notes[v] = make_step(v, cfg_name, device)
+            for _ in range(warmup):
+                steps[v]()
+        except Exception as e:  # a competitor that cannot run this model: report, do not hide
+            notes[v] = f"error: {type(e).__name__}: {str(e)[:120]}"
+            steps.pop(v, None)
+    for _ in range(reps):
+        for v in list(steps):
+            sync(device)
+            t, c = time.perf_counter(), time.process_time()
+            steps[v]()
+            sync(device)
+            times[v].append(time.perf_counter() - t)
+            cpu[v].append(time.process_time() - c)
+    med = lambda x: statistics.median(x) if x else float("nan")  # noqa: E731
+    return {v: med(times[v]) for v in variants}, {v: med(cpu[v]) for v in variants}, notes
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="gpt2-128,gpt2-32,gpt2-512,bert-128")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--memory-only", nargs=2, metavar=("VARIANT", "CONFIG"))
+    ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--fused", action="store_true", help="DP variants: noise+scale via pdpsgd.fused")
+    ap.add_argument("--compile", action="store_true", help="with --fused: torch.compile the fused function")
+    ap.add_argument("--threads", type=int, default=0)
+    a = ap.parse_args()
+    global FUSED, COMPILE
+    FUSED, COMPILE = a.fused, a.compile
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    if a.memory_only:
+        print(json.dumps(memory_run(a.memory_only[0], a.memory_only[1], device)))
+        return
+    variants = a.variants.split(",")
+    results = {}
+    for cfg in a.configs.split(","):
+        t, tc, notes = timing_run(cfg, variants, device, a.reps)
+        mem = {}
+        if not a.no_memory:
+            for v in variants:
+                if str(notes.get(v, "")).startswith("error"):
+                    continue
+                extra = ["--fused"] if a.fused else []  # no --compile: saves compile time, same memory
+                r = subprocess.run([sys.executable, __file__, "--memory-only", v, cfg, "--device", a.device] + extra,
+                                   capture_output=True, text=True)
+                try:
+                    mem[v] = json.loads(r.stdout.strip().splitlines()[-1])
+                except Exception:
+                    mem[v] = {"error": r.stderr[-300:]}
+        results[cfg] = {"time": t, "cpu_time": tc, "notes": {k: str(v) for k, v in notes.items()}, "mem": mem}
+        print_table(cfg, results[cfg], variants)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
+def print_table(cfg, r, variants):
+    fam, L, d, h, V, T, B = CONFIGS[cfg]
+    t0 = r["time"].get("nonprivate")
+    c0 = r["cpu_time"].get("nonprivate")
+    m0 = r["mem"].get("nonprivate", {})
+    print(f"\n## {cfg}: {fam} {L} layers, width {d}, vocab {V}, T={T}, B={B}")
+    print("| variant | step ms (wall) | wall × non-private | CPU-time × non-private | peak step mem MB | mem × non-private | notes |")
+    print("|---|---|---|---|---|---|---|")
+    for v in variants:
+        t = r["time"].get(v, float("nan"))
+        m = r["mem"].get(v, {})
+        dm = m.get("peak", float("nan")) - m.get("base", float("nan")) if "peak" in m else float("nan")
+        dm0 = m0.get("peak", float("nan")) - m0.get("base", float("nan")) if "peak" in m0 else float("nan")
+        tm = m.get("peak", float("nan"))
+        tm0 = m0.get("peak", float("nan"))
+        c = r["cpu_time"].get(v, float("nan"))
+        print(f"| {v} | {t * 1e3:.1f} | {t / t0 if t0 else float('nan'):.2f} | {c / c0 if c0 else float('nan'):.2f} | {dm:.0f} (total {tm:.0f}) | "
+              f"{dm / dm0 if dm0 == dm0 and dm0 else float('nan'):.2f} (total {tm / tm0 if tm0 == tm0 and tm0 else float('nan'):.2f}) | "
+              f"{r['notes'].get(v, '')} |")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
