@@ -12,6 +12,11 @@ a cost model picks
 * **explicit**: materialise G_i (B, p, d), take its norm, reuse it for Σ_i c_i G_i
   (time ∝ B·T·p·d, memory B·p·d).
 
+A self-Gram X Xᵀ whose operand several ghost-route layers share (BERT's query/key/value input) is
+computed once per batch; a ghost use's clipped-sum matmul runs over the factor rows that are not
+exactly zero (e.g. padded tokens, whose output gradients are exactly 0) when at least 10 % are, the
+candidates read off the Gram diagonals and each confirmed exactly.
+
 Uses of the same parameter (tied weights such as GPT-2's wte/lm_head, a layer called twice) are
 summed *before* the norm, so cross terms are included exactly (Embedding × Linear cross terms
 are a gather of the logits' gradient at the token ids). Layers without a rule, ruled parameters
@@ -166,18 +171,83 @@ def _wsum(w: Tensor, G: Tensor) -> Tensor:
     return weighted_sum(w, G)
 
 
-def _gram(X: Tensor, Y: Tensor) -> Tensor:
+def _key(X: Tensor):
+    return (X.data_ptr(), tuple(X.shape), X.stride(), X.dtype, X.device)
+
+
+def _gram(X: Tensor, Y: Tensor, acc: Optional[torch.dtype] = None, cache: Optional["_GramMemo"] = None) -> Tensor:
+    """(B, T, k) x (B, S, k) -> (B, T, S), in ``acc`` if given."""
+    if cache is not None and (X is Y or _key(X) == _key(Y)):
+        return cache.self_gram(X, acc)
+    if acc is not None:
+        X, Y = X.to(acc), Y.to(acc)
     return torch.bmm(X, Y.transpose(1, 2))  # (B, T, k) x (B, k, S) -> (B, T, S)
 
 
-def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype) -> Tensor:
-    """Per-example ⟨G_u, G_v⟩ (B,) without materialising G when a ghost formula exists."""
+class _GramMemo:
+    """Self-Gram X Xᵀ of operands shared by several ghost-route uses (e.g. BERT's query/key/value
+    share their input a), computed once and dropped after its last consumer. Keys are addresses of
+    tensors that ``col.uses`` holds alive for the whole batch, so they cannot be reused meanwhile."""
+
+    def __init__(self, counts: Dict):
+        self.left = {k: c for k, c in counts.items() if c > 1}  # consumers still to come
+        self.memo: Dict = {}
+
+    def self_gram(self, X: Tensor, acc: Optional[torch.dtype]) -> Tensor:
+        k = (_key(X), acc)
+        g = self.memo.get(k)
+        if g is None:
+            Xa = X.to(acc) if acc is not None else X
+            g = torch.bmm(Xa, Xa.transpose(1, 2))
+        left = self.left.get(k, 1) - 1
+        if left > 0:
+            self.memo[k] = g
+            self.left[k] = left
+        else:
+            self.memo.pop(k, None)
+            self.left.pop(k, None)
+        return g
+
+
+# Compact the clipped-sum matmul to the rows (tokens) with non-zero factors when at most this
+# fraction of rows remains (e.g. padded positions of BERT, whose output gradients are exactly 0).
+ACTIVE_ROWS_FRACTION = 0.9
+
+
+def _active_rows(u: Dense, gl: Tensor, gr: Tensor) -> Optional[Tensor]:
+    """Indices into the B·T rows of u's factors where neither L[t] nor R[t] is exactly zero, or
+    None if that keeps more than ``ACTIVE_ROWS_FRACTION``. The self-Gram diagonals ‖L_t‖², ‖R_t‖²
+    (free here) give the candidates; each candidate is then checked exactly (a tiny non-zero row
+    whose square underflows to 0 is kept)."""
+    n = gl.shape[0] * gl.shape[1]
+    need = (1 - ACTIVE_ROWS_FRACTION) * n
+    zero = torch.zeros(n, dtype=torch.bool, device=gl.device)
+    for X, gx in ((u.L, gl), (u.R, gr)):
+        cand = (gx.diagonal(dim1=1, dim2=2) == 0).reshape(-1)  # ‖X_t‖² == 0: a superset of the zero rows
+        if int(cand.sum()) == 0:
+            continue
+        idx = cand.nonzero().squeeze(1)
+        exact = X.reshape(n, -1).index_select(0, idx).abs().amax(1) == 0  # confirm each row exactly
+        zero[idx[exact]] = True
+    if int(zero.sum()) < need:
+        return None
+    return (~zero).nonzero().squeeze(1)
+
+
+def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[_GramMemo] = None,
+           rows: Optional[Dict[int, Tensor]] = None) -> Tensor:
+    """Per-example ⟨G_u, G_v⟩ (B,) without materialising G when a ghost formula exists (``cache``:
+    this batch's ``_GramMemo``; ``rows``: filled with ``_active_rows`` of self pairs, by id(use))."""
     if isinstance(u, Index) and isinstance(v, Dense):
         u, v = v, u
     if isinstance(u, Dense) and isinstance(v, Dense) and u.R is not None and v.R is not None \
             and u.L.shape[-1] == v.L.shape[-1] and u.R.shape[-1] == v.R.shape[-1]:
-        gl = _gram(u.L.to(acc), v.L.to(acc))  # (B, T, P0) x (B, S, P0) -> (B, T, S)
-        gr = _gram(u.R.to(acc), v.R.to(acc))  # (B, T, P1) x (B, S, P1) -> (B, T, S)
+        gl = _gram(u.L, v.L, acc, cache)  # (B, T, P0) x (B, S, P0) -> (B, T, S)
+        gr = _gram(u.R, v.R, acc, cache)  # (B, T, P1) x (B, S, P1) -> (B, T, S)
+        if u is v and rows is not None:
+            act = _active_rows(u, gl, gr)
+            if act is not None:
+                rows[id(u)] = act
         return (gl * gr).sum((1, 2))  # (B, T, S) -> (B,)
     if isinstance(u, Dense) and u.R is None and isinstance(v, Dense) and v.R is None:
         return (u.L.to(acc).sum(1) * v.L.to(acc).sum(1)).sum(1)  # (B, P0) · (B, P0) -> (B,)
@@ -200,11 +270,30 @@ def _zero_rows(x: Tensor, keep: Tensor) -> Tensor:
     return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _weighted_use_sum(u: Use, w: Tensor, keep: Optional[Tensor], shape: torch.Size, acc: torch.dtype) -> Tensor:
-    """Σ_i w_i G_u,i (param shape) from the factors; rows with keep False are zeroed first."""
+def _weighted_use_sum(u: Use, w: Tensor, keep: Optional[Tensor], shape: torch.Size, acc: torch.dtype,
+                      rows: Optional[Tensor] = None) -> Tensor:
+    """Σ_i w_i G_u,i (param shape) from the factors; rows with keep False are zeroed first.
+
+    ``rows`` (dense uses): indices of the B·T factor rows that are not exactly zero; the matmul then
+    runs over those rows only (the others contribute exactly 0)."""
     if isinstance(u, Explicit):
         return _wsum(w, u.G.to(acc).reshape(u.G.shape[0], *shape))
     w = w.to(acc)
+    if isinstance(u, Dense) and u.R is not None and rows is not None:
+        B, T, P0 = u.L.shape
+        P1 = u.R.shape[-1]
+        ex = torch.div(rows, T, rounding_mode="floor")  # example of each row
+        if keep is not None:  # drop rows of weight-0 examples (never multiplied by 0)
+            sel = keep.index_select(0, ex)
+            rows, ex = rows[sel], ex[sel]
+        L = u.L.reshape(B * T, P0).index_select(0, rows).to(acc)  # (k, P0)
+        R = u.R.reshape(B * T, P1).index_select(0, rows).to(acc)  # (k, P1)
+        wr = w.index_select(0, ex).unsqueeze(1)  # (k, 1)
+        if P0 <= P1:
+            L = L.mul_(wr)
+        else:
+            R = R.mul_(wr)
+        return torch.mm(L.t(), R).reshape(shape)  # (P0, k) x (k, P1) -> (P0, P1)
     if isinstance(u, Dense):
         L = u.L.to(acc)
         if keep is not None:
@@ -482,6 +571,16 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
     kept_G: Dict[str, Tensor] = {}
     keep_budget = int(opts.get("explicit_keep_elems") or EXPLICIT_KEEP_ELEMS)
     kept = 0
+    counts: Dict = {}  # self-Gram operands of ghost-route dense uses, to share e.g. q/k/v's input Gram
+    for n, r in routes.items():
+        if r == "ghost":
+            for u in col.uses.get(n, []):
+                if isinstance(u, Dense) and u.R is not None:
+                    for X in (u.L, u.R):
+                        k = (_key(X), _acc(params[n].dtype))
+                        counts[k] = counts.get(k, 0) + 1
+    grams = _GramMemo(counts)
+    active: Dict[int, Tensor] = {}  # id(dense use) -> its non-zero factor rows (when few enough)
     for n, r in routes.items():
         if r == "vmap":
             continue
@@ -506,10 +605,11 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
             tot = None
             for i, u in enumerate(uses):
                 for j in range(i, len(uses)):
-                    t = _inner(u, uses[j], p.shape, acc)
+                    t = _inner(u, uses[j], p.shape, acc, grams, active)
                     t = t if i == j else 2 * t
                     tot = t if tot is None else tot + t
             sq[n] = tot.clamp_min(0)  # a sum of squares; rounding may dip below 0 only when ~0
+    del grams
     fb = [n for n, r in routes.items() if r == "vmap"]
     fb_grads: Dict[str, Tensor] = {}
     if fb:
@@ -534,7 +634,7 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
             keep = None if bool(keep.all()) else keep
             s = None
             for u in uses:
-                t = _weighted_use_sum(u, w[n], keep, p.shape, acc)
+                t = _weighted_use_sum(u, w[n], keep, p.shape, acc, active.get(id(u)))
                 s = t if s is None else s + t
             sums[n] = s if s is not None else torch.zeros(p.shape, dtype=acc, device=p.device)
     return losses, sq, w, sums, routes

@@ -323,3 +323,69 @@ def test_explicit_without_keeping_per_example_grads():
     r = assert_exact(model, models.hf_lm_loss, _gpt2_batch(), method="auto", max_grad_norm=0.5,
                      bk_options={"cost_model": "explicit", "explicit_keep_elems": 1})
     assert r.routes["transformer.h.0.mlp.c_fc.weight"] == "explicit"
+
+
+class _SharedInputZeroRows(nn.Module):
+    """q/k/v-style Linears sharing one input (Gram memo) and token rows that are exactly zero in the
+    output gradient (compacted clipped sum), plus a row whose squares underflow in float64."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(4, 3), nn.Linear(4, 3), nn.Linear(4, 3, bias=False)
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, x, keep):
+        h = torch.tanh(self.q(x)) + torch.tanh(self.k(x)) * self.v(x)  # all three share x
+        h = h * keep.unsqueeze(-1)  # dropped tokens: exactly zero gradient into q/k/v outputs
+        return self.out(h).sum(1)
+
+
+def _shared_loss(m, b):
+    return F.cross_entropy(m(b["x"], b["keep"]), b["y"], reduction="none")
+
+
+@pytest.mark.parametrize("tiny", [False, True])
+def test_shared_input_gram_memo_and_zero_row_compaction_exact(tiny):
+    import pdpsgd.bookkeeping as bk
+
+    torch.manual_seed(0)
+    B, T = 5, 8
+    keep = (torch.rand(B, T) > 0.5).double()
+    keep[:, 0] = 1
+    x = torch.randn(B, T, 4, dtype=torch.float64)
+    if tiny:  # a token with a non-zero but tiny gradient: its ‖g_t‖² underflows to 0 and must be kept
+        keep[1, 1] = 1e-170
+    b = {"x": x, "keep": keep, "y": torch.randint(0, 2, (B,))}
+    seen = []
+    orig = bk._active_rows
+
+    def spy(*a):
+        r = orig(*a)
+        seen.append(r)
+        return r
+
+    bk._active_rows = spy
+    try:
+        mask = torch.tensor([True, True, False, True, True])  # a weight-0 example inside compacted rows
+        for mk in (None, mask):
+            assert_exact(_SharedInputZeroRows(), _shared_loss, b, method="bk", mask=mk, max_grad_norm=0.3,
+                         bk_options={"cost_model": "ghost"})
+    finally:
+        bk._active_rows = orig
+    assert any(r is not None for r in seen)  # the compacted path ran
+    if tiny:
+        assert all(1 * T + 1 in r.tolist() for r in seen if r is not None)  # row (example 1, token 1) kept
+
+
+def test_fused_noise_does_not_touch_sums_and_zero_std_is_division():
+    from pdpsgd import fused
+
+    sums = {"a": torch.randn(3, 4), "b": torch.randn(5, dtype=torch.float64)}
+    before = {n: s.clone() for n, s in sums.items()}
+    dtypes = {"a": torch.float32, "b": torch.float32}
+    out = fused.noise_and_scale(sums, 0.5, torch.Generator().manual_seed(0), 4.0, dtypes, compile=False)
+    for n in sums:
+        assert torch.equal(sums[n], before[n]) and out[n].dtype == dtypes[n]
+    z = fused.noise_and_scale(sums, 0.0, None, 4.0, dtypes, compile=False)
+    for n in sums:
+        torch.testing.assert_close(z[n], (sums[n] / 4.0).to(dtypes[n]))

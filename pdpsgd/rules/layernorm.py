@@ -29,7 +29,10 @@ class LayerNormRule(Rule):
         g = grad_output.to(acc)
         out: Dict[str, Use] = {}
         if module.weight is not None:
-            xhat = F.layer_norm(x.to(acc), module.normalized_shape, None, None, module.eps)
+            # x̂ = layer_norm(x) with unit weight / zero bias: x̂·1 + 0 is exactly x̂, and the affine
+            # CPU kernel is ~2x faster than the weight=None path
+            ones = torch.ones(module.normalized_shape, dtype=acc, device=x.device)
+            xhat = F.layer_norm(x.to(acc), module.normalized_shape, ones, torch.zeros_like(ones), module.eps)
             gw = g * xhat
             out["weight"] = Explicit(gw.sum(red) if red else gw)
         if module.bias is not None:
