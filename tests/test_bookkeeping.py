@@ -32,7 +32,7 @@ def _lm_batch(b):
     return {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"], "labels": b["lm_labels"]}
 
 
-def _both_routes(model, loss, batch, **kw):
+def _check_both_routes(model, loss, batch, **kw):
     """Exact under the default cost model and with every ruled layer forced to each route."""
     reports = []
     for method in METHODS:
@@ -47,7 +47,7 @@ def _both_routes(model, loss, batch, **kw):
 def test_mlp_exact():
     torch.manual_seed(0)
     b = {"x": torch.randn(6, 5), "y": torch.randint(0, 3, (6,))}
-    for r in _both_routes(models.mlp(), models.mlp_loss, b, max_grad_norm=0.05):
+    for r in _check_both_routes(models.mlp(), models.mlp_loss, b, max_grad_norm=0.05):
         assert set(r.routes.values()) <= {"ghost", "explicit"}  # no fallback needed
 
 
@@ -55,7 +55,7 @@ def test_text_cnn_exact_padding_idx():
     torch.manual_seed(0)
     b = _tokens(B=5, T=9)
     b["input_ids"][:, -2:] = 0  # padding_idx tokens
-    _both_routes(models.TextCNN(), models.cls_loss, b, max_grad_norm=0.1)
+    _check_both_routes(models.TextCNN(), models.cls_loss, b, max_grad_norm=0.1)
 
 
 def test_lstm_falls_back_exactly():
@@ -70,7 +70,7 @@ def test_tied_weights_exact_with_cross_terms():
     torch.manual_seed(0)
     model = models.TiedLM()
     b = _lm_batch(_tokens(B=4, T=6, vocab=20))
-    for r in _both_routes(model, models.lm_loss_fn, b, max_grad_norm=0.2):
+    for r in _check_both_routes(model, models.lm_loss_fn, b, max_grad_norm=0.2):
         assert r.routes["emb.weight"] in ("ghost", "explicit")
     # The norm must be that of the *summed* gradient: separate per-use norms (FastDP's treatment)
     # are measurably different here, so this test would catch a missing cross term.
@@ -99,14 +99,14 @@ def _gpt2_batch(T=9, B=4, seed=0):
 def test_gpt2_tied_exact():
     model = models.tiny_gpt2()
     assert model.lm_head.weight is model.transformer.wte.weight
-    for r in _both_routes(model, models.hf_lm_loss, _gpt2_batch(), max_grad_norm=0.5):
+    for r in _check_both_routes(model, models.hf_lm_loss, _gpt2_batch(), max_grad_norm=0.5):
         assert "vmap" not in r.routes.values(), r.routes  # every GPT-2 parameter has a rule
 
 
 def test_bert_exact_with_padding():
     model = models.tiny_bert()
     b = _tokens(B=4, T=8, vocab=40)
-    for r in _both_routes(model, models.hf_cls_loss, b, max_grad_norm=0.5):
+    for r in _check_both_routes(model, models.hf_cls_loss, b, max_grad_norm=0.5):
         assert "vmap" not in r.routes.values(), r.routes
 
 

@@ -168,7 +168,7 @@ def test_csv_data_and_test_file(tiny, tmp_path, capsys):
 
 
 # ---- bad input: one line, non-zero exit, no traceback ---------------------------------------
-def _one_line_error(rc, err, needle):
+def _check_one_line_error(rc, err, needle):
     assert rc == 2
     lines = [ln for ln in err.strip().splitlines() if ln.startswith("pdpsgd: error:")]
     assert len(lines) == 1, err
@@ -178,26 +178,26 @@ def _one_line_error(rc, err, needle):
 
 def test_unknown_model_folder(tiny, tmp_path, capsys):
     rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o") + ["--model", str(tmp_path / "nope")], capsys)
-    _one_line_error(rc, err, "model folder not found")
+    _check_one_line_error(rc, err, "model folder not found")
     (tmp_path / "notmodel").mkdir()
     rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o2") + ["--model", str(tmp_path / "notmodel")], capsys)
-    _one_line_error(rc, err, "not a Hugging Face model folder")
+    _check_one_line_error(rc, err, "not a Hugging Face model folder")
 
 
 def test_missing_columns_and_one_class_and_empty(tiny, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"sentence": "a b", "label": "x"}\n' * 5)
     rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o") + ["--data", str(bad)], capsys)
-    _one_line_error(rc, err, "missing column(s) 'text'")
+    _check_one_line_error(rc, err, "missing column(s) 'text'")
     one = make_tiny_data(tmp_path / "one.jsonl", n=20, topics={"only": WORDS[:4]})
     rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o2") + ["--data", str(one)], capsys)
-    _one_line_error(rc, err, "only one class")
+    _check_one_line_error(rc, err, "only one class")
     empty = tmp_path / "empty.csv"
     empty.write_text("text,label\n")
     rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o3") + ["--data", str(empty)], capsys)
-    _one_line_error(rc, err, "empty")
+    _check_one_line_error(rc, err, "empty")
     rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o4") + ["--data", str(tmp_path / "missing.csv")], capsys)
-    _one_line_error(rc, err, "data file not found")
+    _check_one_line_error(rc, err, "data file not found")
 
 
 @pytest.mark.parametrize("opt,val,needle", [("--epsilon", "0", "--epsilon must be > 0"),
@@ -208,7 +208,7 @@ def test_missing_columns_and_one_class_and_empty(tiny, tmp_path, capsys):
                                              ("--train-params", "middle", "--train-params 'middle'")])
 def test_bad_settings(tiny, tmp_path, capsys, opt, val, needle):
     rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o") + [opt, val], capsys)
-    _one_line_error(rc, err, needle)
+    _check_one_line_error(rc, err, needle)
 
 
 def test_delta_at_least_one_over_n_warns(tiny, tmp_path, capsys):
@@ -221,16 +221,16 @@ def test_unwritable_output_dir(tiny, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     rc, _, err = run_cli(tiny_args(tiny, blocker / "sub"), capsys)
-    _one_line_error(rc, err, "not writable")
+    _check_one_line_error(rc, err, "not writable")
 
 
 def test_existing_run_needs_resume(tiny, tmp_path, capsys):
     out = tmp_path / "o"
     assert run_cli(tiny_args(tiny, out, "--epochs", "0.25"), capsys)[0] == 0
     rc, _, err = run_cli(tiny_args(tiny, out, "--epochs", "0.25"), capsys)
-    _one_line_error(rc, err, "--resume")
+    _check_one_line_error(rc, err, "--resume")
     rc, _, err = run_cli(tiny_args(tiny, tmp_path / "fresh", "--resume"), capsys)
-    _one_line_error(rc, err, "no checkpoint")
+    _check_one_line_error(rc, err, "no checkpoint")
 
 
 # ---- pdpsgd check ------------------------------------------------------------------------------
@@ -292,11 +292,11 @@ def test_check_ok_and_mismatch(tmp_path, capsys):
 
 def test_check_user_errors(tmp_path, capsys):
     rc, _, err = run_cli(["check", str(tmp_path / "none.py")], capsys)
-    _one_line_error(rc, err, "file not found")
+    _check_one_line_error(rc, err, "file not found")
     f = tmp_path / "nolossfn.py"
     f.write_text("import torch\nmodel = torch.nn.Linear(2, 2)\nbatch = torch.randn(3, 2)\n")
     rc, _, err = run_cli(["check", str(f)], capsys)
-    _one_line_error(rc, err, "does not define 'loss_fn'")
+    _check_one_line_error(rc, err, "does not define 'loss_fn'")
 
 
 def test_python_m_pdpsgd_help():
