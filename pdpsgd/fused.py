@@ -13,8 +13,7 @@ default) then computes each output in place on its slice of that fresh buffer,
 
 Formal guarantee: each coordinate of the output is (s + std·z)/denom with z an independent
 standard normal drawn in float32 or wider (never in bf16/fp16) from ``generator``; with
-std = σC and sums of L2 sensitivity C this is the Gaussian mechanism, exactly as
-``pdpsgd.noise.add_noise`` followed by the division.
+std = σC and sums of L2 sensitivity C this is the Gaussian mechanism.
 """
 from __future__ import annotations
 

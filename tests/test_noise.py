@@ -8,7 +8,13 @@ from scipy import stats
 from torch import nn
 
 import pdpsgd
-from pdpsgd.noise import add_noise
+from pdpsgd.fused import noise_and_scale
+
+
+def add_noise(sums, std, generator):
+    """The step's noise path with denom 1 and float32 (or wider) outputs."""
+    dtypes = {n: torch.promote_types(s.dtype, torch.float32) for n, s in sums.items()}
+    return noise_and_scale(sums, std, generator, 1.0, dtypes, compile=False)
 
 
 def _noise_from_step(sigma, C, seed):
@@ -59,3 +65,4 @@ def test_independent_across_calls_and_coordinates():
 def test_zero_sigma_adds_nothing():
     s = {"w": torch.randn(10)}
     assert torch.equal(add_noise(s, 0.0, None)["w"], s["w"])
+    assert torch.equal(noise_and_scale(s, 0.0, None, 4.0, {"w": torch.float32})["w"], s["w"] / 4)
