@@ -201,14 +201,18 @@ class DPStep:
         return ClippedSum(res.clipped_sum, norms, res.losses, kept, clipped & kept, mask, res.routes)
 
     def finalize(self, partial: ClippedSum, *, params: Optional[Mapping[str, Tensor]] = None) -> StepOutput:
-        """Add the noise once and scale: turns an (accumulated) ``ClippedSum`` into a step output."""
+        """Add the noise once and scale: turns an (accumulated) ``ClippedSum`` into a step output
+        (``partial`` is not modified)."""
+        return self._finalize(partial, params, consume=False)
+
+    def _finalize(self, partial: ClippedSum, params: Optional[Mapping[str, Tensor]], consume: bool) -> StepOutput:
         sums = partial.sums
         first = next(iter(sums.values()))
         n_real = partial.mask.sum()
         denom = float(self.expected_batch_size) if self.expected_batch_size is not None else float(partial.mask.numel())
         dtypes = {n: (params[n].dtype if params is not None and n in params else s.dtype) for n, s in sums.items()}
         gen = self._generator(first.device) if self.noise_std > 0 else None
-        grads = noise_and_scale(sums, self.noise_std, gen, denom, dtypes, compile=self.fused)
+        grads = noise_and_scale(sums, self.noise_std, gen, denom, dtypes, compile=self.fused, consume=consume)
         kept = partial.kept
         n_kept = kept.sum()
         losses = torch.where(kept, partial.losses, torch.zeros_like(partial.losses))
@@ -228,7 +232,7 @@ class DPStep:
     def __call__(self, params: Mapping[str, Tensor], batch: Batch, mask: Optional[Tensor] = None) -> StepOutput:
         """One DP-SGD step's gradients for ``params`` on ``batch`` (see the class docstring)."""
         resolved = self._index.resolve(params)
-        out = self.finalize(self.clipped_sum(resolved, batch, mask), params=resolved)
+        out = self._finalize(self.clipped_sum(resolved, batch, mask), resolved, consume=True)  # its own sums
         # Return grads under the names the user passed (aliases of tied weights included).
         if set(params) != set(out.grads):
             back = {self._index.canonical[k]: k for k in params}

@@ -66,3 +66,29 @@ def test_zero_sigma_adds_nothing():
     s = {"w": torch.randn(10)}
     assert torch.equal(add_noise(s, 0.0, None)["w"], s["w"])
     assert torch.equal(noise_and_scale(s, 0.0, None, 4.0, {"w": torch.float32})["w"], s["w"] / 4)
+
+
+def test_consumed_sums_give_the_same_result_as_copied_ones_and_follow_draw_noise():
+    from pdpsgd.fused import NOISE_CHUNK, draw_noise
+
+    torch.manual_seed(0)
+    shapes = {"big": (NOISE_CHUNK * 2 + 17,), "m": (7, 5), "tiny": (3,)}
+    sums = {n: torch.randn(s) for n, s in shapes.items()}
+    dtypes = {n: torch.float32 for n in sums}
+    ref = noise_and_scale(sums, 0.3, torch.Generator().manual_seed(5), 4.0, dtypes, compile=False)
+    z = draw_noise({n: s.shape for n, s in sums.items()}, torch.Generator().manual_seed(5), torch.float32,
+                   torch.device("cpu"))
+    owned = {n: s.clone() for n, s in sums.items()}
+    got = noise_and_scale(owned, 0.3, torch.Generator().manual_seed(5), 4.0, dtypes, compile=False, consume=True)
+    for n in sums:
+        torch.testing.assert_close(ref[n], (sums[n] + 0.3 * z[n]) / 4.0)
+        assert torch.equal(got[n], ref[n])
+    assert got["big"].data_ptr() == owned["big"].data_ptr()  # written in place, not copied
+
+
+def test_consume_never_writes_one_tensor_twice():
+    s = torch.zeros(100)
+    out = noise_and_scale({"a": s, "b": s}, 1.0, torch.Generator().manual_seed(0), 1.0,
+                          {"a": torch.float32, "b": torch.float32}, compile=False, consume=True)
+    assert not torch.equal(out["a"], out["b"])
+    assert out["a"].std() < 1.2 and out["b"].std() < 1.2  # neither got two draws of noise
