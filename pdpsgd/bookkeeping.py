@@ -321,6 +321,9 @@ def _weighted_use_sum(u: Use, w: Tensor, keep: Optional[Tensor], shape: torch.Si
 # ------------------------------------------------------------------------------------------------
 # capture: one forward, one backward through the activations
 # ------------------------------------------------------------------------------------------------
+_NO_FORWARD = object()
+
+
 @dataclass
 class _Call:
     module: nn.Module
@@ -328,8 +331,13 @@ class _Call:
     rule: Rule
     args: Tuple[Any, ...]
     kwargs: Dict[str, Any]
-    output: Tensor
+    output: Optional[Tensor]  # None for a custom-forward rule (its targets are in ``capture``)
     versions: Tuple[int, ...]
+    capture: Any = None  # custom-forward rules: what ``rule.forward`` returned beside the output
+
+    @property
+    def targets(self) -> List[Tensor]:
+        return list(self.capture.targets) if self.capture is not None else [self.output]
 
 
 @dataclass
@@ -411,11 +419,34 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
                 module._parameters[pn] = detached[c]
         return None
 
+    pending: Dict[nn.Module, List[Any]] = {}  # custom-forward captures, until their post hook
+
+    def custom_forward(module, rule):
+        def forward(*args, **kwargs):
+            res = rule.forward(module, args, kwargs)
+            if res is None:  # the rule declines this call: original forward, exact fallback
+                mname, _, local = ruled[module]
+                for c in local.values():
+                    fallback.setdefault(c, f"{rule.name} rule declined a call of {mname or '<root>'}")
+                pending.setdefault(module, []).append(None)
+                return type(module).forward(module, *args, **kwargs)
+            output, capture = res
+            pending.setdefault(module, []).append(capture)
+            return output
+
+        return forward
+
     def post_hook(module, args, kwargs, output):
         mname, rule, local = ruled[module]
         for pn, c in local.items():
             if c in detached:
                 module._parameters[pn] = leaves[c]
+        if getattr(rule, "custom_forward", False):
+            capture = pending[module].pop()
+            if capture is not None:
+                vers = tuple(x._version for x in args if isinstance(x, Tensor))
+                calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, capture))
+            return None
         if not isinstance(output, Tensor) or not output.is_floating_point():
             for c in local.values():
                 fallback.setdefault(c, f"{type(module).__name__} ({mname}) returned no float tensor")
@@ -432,15 +463,25 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers))
         return output
 
+    patched: Dict[nn.Module, Any] = {}  # module -> its own instance-level forward (or a sentinel)
     try:
-        for m in ruled:
+        for m, (_, rule, _) in ruled.items():
             handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
             handles.append(m.register_forward_hook(post_hook, with_kwargs=True))
+            if getattr(rule, "custom_forward", False):
+                # the rule computes the layer itself (to keep internal activations), only while capturing
+                patched[m] = m.__dict__.get("forward", _NO_FORWARD)
+                m.forward = custom_forward(m, rule)
         with torch.enable_grad():
             losses = functional_call(loss_module, LossModule.prefixed({**constants, **leaves}), (batch,))
     finally:
         for h in handles:
             h.remove()
+        for m, f in patched.items():
+            if f is _NO_FORWARD:
+                del m.forward
+            else:
+                m.forward = f
     if not isinstance(losses, Tensor) or losses.shape != (B,):
         shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
         raise ValueError(
@@ -449,29 +490,37 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         )
     # in-place edits of a captured input/output after the layer ran would make a or g stale
     for c in calls:
-        now = (c.output._version,) + tuple(x._version for x in c.args if isinstance(x, Tensor))
+        now = (() if c.output is None else (c.output._version,)) + tuple(
+            x._version for x in c.args if isinstance(x, Tensor))
         if now != c.versions:
             for c2 in ruled[c.module][2].values():
                 fallback.setdefault(c2, f"{type(c.module).__name__} ({c.mname}): input/output modified in place")
     leaf_names = [n for n in ruled_names]
-    targets = [c.output for c in calls] + [leaves[n] for n in leaf_names]
+    call_targets = [c.targets for c in calls]
+    n_call = sum(len(t) for t in call_targets)
+    targets = [t for ts in call_targets for t in ts] + [leaves[n] for n in leaf_names]
     if losses.requires_grad and targets:
         grads = torch.autograd.grad(losses.sum(), targets, allow_unused=True)
     else:
         grads = (None,) * len(targets)
-    for n, g in zip(leaf_names, grads[len(calls):]):
+    for n, g in zip(leaf_names, grads[n_call:]):
         if g is not None:
             fallback.setdefault(n, "also used outside its layer's forward")
     uses: Dict[str, List[Use]] = {}
-    for c, g in zip(calls, grads[: len(calls)]):
+    k = 0
+    for c, ts in zip(calls, call_targets):
+        gs, k = list(grads[k:k + len(ts)]), k + len(ts)
         mname, rule, local = ruled[c.module]
         if all(n in fallback for n in local.values()):
             continue
-        if g is None:
+        if all(g is None for g in gs):
             continue  # this call's output does not reach the loss: zero contribution
-        args = tuple(x.detach() if isinstance(x, Tensor) else x for x in c.args)
-        kwargs = {k: (x.detach() if isinstance(x, Tensor) else x) for k, x in c.kwargs.items()}
-        got = rule.uses(c.module, args, kwargs, c.output.detach(), g, B)
+        if c.capture is not None:
+            got = rule.custom_uses(c.module, c.capture, gs, B)
+        else:
+            args = tuple(x.detach() if isinstance(x, Tensor) else x for x in c.args)
+            kwargs = {k2: (x.detach() if isinstance(x, Tensor) else x) for k2, x in c.kwargs.items()}
+            got = rule.uses(c.module, args, kwargs, c.output.detach(), gs[0], B)
         if got is None:
             for n in local.values():
                 fallback.setdefault(n, f"{rule.name} rule declined this call of {mname}")

@@ -65,8 +65,26 @@ def vmap_context(model: torch.nn.Module) -> Iterator[None]:
         yield
 
 
+def _raised_in(err: BaseException, path_end: str) -> bool:
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith(path_end):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _explain_vmap_error(err: Exception) -> Exception:
     msg = str(err)
+    if _raised_in(err, "torch/nn/utils/rnn.py") or "packed sequences" in msg:
+        return RuntimeError(
+            "packed sequences (pack_padded_sequence) cannot run per example under torch.func.vmap (each "
+            "example has its own length), and vmap is used for every trained parameter that has no "
+            "book-keeping rule (see dp_step.plan(...) / the output's routes, 'vmap'). Fixes: method='bk' or "
+            "'auto' with every trained parameter covered by a rule (nn.LSTM/GRU/RNN take packed input; a "
+            "raw nn.Parameter such as a learned h0 does not), or pad the sequences to a common length and "
+            f"mask the padded steps. Original error: {msg}"
+        )
     if "data-dependent control flow" in msg or ".item()" in msg:
         return RuntimeError(
             "the model (or loss_fn) branches on tensor values, which torch.func.vmap cannot run per "

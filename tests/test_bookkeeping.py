@@ -58,11 +58,11 @@ def test_text_cnn_exact_padding_idx():
     _check_both_routes(models.TextCNN(), models.cls_loss, b, max_grad_norm=0.1)
 
 
-def test_lstm_falls_back_exactly():
+def test_lstm_by_its_rule_exactly():
     torch.manual_seed(0)
     b = _tokens(B=4, T=5)
     r = assert_exact(models.RNNClassifier("lstm"), models.cls_loss, b, method="auto", max_grad_norm=0.1)
-    assert {v for n, v in r.routes.items() if n.startswith("rnn.")} == {"vmap"}
+    assert "vmap" not in {v for n, v in r.routes.items() if n.startswith("rnn.")}  # pdpsgd/rules/rnn.py
     assert r.routes["out.weight"] in ("ghost", "explicit") and r.routes["emb.weight"] in ("ghost", "explicit")
 
 

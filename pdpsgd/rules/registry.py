@@ -73,7 +73,7 @@ class RuleRegistry:
 
 
 def _build() -> RuleRegistry:
-    from . import conv, embedding, hf_conv1d, layernorm, linear, rmsnorm
+    from . import conv, embedding, hf_conv1d, layernorm, linear, rmsnorm, rnn
 
     reg = RuleRegistry()
     for t in linear.TYPES:
@@ -88,6 +88,8 @@ def _build() -> RuleRegistry:
     reg.register_predicate("custom_rmsnorm", rmsnorm.is_custom_rmsnorm, rmsnorm.CustomRMSNormRule())
     for t in conv.TYPES:
         reg.register(t, conv.ConvRule())
+    for t in rnn.TYPES:
+        reg.register(t, rnn.RNNRule())
     return reg
 
 

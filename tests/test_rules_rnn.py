@@ -1,0 +1,202 @@
+"""BK rule for nn.LSTM / nn.GRU / nn.RNN (pdpsgd/rules/rnn.py): exact against the naive float64 oracle."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import pdpsgd
+from pdpsgd.testing import assert_exact
+
+KINDS = {
+    "lstm": lambda *a, **k: nn.LSTM(*a, **k),
+    "gru": lambda *a, **k: nn.GRU(*a, **k),
+    "rnn_tanh": lambda *a, **k: nn.RNN(*a, nonlinearity="tanh", **k),
+    "rnn_relu": lambda *a, **k: nn.RNN(*a, nonlinearity="relu", **k),
+}
+
+
+class Recurrent(nn.Module):
+    """Embedding -> recurrent layer (output and final state both used) -> linear heads."""
+
+    def __init__(self, kind="lstm", vocab=20, dim=4, hidden=3, layers=1, bidirectional=True, batch_first=True,
+                 bias=True, learn_h0=False, twice=False):
+        super().__init__()
+        self.kind, self.batch_first, self.twice = kind, batch_first, twice
+        self.emb = nn.Embedding(vocab, dim)
+        self.rnn = KINDS[kind](dim, hidden, num_layers=layers, bidirectional=bidirectional,
+                               batch_first=batch_first, bias=bias)
+        D = 2 if bidirectional else 1
+        self.h0 = nn.Parameter(0.1 * torch.randn(layers * D, 1, hidden)) if learn_h0 else None
+        self.out = nn.Linear(D * hidden, 3)
+        self.last = nn.Linear(hidden, 3, bias=False)
+
+    def run(self, x):
+        B = x.shape[0]
+        if not self.batch_first:
+            x = x.transpose(0, 1)
+        hx = None
+        if self.h0 is not None:
+            h0 = self.h0.expand(-1, B, -1).contiguous()
+            hx = (h0, torch.tanh(h0)) if self.kind == "lstm" else h0
+        h, hn = self.rnn(x, hx)
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        hn = hn[0] if self.kind == "lstm" else hn  # (L·D, B, H)
+        return self.out(h.mean(1)) + self.last(hn[-1])
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        y = self.run(x)
+        return y + self.run(x.flip(1)) if self.twice else y  # twice: the same layer used twice per example
+
+
+def loss(model, b):
+    return nn.functional.cross_entropy(model(b["input_ids"]), b["labels"], reduction="none")
+
+
+def _batch(B, T, vocab=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, vocab, (B, T), generator=g), "labels": torch.randint(0, 3, (B,), generator=g)}
+
+
+def _rnn_routes(r):
+    return {n: v for n, v in r.routes.items() if n.startswith("rnn.")}
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(kind=st.sampled_from(sorted(KINDS)), B=st.integers(1, 5), T=st.integers(1, 9), hidden=st.integers(1, 5),
+       layers=st.integers(1, 2), bidirectional=st.booleans(), batch_first=st.booleans(), bias=st.booleans(),
+       learn_h0=st.booleans(), cost_model=st.sampled_from(["fastdp", "time", "ghost", "explicit"]),
+       clip=st.sampled_from([1e-3, 0.1, 10.0]), seed=st.integers(0, 3))
+def test_hypothesis_rnn_rule_exact(kind, B, T, hidden, layers, bidirectional, batch_first, bias, learn_h0,
+                                   cost_model, clip, seed):
+    torch.manual_seed(seed)
+    m = Recurrent(kind, hidden=hidden, layers=layers, bidirectional=bidirectional, batch_first=batch_first,
+                  bias=bias, learn_h0=learn_h0)
+    r = assert_exact(m, loss, _batch(B, T, seed=seed), method="bk", max_grad_norm=clip,
+                     bk_options={"cost_model": cost_model})
+    routes = _rnn_routes(r)
+    assert routes and "vmap" not in routes.values()  # every recurrent weight by the rule
+    if learn_h0:
+        assert r.routes["h0"] == "vmap"  # a raw parameter: exact fallback, never frozen
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_layer_used_twice_cross_terms_exact(kind):
+    torch.manual_seed(1)
+    for method in ("bk", "auto"):
+        r = assert_exact(Recurrent(kind, twice=True, layers=2), loss, _batch(4, 6), method=method, max_grad_norm=0.05)
+        assert "vmap" not in _rnn_routes(r).values()
+
+
+class Packed(nn.Module):
+    """pack_padded_sequence (unsorted lengths) -> recurrent layer -> masked mean + final state."""
+
+    def __init__(self, kind="lstm", layers=2, bidirectional=True, hidden=3, learn_h0=False):
+        super().__init__()
+        self.kind = kind
+        self.emb = nn.Embedding(20, 4, padding_idx=0)
+        self.rnn = KINDS[kind](4, hidden, num_layers=layers, bidirectional=bidirectional, batch_first=True)
+        D = 2 if bidirectional else 1
+        self.h0 = nn.Parameter(0.1 * torch.randn(layers * D, 1, hidden)) if learn_h0 else None
+        self.out = nn.Linear(D * hidden, 3)
+        self.last = nn.Linear(hidden, 3, bias=False)
+
+    def forward(self, ids):
+        lengths = (ids != 0).sum(1).clamp_min(1)
+        packed = pack_padded_sequence(self.emb(ids), lengths.cpu(), batch_first=True, enforce_sorted=False)
+        hx = None
+        if self.h0 is not None:
+            h0 = self.h0.expand(-1, ids.shape[0], -1).contiguous()
+            hx = (h0, h0 * 0.5) if self.kind == "lstm" else h0
+        y, hn = self.rnn(packed, hx)
+        h, _ = pad_packed_sequence(y, batch_first=True, total_length=ids.shape[1])
+        hn = hn[0] if self.kind == "lstm" else hn
+        return self.out(h.sum(1) / lengths.unsqueeze(1)) + self.last(hn[-1])
+
+
+def _padded_batch(B, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 20, (B, T), generator=g)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    ids[torch.arange(T)[None] >= lengths[:, None]] = 0
+    return {"input_ids": ids, "labels": torch.randint(0, 3, (B,), generator=g)}
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(kind=st.sampled_from(sorted(KINDS)), B=st.integers(1, 5), T=st.integers(1, 7), layers=st.integers(1, 2),
+       bidirectional=st.booleans(), cost_model=st.sampled_from(["time", "ghost", "explicit"]), seed=st.integers(0, 5))
+def test_hypothesis_packed_sequences_exact(kind, B, T, layers, bidirectional, cost_model, seed):
+    """Unsorted lengths: the rule runs length-sorted rows and maps them back to examples."""
+    torch.manual_seed(seed)
+    m = Packed(kind, layers=layers, bidirectional=bidirectional)
+    r = assert_exact(m, loss, _padded_batch(B, T, seed), method="bk", max_grad_norm=0.05,
+                     bk_options={"cost_model": cost_model})
+    assert "vmap" not in _rnn_routes(r).values()
+
+
+def test_packed_with_a_fallback_parameter_is_a_clear_error():
+    """A parameter without a rule (here h0) needs vmap over the whole model, which cannot run
+    per-example packed sequences: the error says so and how to fix it."""
+    m = Packed("lstm", learn_h0=True)
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    with pytest.raises(RuntimeError, match="packed sequences .* cannot run per example"):
+        step(pdpsgd.trainable_params(m), _padded_batch(3, 5, 0))
+
+
+def test_declined_calls_fall_back_exactly():
+    torch.manual_seed(0)
+    b = _batch(4, 6)
+    m = Recurrent("lstm")
+    m.rnn = nn.LSTM(4, 3, batch_first=True, bidirectional=True, proj_size=2)
+    m.out, m.last = nn.Linear(4, 3), nn.Linear(2, 3, bias=False)
+    r = assert_exact(m, loss, b, method="bk", max_grad_norm=0.1)  # projected LSTM
+    assert set(_rnn_routes(r).values()) == {"vmap"}
+
+
+def test_train_mode_interlayer_dropout_is_left_to_vmap():
+    torch.manual_seed(0)
+    m = Recurrent("gru", layers=2)
+    m.rnn.dropout = 0.5
+    m.train()
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    out = step(pdpsgd.trainable_params(m), _batch(3, 5))
+    assert set(v for n, v in out.routes.items() if n.startswith("rnn.")) == {"vmap"}
+    m.eval()  # no dropout at eval: the rule applies
+    out = step(pdpsgd.trainable_params(m), _batch(3, 5))
+    assert "vmap" not in {v for n, v in out.routes.items() if n.startswith("rnn.")}
+
+
+def test_module_is_left_as_it_was():
+    m = Recurrent("lstm")
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    step(pdpsgd.trainable_params(m), _batch(3, 5))
+    assert "forward" not in m.rnn.__dict__ and not m.rnn._forward_hooks and not m.rnn._forward_pre_hooks
+    with torch.no_grad():
+        ref = m(_batch(3, 5)["input_ids"])  # the fused kernel runs as before
+    assert torch.isfinite(ref).all()
+
+
+def test_float32_matches_fused_kernel_forward():
+    """The rule's own forward gives the same output/state as torch's kernel (what the user trains)."""
+    from pdpsgd.rules.rnn import RNNRule
+
+    torch.manual_seed(0)
+    for kind in sorted(KINDS):
+        for bf in (True, False):
+            rnn = KINDS[kind](4, 5, num_layers=2, bidirectional=True, batch_first=bf)
+            x = torch.randn(3, 7, 4) if bf else torch.randn(7, 3, 4)
+            ref, ref_h = rnn(x)
+            lengths = torch.tensor([7, 2, 5])
+            packed = pack_padded_sequence(x, lengths, batch_first=bf, enforce_sorted=False)
+            for inp in (x, packed):
+                ref, ref_h = rnn(inp)
+                (y, h), _ = RNNRule().forward(rnn, (inp,), {})
+                if inp is packed:
+                    assert torch.equal(y.batch_sizes, ref.batch_sizes)
+                    y, ref = y.data, ref.data
+                torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+                for a, c in zip(h if kind == "lstm" else (h,), ref_h if kind == "lstm" else (ref_h,)):
+                    torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
