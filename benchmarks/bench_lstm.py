@@ -1,32 +1,145 @@
-"""BiLSTM (B=32, T=32, GloVe-sized frozen embedding) per-example cost: non-private vs naive loop vs vmap.
+"""BiLSTM text classifier (frozen GloVe-sized embedding, B=32, T=32, hidden 64): one full training
+step (loss, gradients, Adam) per variant, interleaved in one process, medians of CPU time.
 
-    python benchmarks/bench_lstm.py
+    python benchmarks/bench_lstm.py [--reps 9] [--threads 1] [--T 32] [--hidden 64] [--packed]
 
-The vmap path runs pdpsgd.rnn's pure-PyTorch LSTM (torch's fused kernel has no vmap rule); on CPU it
-loses to a naive per-example loop over the fused kernel. A BK rule for LSTM is the fix (open).
+variants: nonprivate; naive (per-example loop over torch's fused LSTM, clip, sum, noise);
+pdpsgd vmap (pure-PyTorch LSTM under torch.func.vmap); pdpsgd bk / auto (the LSTM rule,
+pdpsgd/rules/rnn.py); Opacus hooks with its DPLSTM (Opacus cannot hook nn.LSTM; DPLSTM is its
+drop-in replacement, when opacus is installed).
 """
-import torch, time, sys
-sys.path.insert(0, "tests")
-import torch.nn as nn, torch.nn.functional as F
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
 import pdpsgd
-torch.set_num_threads(1)
-class M(nn.Module):
-    def __init__(s):
-        super().__init__(); s.emb = nn.Embedding(2000, 50); s.emb.weight.requires_grad_(False)
-        s.rnn = nn.LSTM(50, 64, batch_first=True, bidirectional=True); s.out = nn.Linear(128, 3)
-    def forward(s, ids):
-        h, _ = s.rnn(s.emb(ids)); return s.out(h.mean(1))
-m = M()
-B, T = 32, 32
-b = {"input_ids": torch.randint(0, 2000, (B, T)), "labels": torch.randint(0, 3, (B,))}
-lf = lambda mod, bb: F.cross_entropy(mod(bb["input_ids"]), bb["labels"], reduction="none")
-params = pdpsgd.trainable_params(m)
-step = pdpsgd.make_dp_step(m, lf, max_grad_norm=1.0, noise_multiplier=1.0)
-def naive():
-    for i in range(B):
-        l = lf(m, {k: v[i:i+1] for k, v in b.items()}).sum()
-        torch.autograd.grad(l, list(params.values()))
-def nonpriv():
-    torch.autograd.grad(lf(m, b).sum(), list(params.values()))
-for name, f in [("nonpriv", nonpriv), ("naive", naive), ("vmap", lambda: step(params, b))]:
-    f(); t = time.perf_counter(); f(); f(); print(name, (time.perf_counter() - t) / 2)
+
+
+class BiLSTM(nn.Module):
+    def __init__(self, hidden, packed, lstm_cls=nn.LSTM):
+        super().__init__()
+        self.packed = packed
+        self.emb = nn.Embedding(2000, 50, padding_idx=0)
+        self.emb.weight.requires_grad_(False)
+        self.rnn = lstm_cls(50, hidden, batch_first=True, bidirectional=True)
+        self.out = nn.Linear(2 * hidden, 3)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        m = (ids != 0).unsqueeze(-1).to(x.dtype)
+        if self.packed:
+            lengths = (ids != 0).sum(1).clamp_min(1).cpu()
+            h, _ = self.rnn(pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))
+            h, _ = pad_packed_sequence(h, batch_first=True, total_length=ids.shape[1])
+        else:
+            h, _ = self.rnn(x)
+        return self.out((h * m).sum(1) / m.sum(1).clamp_min(1))
+
+
+def loss_fn(model, b):
+    return F.cross_entropy(model(b["input_ids"]), b["labels"], reduction="none")
+
+
+def make(variant, a, batch):
+    torch.manual_seed(0)
+    B = batch["input_ids"].shape[0]
+    if variant == "opacus":
+        from opacus import GradSampleModule
+        from opacus.layers import DPLSTM
+        from opacus.optimizers import DPOptimizer
+
+        model = GradSampleModule(BiLSTM(a.hidden, a.packed, DPLSTM), loss_reduction="sum")
+        opt = DPOptimizer(torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3),
+                          noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=B, loss_reduction="sum")
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model, batch).sum().backward()
+            opt.step()
+        return step
+    model = BiLSTM(a.hidden, a.packed)
+    params = pdpsgd.trainable_params(model)
+    opt = torch.optim.Adam(params.values(), lr=1e-3)
+    if variant == "nonprivate":
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model, batch).mean().backward()
+            opt.step()
+        return step
+    if variant == "naive":
+        gen = torch.Generator().manual_seed(0)
+
+        def step():
+            acc = {n: torch.zeros_like(p) for n, p in params.items()}
+            for i in range(B):
+                g = torch.autograd.grad(loss_fn(model, {k: v[i:i + 1] for k, v in batch.items()}).sum(),
+                                        list(params.values()))
+                c = min(1.0, 1.0 / (float(torch.sqrt(sum((x * x).sum() for x in g))) + 1e-12))
+                for (n, _), x in zip(params.items(), g):
+                    acc[n].add_(x, alpha=c)
+            for n, p in params.items():
+                p.grad = (acc[n] + torch.randn(p.shape, generator=gen)) / B
+            opt.step()
+        return step
+    dp = pdpsgd.make_dp_step(model, loss_fn, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=B,
+                             method=variant, generator=torch.Generator().manual_seed(0))
+
+    def step():
+        out = dp(params, batch)
+        for n, p in params.items():
+            p.grad = out.grads[n]
+        opt.step()
+    return step
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--B", type=int, default=32)
+    ap.add_argument("--T", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--packed", action="store_true", help="pack_padded_sequence with random lengths")
+    ap.add_argument("--variants", default="nonprivate,naive,vmap,bk,auto,opacus")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 2000, (a.B, a.T), generator=g)
+    lengths = torch.randint(a.T // 2, a.T + 1, (a.B,), generator=g)
+    ids[torch.arange(a.T)[None] >= lengths[:, None]] = 0
+    batch = {"input_ids": ids, "labels": torch.randint(0, 3, (a.B,), generator=g)}
+    variants = a.variants.split(",")
+    if "opacus" in variants:
+        try:
+            import opacus  # noqa: F401
+        except ImportError:
+            variants.remove("opacus")
+    if a.packed and "vmap" in variants:
+        variants.remove("vmap")  # packed sequences cannot run per example under vmap
+    steps = {v: make(v, a, batch) for v in variants}
+    times = {v: [] for v in variants}
+    for v in variants:
+        steps[v]()
+    for r in range(a.reps):
+        for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+            steps[v]()  # untimed step of the same variant first (steady state)
+            t = time.process_time()
+            steps[v]()
+            times[v].append(time.process_time() - t)
+    base = statistics.median(times["nonprivate"])
+    print(f"BiLSTM B={a.B} T={a.T} hidden={a.hidden} packed={a.packed} threads={a.threads}, CPU time, "
+          f"median of {a.reps}")
+    print("| variant | step ms | × non-private |")
+    print("|---|---|---|")
+    for v in variants:
+        m = statistics.median(times[v])
+        print(f"| {v} | {m * 1000:.1f} | {m / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

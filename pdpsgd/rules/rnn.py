@@ -142,13 +142,14 @@ class RNNRule(Rule):
                 h_prev: List[Tensor] = [None] * T  # type: ignore[list-item]
                 gh_t: List[Tensor] = [None] * T  # type: ignore[list-item]
                 out: List[Tensor] = [None] * T  # type: ignore[list-item]
+                gis = gi.unbind(1)  # T x (B, G·H); one backward node (gi[:, t] would zero-fill (B, T, G·H) per step)
                 for t in (range(T - 1, -1, -1) if d else range(T)):
                     h_prev[t] = state[0]
                     gh = F.linear(state[0], w_hh, b_hh)  # (B, H) -> (B, G·H)
                     if mode == "GRU":
                         gh = _leaf_if_constant(gh)
                         gh_t[t] = gh
-                    new = _step(mode, gi[:, t], gh, state)
+                    new = _step(mode, gis[t], gh, state)
                     if mask is not None:  # packed: a finished (or not yet started) sequence keeps its state
                         m_t = mask[:, t].unsqueeze(1)  # (B, 1)
                         new = tuple(torch.where(m_t, a, b) for a, b in zip(new, state))
