@@ -200,3 +200,51 @@ def test_float32_matches_fused_kernel_forward():
                 torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
                 for a, c in zip(h if kind == "lstm" else (h,), ref_h if kind == "lstm" else (ref_h,)):
                     torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+class EncoderDecoder(nn.Module):
+    """The second layer starts from the first's final state: gradients flow through h0/c0."""
+
+    def __init__(self, kind="lstm"):
+        super().__init__()
+        self.kind = kind
+        self.emb = nn.Embedding(20, 4)
+        self.enc = KINDS[kind](4, 3, batch_first=True)
+        self.dec = KINDS[kind](4, 3, batch_first=True)
+        self.out = nn.Linear(3, 3)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        _, state = self.enc(x)
+        y, _ = self.dec(x.flip(1), state)
+        return self.out(y.mean(1))
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_state_handed_between_layers_exact(kind):
+    torch.manual_seed(2)
+    for cm in ("ghost", "explicit"):
+        r = assert_exact(EncoderDecoder(kind), loss, _batch(4, 6), method="bk", max_grad_norm=0.05,
+                         bk_options={"cost_model": cm})
+        assert "vmap" not in {v for n, v in r.routes.items() if n.startswith(("enc.", "dec."))}
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_lstm_direction_backward_gradcheck(reverse, packed):
+    """The hand-written backward through time of the LSTM rule, against finite differences."""
+    from pdpsgd.rules.rnn import _LSTMDirection
+
+    torch.manual_seed(0)
+    B, T, H = 3, 4, 2
+    gi = torch.randn(B, T, 4 * H, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(B, H, dtype=torch.float64, requires_grad=True)
+    c0 = torch.randn(B, H, dtype=torch.float64, requires_grad=True)
+    w, b = torch.randn(4 * H, H, dtype=torch.float64), torch.randn(4 * H, dtype=torch.float64)
+    mask = (torch.arange(T)[None] < torch.tensor([4, 2, 1])[:, None]) if packed else None
+
+    def f(gi, h0, c0):
+        y, h, c, _ = _LSTMDirection.apply(gi, h0, c0, w, b, mask, reverse)
+        return y, h, c
+
+    assert torch.autograd.gradcheck(f, (gi, h0, c0))
