@@ -138,10 +138,12 @@ def values(res: Path) -> dict:
 def main(res: Path = HERE / "results", out: Path = HERE / "README.md") -> Path:
     text = (HERE / "README.template.md").read_text()
     v = values(res)
+    if (res / "full").is_dir():  # run_all --full --out results/full: the same keys, prefixed F_
+        v.update({f"F_{k}": x for k, x in values(res / "full").items() if not k.startswith("_") and k != "FULL_MEASURED"})
     keys = sorted((k for k in v if not k.startswith("_")), key=len, reverse=True)
     for k in keys:
         text = re.sub(rf"\b{re.escape(k)}\b", lambda _m, k=k: str(v[k]), text)
-    left = sorted(set(re.findall(r"\b(?:RUNALL|T1|T2|T3|AUD|BKC|BKT|BKU)_[A-Z0-9_]+\b", text)))
+    left = sorted(set(re.findall(r"\b(?:F_)?(?:RUNALL|T1|T2|T3|AUD|BKC|BKT|BKU)_[A-Z0-9_]+\b", text)))
     for k in left:
         text = re.sub(rf"\b{k}\b", "n/a", text)
     out.write_text(text)

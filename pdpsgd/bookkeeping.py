@@ -113,6 +113,19 @@ def cost(shapes: List[UseShape], B: int, *, elementwise_cost: float) -> Tuple[fl
     return ghost, explicit
 
 
+def factor_elems(shapes: List[UseShape], B: int) -> int:
+    """Elements of the captured factors (a, g) of these uses: what keeping G instead frees."""
+    n = 0
+    for s in shapes:
+        if s.kind == "dense":
+            n += B * s.T * (s.P0 + s.P1)
+        elif s.kind == "bias":
+            n += B * s.T * s.P0
+        elif s.kind == "index":
+            n += B * s.T * (s.P1 + 1)
+    return n
+
+
 def choose_route(shapes: List[UseShape], B: int, cost_model: str, *, elementwise_cost: float,
                  explicit_max_elems: int) -> str:
     """"ghost" or "explicit" for one parameter, from its uses' shapes only."""
@@ -575,7 +588,7 @@ def _routes(col: _Collected, params: Params, B: int, cost_model: str, overrides:
             routes[n] = choose_route(shapes, B, cost_model, elementwise_cost=ew, explicit_max_elems=cap)
             if routes[n] == "explicit" and big and cost_model == "time":
                 numel = B * max(s.P0 for s in big) * max(s.P1 for s in big)
-                if kept + numel > keep_budget:
+                if kept + numel > keep_budget and numel > factor_elems(shapes, B):
                     # G would be dropped after its norm: the clipped sum then costs one more
                     # B·T·p·d matmul per use; re-compare with ghost under that handicap.
                     g, e = cost(shapes, B, elementwise_cost=ew)
@@ -583,7 +596,8 @@ def _routes(col: _Collected, params: Params, B: int, cost_model: str, overrides:
                     routes[n] = "ghost" if g < e else "explicit"
         if routes[n] == "explicit" and big:
             numel = B * max(s.P0 for s in big) * max(s.P1 for s in big)
-            kept += numel if kept + numel <= keep_budget else 0
+            if numel > factor_elems(shapes, B):  # kept G that frees at least its size costs no budget
+                kept += numel if kept + numel <= keep_budget else 0
     return routes
 
 
@@ -646,10 +660,14 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
             sq[n] = _sq_norm(G)
             small = len(uses) == 1 and not isinstance(uses[0], (Dense, Index))
             small = small or all(isinstance(u, Dense) and u.R is None for u in uses)
-            if small or kept + G.numel() <= keep_budget:
+            # keep G for Σ c_i G_i when it is no bigger than the factors it replaces (they are
+            # released now: memory only goes down), or within the budget of extra memory
+            frees = G.numel() <= factor_elems([_use_shape(u, p.shape) for u in uses], B)
+            if small or frees or kept + G.numel() <= keep_budget:
                 kept_G[n] = G  # reused for Σ c_i G_i
-                kept += 0 if small else G.numel()
-            del G
+                kept += 0 if (small or frees) else G.numel()
+                col.uses[n] = []  # drop this parameter's references to its a and g
+            del G, uses
         else:
             tot = None
             for i, u in enumerate(uses):

@@ -317,12 +317,40 @@ def test_inplace_modified_output_falls_back():
     assert r.routes["lin.weight"] == "vmap" and r.routes["out.weight"] != "vmap"
 
 
-def test_explicit_without_keeping_per_example_grads():
-    """Explicit norms with the per-example gradient dropped (memory budget): sum by one matmul."""
+def _count_factor_sums(monkeypatch):
+    """Spy: parameter shapes whose clipped sum is taken from the factors (aᵀ·diag(c)·g)."""
+    import pdpsgd.bookkeeping as bk
+
+    seen = []
+    orig = bk._weighted_use_sum
+
+    def spy(u, w, keep, shape, acc, rows=None):
+        seen.append(tuple(shape))
+        return orig(u, w, keep, shape, acc, rows)
+
+    monkeypatch.setattr(bk, "_weighted_use_sum", spy)
+    return seen
+
+
+def test_explicit_without_keeping_per_example_grads(monkeypatch):
+    """Explicit norms with the per-example gradient dropped (memory budget): sum by one matmul.
+    T = 9: c_fc's G (16·64 per example) is bigger than its factors (9·(16+64)), so it is not kept."""
+    seen = _count_factor_sums(monkeypatch)
     model = models.tiny_gpt2()
-    r = assert_exact(model, models.hf_lm_loss, _gpt2_batch(), method="auto", max_grad_norm=0.5,
+    r = assert_exact(model, models.hf_lm_loss, _gpt2_batch(T=9), method="auto", max_grad_norm=0.5,
                      bk_options={"cost_model": "explicit", "explicit_keep_elems": 1})
     assert r.routes["transformer.h.0.mlp.c_fc.weight"] == "explicit"
+    assert (16, 64) in seen  # c_fc's clipped sum came from a and g
+
+
+def test_explicit_kept_when_it_frees_its_factors(monkeypatch):
+    """T = 20: G (16·64) is smaller than a + g (20·(16+64)): kept whatever the budget, factors released."""
+    seen = _count_factor_sums(monkeypatch)
+    model = models.tiny_gpt2()
+    r = assert_exact(model, models.hf_lm_loss, _gpt2_batch(T=20), method="auto", max_grad_norm=0.5,
+                     bk_options={"cost_model": "explicit", "explicit_keep_elems": 1})
+    assert r.routes["transformer.h.0.mlp.c_fc.weight"] == "explicit"
+    assert (16, 64) not in seen  # Σ c_i G_i from the kept G
 
 
 class _SharedInputZeroRows(nn.Module):
