@@ -118,6 +118,7 @@ def noise_and_scale(
         flat = o.view(-1)
         for a, b in _chunks(flat.numel()):
             z = scratch[: b - a].normal_(generator=generator)  # (b - a,) fresh standard normals, in cache
-            flat[a:b].add_(z.to(device=flat.device, dtype=flat.dtype), alpha=std)
-        out[n] = o.mul_(inv).to(dtypes[n])  # (s + std·z) / denom, in place
+            # (s + std·z) / denom on this chunk while it is in cache (same ops and order as unchunked)
+            flat[a:b].add_(z.to(device=flat.device, dtype=flat.dtype), alpha=std).mul_(inv)
+        out[n] = o.to(dtypes[n])
     return out
