@@ -41,12 +41,15 @@ def parse_mode(description: str, argv=None, extra: Optional[Callable[[argparse.A
     g = p.add_mutually_exclusive_group()
     for m in MODES:
         g.add_argument(f"--{m}", dest="mode", action="store_const", const=m)
-    p.add_argument("--out", type=Path, default=RESULTS, help="output folder (default paper_repro/results)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder (default paper_repro/results; with --full paper_repro/results/full)")
     p.add_argument("--seed", type=int, default=0)
     if extra:
         extra(p)
     a = p.parse_args(argv)
     a.mode = a.mode or "quick"
+    if a.out is None:
+        a.out = RESULTS / "full" if a.mode == "full" else RESULTS
     torch.set_num_threads(int(os.environ.get("REPRO_THREADS", max(1, min(2, os.cpu_count() or 1)))))
     return a
 

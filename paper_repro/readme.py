@@ -125,13 +125,17 @@ def values(res: Path) -> dict:
         v["BKU_STEPS"] = str(round(st["n_ft"] / st["B"]) * st["epochs"])
         v["BKU_NP"] = _num(next((r["ppl"] for r in rows if r["variant"] == "non-private"), None))
         v["BKU_PRE"] = _num(next((r["ppl"] for r in rows if r["variant"] == "before fine-tuning"), None))
-    full = HERE / "results" / "full_runtimes.json"  # measured --full run times, if any were recorded
-    fr = json.loads(full.read_text()) if full.exists() else {}
+    fr = {}
     fra = HERE / "results" / "full" / "run_all.json"  # run_all --full --out results/full
     if fra.exists():
         fr.update({s["script"]: s["seconds"] for s in json.loads(fra.read_text())["scripts"] if s["ok"]})
+    full = HERE / "results" / "full_runtimes.json"  # measured --full run times (one per script, latest run)
+    if full.exists():
+        fr.update(json.loads(full.read_text()))
+    order = ["audit", "t1_time", "t2_utility", "t3_mia", "bk_complexity", "bk_throughput", "bk_utility"]
     if fr:
-        v["FULL_MEASURED"] = ", ".join(f"{k} {x / 60:.1f} min" for k, x in fr.items())
+        v["FULL_MEASURED"] = ", ".join(f"{k} {fr[k] / 60:.1f} min" for k in sorted(fr, key=lambda k: order.index(k) if k in order else 99))
+        v["FULL_TOTAL"] = f"{sum(fr.values()) / 3600:.1f} h"
     return v
 
 

@@ -50,7 +50,7 @@ def main(argv=None):
     (a.out / "run_all.json").write_text(json.dumps({"mode": a.mode, "total_s": total, "environment": env,
                                                     "scripts": results}, indent=1))
     print("\n".join(lines))
-    if a.mode != "smoke" and a.out.resolve() == (HERE / "results").resolve():
+    if a.mode != "smoke" and a.out.resolve() in ((HERE / "results").resolve(), (HERE / "results" / "full").resolve()):
         import readme
 
         print("README:", readme.main())
