@@ -248,3 +248,33 @@ def test_lstm_direction_backward_gradcheck(reverse, packed):
         return y, h, c
 
     assert torch.autograd.gradcheck(f, (gi, h0, c0))
+
+
+class PackedWithComputedState(nn.Module):
+    """Packed input (unsorted lengths) and an initial state computed by a Linear from the data:
+    the rule must permute h0/c0 into length order and hand their gradients back."""
+
+    def __init__(self, kind="lstm"):
+        super().__init__()
+        self.kind = kind
+        self.emb = nn.Embedding(20, 4, padding_idx=0)
+        self.init = nn.Linear(4, 2 * 3)
+        self.rnn = KINDS[kind](4, 3, num_layers=1, bidirectional=True, batch_first=True)
+        self.out = nn.Linear(3, 3)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        lengths = (ids != 0).sum(1).clamp_min(1)
+        h0 = torch.tanh(self.init(x.mean(1))).view(-1, 2, 3).transpose(0, 1).contiguous()  # (2, B, 3)
+        hx = (h0, 0.5 * h0) if self.kind == "lstm" else h0
+        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+        _, hn = self.rnn(packed, hx)
+        hn = hn[0] if self.kind == "lstm" else hn
+        return self.out(hn[0] + hn[1])
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_packed_with_computed_initial_state_exact(kind):
+    torch.manual_seed(3)
+    r = assert_exact(PackedWithComputedState(kind), loss, _padded_batch(5, 6, 1), method="bk", max_grad_norm=0.05)
+    assert "vmap" not in r.routes.values()  # every parameter by a rule, init.* through dh0/dc0
