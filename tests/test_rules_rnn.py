@@ -229,25 +229,26 @@ def test_state_handed_between_layers_exact(kind):
         assert "vmap" not in {v for n, v in r.routes.items() if n.startswith(("enc.", "dec."))}
 
 
-@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("D", [1, 2])
 @pytest.mark.parametrize("packed", [False, True])
-def test_lstm_direction_backward_gradcheck(reverse, packed):
+def test_lstm_layer_backward_gradcheck(D, packed):
     """The hand-written backward through time of the LSTM rule, against finite differences."""
-    from pdpsgd.rules.rnn import _LSTMDirection
+    from pdpsgd.rules.rnn import _LSTMLayer
 
     torch.manual_seed(0)
     B, T, H = 3, 4, 2
-    gi = torch.randn(B, T, 4 * H, dtype=torch.float64, requires_grad=True)
-    h0 = torch.randn(B, H, dtype=torch.float64, requires_grad=True)
-    c0 = torch.randn(B, H, dtype=torch.float64, requires_grad=True)
-    w, b = torch.randn(4 * H, H, dtype=torch.float64), torch.randn(4 * H, dtype=torch.float64)
+    G = torch.randn(D, B, T, 4 * H, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(D, B, H, dtype=torch.float64, requires_grad=True)
+    c0 = torch.randn(D, B, H, dtype=torch.float64, requires_grad=True)
+    w, b = torch.randn(D, 4 * H, H, dtype=torch.float64), torch.randn(D, 4 * H, dtype=torch.float64)
     mask = (torch.arange(T)[None] < torch.tensor([4, 2, 1])[:, None]) if packed else None
+    masks = None if mask is None else torch.stack([mask.flip(1) if d else mask for d in range(D)])
 
-    def f(gi, h0, c0):
-        y, h, c, _ = _LSTMDirection.apply(gi, h0, c0, w, b, mask, reverse)
+    def f(G, h0, c0):
+        y, h, c, _ = _LSTMLayer.apply(G, h0, c0, w, b, masks)
         return y, h, c
 
-    assert torch.autograd.gradcheck(f, (gi, h0, c0))
+    assert torch.autograd.gradcheck(f, (G, h0, c0))
 
 
 class PackedWithComputedState(nn.Module):

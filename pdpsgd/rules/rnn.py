@@ -85,73 +85,78 @@ def _step(mode: str, gi_t: Tensor, gh: Tensor, state: Tuple[Tensor, ...]) -> Tup
     return (act(gi_t + gh),)
 
 
-class _LSTMDirection(torch.autograd.Function):
-    """One direction of one LSTM layer given its input projection gi (B, T, 4H), with a hand-written
-    backward through time: one graph node instead of ~40 per step (the autograd loop's cost on CPU).
+class _LSTMLayer(torch.autograd.Function):
+    """The D directions of one LSTM layer, stacked and run in one loop, given their input
+    projections; hand-written backward through time: one graph node instead of ~40 per step and
+    direction (the autograd loop's cost on CPU).
 
-    forward(gi, h0, c0, w_hh, b_hh, mask, reverse) -> (y (B, T, H), h_T, c_T, h_prev (B, T, H)).
-    w_hh / b_hh are constants here (BK takes their per-example gradients from ∂gi and h_prev), so
-    the backward returns gradients for gi, h0 and c0 only. ``mask`` (B, T) bool or None: a row
-    keeps its state (h, c) at steps where it is False (packed sequences). Same math as ATen's cell.
+    forward(G (D, B, T, 4H), h0 (D, B, H), c0 (D, B, H), W (D, 4H, H), b (D, 4H) | None,
+    mask (D, B, T) | None) -> (Y (D, B, T, H), h_T, c_T, h_prev (D, B, T, H)), all in *loop time*
+    (the caller flips a reverse direction's time axis in and out). W / b are constants here (BK takes
+    the recurrent weights' per-example gradients from ∂G and h_prev), so the backward returns
+    gradients for G, h0 and c0 only. A row keeps its state (h, c) where ``mask`` is False (packed
+    sequences). Same math as ATen's cell.
     """
 
     @staticmethod
-    def forward(ctx, gi, h0, c0, w_hh, b_hh, mask, reverse):
-        B, T, G = gi.shape
-        H = G // 4
-        gib = gi if b_hh is None else gi + b_hh  # (B, T, 4H)
-        w_t = w_hh.t()  # (H, 4H)
+    def forward(ctx, G, h0, c0, W, b, mask):
+        D, B, T, G4 = G.shape
+        H = G4 // 4
+        Gb = G if b is None else G + b[:, None, None, :]  # (D, B, T, 4H)
+        Wt = W.transpose(1, 2)  # (D, H, 4H)
         h, c = h0, c0
-        acts, tcs, hps, cps, ys = [None] * T, [None] * T, [None] * T, [None] * T, [None] * T
-        for t in (range(T - 1, -1, -1) if reverse else range(T)):
-            hps[t], cps[t] = h, c
-            a = torch.addmm(gib[:, t], h, w_t)  # (B, 4H) gate pre-activations
-            a[:, : 2 * H].sigmoid_()
-            a[:, 2 * H : 3 * H].tanh_()
-            a[:, 3 * H :].sigmoid_()
-            i, f, g, o = a.split(H, dim=1)
+        acts, tcs, hps, cps, ys = [], [], [], [], []
+        for s in range(T):
+            hps.append(h)
+            cps.append(c)
+            a = torch.baddbmm(Gb[:, :, s], h, Wt)  # (D, B, 4H) gate pre-activations
+            a[..., : 2 * H].sigmoid_()
+            a[..., 2 * H : 3 * H].tanh_()
+            a[..., 3 * H :].sigmoid_()
+            i, f, g, o = a.split(H, dim=-1)
             c_new = torch.addcmul(f * c, i, g)  # f·c + i·g
             tc = torch.tanh(c_new)
             h_new = o * tc
             if mask is not None:
-                m = mask[:, t : t + 1]  # (B, 1)
+                m = mask[:, :, s : s + 1]  # (D, B, 1)
                 h_new, c_new = torch.where(m, h_new, h), torch.where(m, c_new, c)
-            acts[t], tcs[t], ys[t] = a, tc, h_new
+            acts.append(a)
+            tcs.append(tc)
+            ys.append(h_new)
             h, c = h_new, c_new
-        A, TC = torch.stack(acts, 1), torch.stack(tcs, 1)  # (B, T, 4H), (B, T, H)
-        HP, CP, Y = torch.stack(hps, 1), torch.stack(cps, 1), torch.stack(ys, 1)  # (B, T, H) each
-        ctx.save_for_backward(A, TC, CP, w_hh, mask)
-        ctx.reverse = reverse
+        A, TC = torch.stack(acts, 2), torch.stack(tcs, 2)  # (D, B, T, 4H), (D, B, T, H)
+        HP, CP, Y = torch.stack(hps, 2), torch.stack(cps, 2), torch.stack(ys, 2)  # (D, B, T, H) each
+        ctx.save_for_backward(A, TC, CP, W, mask)
         ctx.mark_non_differentiable(HP)
         return Y, h, c, HP
 
     @staticmethod
     def backward(ctx, dY, dhT, dcT, _dHP):
-        A, TC, CP, w_hh, mask = ctx.saved_tensors
-        B, T, G = A.shape
-        H = G // 4
-        i, f, g, o = A.split(H, dim=2)  # (B, T, H) each
+        A, TC, CP, W, mask = ctx.saved_tensors
+        D, B, T, G4 = A.shape
+        H = G4 // 4
+        i, f, g, o = A.split(H, dim=-1)  # (D, B, T, H) each
         # ∂gates = ∂act ⊙ act'; ∂act = [∂c·g, ∂c·c_prev, ∂c·i, ∂h·tanh(c)] -> precompute the products
-        M = torch.cat([g * i * (1 - i), CP * f * (1 - f), i * (1 - g * g), TC * o * (1 - o)], 2)  # (B, T, 4H)
-        OT = o * (1 - TC * TC)  # ∂c_new/∂h_new factor, (B, T, H)
-        dh = torch.zeros_like(TC[:, 0]) if dhT is None else dhT
-        dc = torch.zeros_like(TC[:, 0]) if dcT is None else dcT
+        M = torch.cat([g * i * (1 - i), CP * f * (1 - f), i * (1 - g * g), TC * o * (1 - o)], -1)  # (D, B, T, 4H)
+        OT = o * (1 - TC * TC)  # ∂c_new/∂h_new factor, (D, B, T, H)
+        dh = torch.zeros_like(TC[:, :, 0]) if dhT is None else dhT
+        dc = torch.zeros_like(TC[:, :, 0]) if dcT is None else dcT
         dG = torch.empty_like(A)
-        for t in (range(T) if ctx.reverse else range(T - 1, -1, -1)):
+        for s in range(T - 1, -1, -1):
             if dY is not None:
-                dh = dh + dY[:, t]
+                dh = dh + dY[:, :, s]
             if mask is not None:
-                m = mask[:, t : t + 1]
+                m = mask[:, :, s : s + 1]
                 keep_h, keep_c = torch.where(m, 0.0, dh), torch.where(m, 0.0, dc)
                 dh, dc = torch.where(m, dh, 0.0), torch.where(m, dc, 0.0)
-            dct = torch.addcmul(dc, dh, OT[:, t])  # total ∂c_new, (B, H)
-            dg_t = torch.cat([dct, dct, dct, dh], 1).mul_(M[:, t])  # (B, 4H)
-            dG[:, t] = dg_t
-            dh = dg_t @ w_hh  # (B, 4H) x (4H, H)
-            dc = dct * f[:, t]
+            dct = torch.addcmul(dc, dh, OT[:, :, s])  # total ∂c_new, (D, B, H)
+            dg_s = torch.cat([dct, dct, dct, dh], -1).mul_(M[:, :, s])  # (D, B, 4H)
+            dG[:, :, s] = dg_s
+            dh = torch.bmm(dg_s, W)  # (D, B, 4H) x (D, 4H, H)
+            dc = dct * f[:, :, s]
             if mask is not None:
                 dh, dc = dh + keep_h, dc + keep_c
-        return dG, dh, dc, None, None, None, None
+        return dG, dh, dc, None, None, None
 
 
 class RNNRule(Rule):
@@ -200,6 +205,28 @@ class RNNRule(Rule):
         layer_in = xb
         for layer in range(L):
             outs = []
+            if mode == "LSTM":  # all directions in one loop, hand-written backward (one graph node)
+                gs, ws, bs, sfxs = [], [], [], []
+                for d in range(D):
+                    sfx = f"_l{layer}" + ("_reverse" if d else "")
+                    b_ih = getattr(module, "bias_ih" + sfx) if module.bias else None
+                    gi = _leaf_if_constant(F.linear(layer_in, getattr(module, "weight_ih" + sfx), b_ih))  # (B, T, 4H)
+                    targets.append(gi)
+                    gs.append(gi.flip(1) if d else gi)  # a reverse direction runs in flipped time
+                    ws.append(getattr(module, "weight_hh" + sfx))
+                    bs.append(getattr(module, "bias_hh" + sfx) if module.bias else None)
+                    sfxs.append(sfx)
+                masks = None if mask is None else torch.stack([mask.flip(1) if d else mask for d in range(D)])
+                Y, hT, cT, HP = _LSTMLayer.apply(
+                    torch.stack(gs), h0s[0][layer * D:(layer + 1) * D], h0s[1][layer * D:(layer + 1) * D],
+                    torch.stack(ws), None if bs[0] is None else torch.stack(bs), masks)
+                for d in range(D):
+                    dirs.append(_DirCapture(sfxs[d], layer_in.detach(), HP[d].flip(1) if d else HP[d], 0))
+                    outs.append(Y[d].flip(1) if d else Y[d])  # (B, T, H) in real time
+                    finals[0].append(hT[d])
+                    finals[1].append(cT[d])
+                layer_in = outs[0] if D == 1 else torch.cat(outs, 2)  # (B, T, D·H)
+                continue
             for d in range(D):
                 sfx = f"_l{layer}" + ("_reverse" if d else "")
                 w_ih, w_hh = getattr(module, "weight_ih" + sfx), getattr(module, "weight_hh" + sfx)
@@ -211,13 +238,6 @@ class RNNRule(Rule):
                 h_prev: List[Tensor] = [None] * T  # type: ignore[list-item]
                 gh_t: List[Tensor] = [None] * T  # type: ignore[list-item]
                 out: List[Tensor] = [None] * T  # type: ignore[list-item]
-                if mode == "LSTM":  # hand-written backward through time (one graph node)
-                    y, hT, cT, hp = _LSTMDirection.apply(gi, state[0], state[1], w_hh, b_hh, mask, bool(d))
-                    dirs.append(_DirCapture(sfx, layer_in.detach(), hp, 0))
-                    outs.append(y)
-                    finals[0].append(hT)
-                    finals[1].append(cT)
-                    continue
                 gis = gi.unbind(1)  # T x (B, G·H); one backward node (gi[:, t] would zero-fill (B, T, G·H) per step)
                 for t in (range(T - 1, -1, -1) if d else range(T)):
                     h_prev[t] = state[0]
