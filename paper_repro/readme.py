@@ -133,8 +133,9 @@ def values(res: Path) -> dict:
     if full.exists():
         fr.update(json.loads(full.read_text()))
     order = ["audit", "t1_time", "t2_utility", "t3_mia", "bk_complexity", "bk_throughput", "bk_utility"]
+    rank = lambda k: next((i for i, o in enumerate(order) if k.startswith(o)), 99)  # noqa: E731
     if fr:
-        v["FULL_MEASURED"] = ", ".join(f"{k} {fr[k] / 60:.1f} min" for k in sorted(fr, key=lambda k: order.index(k) if k in order else 99))
+        v["FULL_MEASURED"] = ", ".join(f"{k} {fr[k] / 60:.1f} min" for k in sorted(fr, key=rank))
         v["FULL_TOTAL"] = f"{sum(fr.values()) / 3600:.1f} h"
     return v
 
