@@ -8,9 +8,11 @@ so example i's gradient is an outer-product sum over time, exactly the Linear fo
 (for LSTM and Elman RNNs ∂gh_t = ∂gi_t, both enter the gates as a sum; GRU's differ).
 
 torch's fused kernel hides gi, gh and h_{t-1}, so during capture this rule runs the layer itself
-(``forward``): the input projection for all steps in one matmul, then a Python loop over time with
-the same cell math as ``pdpsgd.rnn`` (tested equal to ``torch._VF`` in float64), keeping gi
-(B, T, G·H), every h_{t-1} and, for GRU, every gh_t as capture targets. A PackedSequence is run
+(``forward``): the input projection for all steps in one matmul, then a loop over time with the
+same cell math as ``pdpsgd.rnn`` (tested equal to ``torch._VF`` in float64), keeping gi
+(B, T, G·H), every h_{t-1} and, for GRU, every gh_t as capture targets. For LSTM the loop is one
+autograd node (``_LSTMLayer``: all directions stacked, hand-written backward through time); GRU and
+Elman RNNs use a plain autograd loop. A PackedSequence is run
 padded in its length-sorted order, each row keeping its state outside its valid steps (as ATen's
 packed kernel does), so padded steps get exactly zero gradient. Declined (-> exact vmap
 fallback): unbatched input, ``proj_size`` > 0, dropout between layers in train mode.
@@ -46,9 +48,9 @@ class RNNCapture:
     order: Optional[Tensor] = None  # packed input: row of example i in the length-sorted layout
 
 
-def _unpack(x: PackedSequence) -> Tuple[Tensor, Tensor, List[int]]:
+def _unpack(x: PackedSequence) -> Tuple[Tensor, Tensor]:
     """PackedSequence -> (padded (B, T, F) in length-sorted order with zeros past each length,
-    (B, T) bool mask of the valid steps, batch_sizes as ints)."""
+    (B, T) bool mask of the valid steps)."""
     bs = [int(b) for b in x.batch_sizes]
     B, T = bs[0], len(bs)
     steps = torch.arange(T, device=x.data.device).repeat_interleave(x.batch_sizes.to(x.data.device))  # (N,)
@@ -57,7 +59,7 @@ def _unpack(x: PackedSequence) -> Tuple[Tensor, Tensor, List[int]]:
     pad[rows, steps] = x.data  # (N, F) -> (B, T, F)
     mask = torch.zeros(B, T, dtype=torch.bool, device=x.data.device)
     mask[rows, steps] = True
-    return pad, mask, bs
+    return pad, mask
 
 
 def _leaf_if_constant(t: Tensor) -> Tensor:
@@ -67,12 +69,8 @@ def _leaf_if_constant(t: Tensor) -> Tensor:
 
 
 def _step(mode: str, gi_t: Tensor, gh: Tensor, state: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
-    """One cell step given both projections; same math as ``pdpsgd.rnn`` / ATen."""
-    if mode == "LSTM":
-        _, c = state  # (B, H)
-        i, f, g, o = (gi_t + gh).chunk(4, dim=-1)  # each (B, H)
-        c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        return torch.sigmoid(o) * torch.tanh(c_new), c_new
+    """One GRU / Elman cell step given both projections; same math as ``pdpsgd.rnn`` / ATen (the LSTM
+    runs in ``_LSTMLayer``)."""
     if mode == "GRU":
         (h,) = state
         i_r, i_z, i_n = gi_t.chunk(3, dim=-1)
@@ -185,7 +183,7 @@ class RNNRule(Rule):
         if packed:
             if x.data.dim() != 2:
                 return None
-            xb, mask, _ = _unpack(x)  # (B, T, F) sorted by length, (B, T)
+            xb, mask = _unpack(x)  # (B, T, F) sorted by length, (B, T)
         elif isinstance(x, Tensor) and x.dim() == 3:
             xb = x if module.batch_first else x.transpose(0, 1)  # (B, T, F)
         else:
