@@ -6,6 +6,7 @@ composition of the heterogeneous epochs meets the same ε).
 """
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -60,8 +61,10 @@ def main(argv=None):
     method = "auto" if bk_available() else "vmap"
     rows, tasks_info = [], {}
     combos = [c for c in COMBOS[a.mode] if not a.models or c[0] in a.models.split(",")]
+    combo_tasks = {}
     for model, dataset in combos:
         task = build(model, dataset, a.mode, a.seed)
+        combo_tasks[f"{model}/{dataset}"] = task.name
         tk = MODELS[model]["train"][a.mode]
         n = task.info["n_train"]
         steps = max(1, round(n / tk["batch_size"]))
@@ -89,6 +92,24 @@ def main(argv=None):
                 "time_per_epoch_s": float(np.mean(info["epoch_times"])),
             })
             print(rows[-1], flush=True)
+    merged = []  # a partial run (--models) keeps the other models' rows of an earlier run of this mode
+    prev = a.out / "t2_utility.json"
+    if len(combos) < len(COMBOS[a.mode]) and prev.exists():
+        old = json.loads(prev.read_text())
+        if old.get("mode") == a.mode:
+            done = {tuple(c) for c in combos}
+            keep = [tuple(c) for c in old.get("combos", []) if tuple(c) not in done and tuple(c) in COMBOS[a.mode]]
+            inf = lambda x: math.inf if x == "inf" else x  # noqa: E731  (JSON keeps infinities as "inf")
+            known = old.get("combo_tasks") or {}  # combo -> task name (older files: matched by name)
+            names = {(m, d): known.get(f"{m}/{d}") or next(
+                (n for n in old["tasks"] if n.split("/")[1] == d and n.lower().startswith(m[:4])), None) for m, d in keep}
+            old_rows = [{**r, "target_eps": inf(r["target_eps"]), "epsilon": inf(r["epsilon"])} for r in old["rows"]
+                        if r["model"] in names.values()]
+            rows = old_rows + rows
+            tasks_info = {**{n: old["tasks"][n] for n in names.values() if n}, **tasks_info}
+            combo_tasks = {**{f"{m}/{d}": n for (m, d), n in names.items() if n}, **combo_tasks}
+            combos = [c for c in COMBOS[a.mode] if c in keep or c in done]
+            merged = [f"{m}/{d}" for m, d in keep]
     cols = [("model", "model/data"), ("target_eps", "target ε"), ("schedule", "noise schedule"),
             ("epsilon", "accounted ε (PRV upper)"), ("sigma", "σ (first epoch)"), ("sigma_last", "σ (last)"),
             ("accuracy", "test accuracy"), ("majority", "majority class"), ("method", "method"),
@@ -121,11 +142,13 @@ def main(argv=None):
         "(σ_e, q, steps) mechanisms gives the target ε (heterogeneous composition, no approximation beyond the PRV error bound).",
         "Single seed per cell: differences of 1–2 points are within run-to-run noise at these sizes.",
     ]
+    if merged:
+        notes.append(f"Rows of {', '.join(merged)} are kept from an earlier run of this mode (--models {a.models} ran now).")
     if len(combos) < len(COMBOS[a.mode]):
         notes.append(f"Partial run (--models {a.models}): only {', '.join(f'{m}/{d}' for m, d in combos)} of this mode's "
                      f"{', '.join(f'{m}/{d}' for m, d in COMBOS[a.mode])}.")
     data = {"delta": DELTA, "epsilons": EPSILONS, "decay": DECAY, "tasks": tasks_info, "rows": rows,
-            "combos": [list(c) for c in combos]}
+            "combos": [list(c) for c in combos], "combo_tasks": combo_tasks}
     write_results(a.out, "t2_utility", title="T2: utility vs ε (Dupuy et al. 2021, scaled down)", mode=a.mode,
                   sections=[("", table)], data=data, started=t0, notes=notes)
     print(table)

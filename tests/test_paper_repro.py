@@ -69,6 +69,21 @@ def test_t2_accounting_matches_targets(smoke_out):
     assert any(r["schedule"] != "constant" for r in rows)  # the decay variant ran
 
 
+def test_t2_partial_run_keeps_the_other_models_rows(smoke_out, tmp_path):
+    """--models runs part of a mode; the other models' rows of an earlier run in --out are kept."""
+    import shutil
+
+    shutil.copy(smoke_out / "t2_utility.json", tmp_path / "t2_utility.json")
+    before = json.loads((tmp_path / "t2_utility.json").read_text())
+    _load("t2_utility").main(["--smoke", "--models", "bilstm", "--out", str(tmp_path)])
+    after = json.loads((tmp_path / "t2_utility.json").read_text())
+    models = {r["model"].split("/")[0] for r in after["rows"]}
+    assert models == {"BiLSTM", "MiniLM-L6"}
+    kept = [r for r in after["rows"] if r["model"].startswith("MiniLM")]
+    assert kept == [r for r in before["rows"] if r["model"].startswith("MiniLM")]
+    assert any("kept from an earlier run" in n for n in after["notes"])
+
+
 def test_t3_bounds_reported(smoke_out):
     rows = json.loads((smoke_out / "t3_mia.json").read_text())["rows"]
     assert {r["attack"].split()[0] for r in rows} == {"loss", "LiRA"}
