@@ -41,6 +41,11 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+try:  # torch >= 2.2: autograd.grad accepts a tensor's gradient edge in place of the tensor
+    from torch.autograd.graph import get_gradient_edge as _gradient_edge
+except ImportError:  # pragma: no cover
+    _gradient_edge = None
+
 from ._types import Batch, EngineResult, Params, WeightsFn
 from .functional import LossModule, ParamIndex
 from .per_sample import batch_size, per_sample_grads, slice_batch, sq_norm_per_example, weighted_sum
@@ -347,10 +352,28 @@ class _Call:
     output: Optional[Tensor]  # None for a custom-forward rule (its targets are in ``capture``)
     versions: Tuple[int, ...]
     capture: Any = None  # custom-forward rules: what ``rule.forward`` returned beside the output
+    edge: Any = None  # the output's gradient edge, once ``output`` is released (see ``_release_outputs``)
 
     @property
-    def targets(self) -> List[Tensor]:
-        return list(self.capture.targets) if self.capture is not None else [self.output]
+    def targets(self) -> List[Any]:
+        if self.capture is not None:
+            return list(self.capture.targets)
+        return [self.edge if self.edge is not None else self.output]
+
+
+def _release_outputs(calls: List[_Call]) -> None:
+    """Keep only the gradient edge of each captured output whose rule does not read the output's
+    values (``Rule.needs_output``): ``autograd.grad`` accepts the edge in place of the tensor, so
+    an output nobody else saves (e.g. the (B, T, V) logits, a GELU input once its backward ran) is
+    freed during the backward instead of living until every g has been computed (memory only;
+    the gradients are the same)."""
+    if _gradient_edge is None:
+        return
+    for c in calls:
+        if c.capture is None and c.output is not None and c.output.requires_grad \
+                and not getattr(c.rule, "needs_output", True):
+            c.edge = _gradient_edge(c.output)
+            c.output = None
 
 
 @dataclass
@@ -508,6 +531,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         if now != c.versions:
             for c2 in ruled[c.module][2].values():
                 fallback.setdefault(c2, f"{type(c.module).__name__} ({c.mname}): input/output modified in place")
+    _release_outputs(calls)
     leaf_names = [n for n in ruled_names]
     call_targets = [c.targets for c in calls]
     n_call = sum(len(t) for t in call_targets)
@@ -533,7 +557,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         else:
             args = tuple(x.detach() if isinstance(x, Tensor) else x for x in c.args)
             kwargs = {k2: (x.detach() if isinstance(x, Tensor) else x) for k2, x in c.kwargs.items()}
-            got = rule.uses(c.module, args, kwargs, c.output.detach(), gs[0], B)
+            got = rule.uses(c.module, args, kwargs, None if c.output is None else c.output.detach(), gs[0], B)
         if got is None:
             for n in local.values():
                 fallback.setdefault(n, f"{rule.name} rule declined this call of {mname}")

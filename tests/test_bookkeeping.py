@@ -417,3 +417,47 @@ def test_fused_noise_does_not_touch_sums_and_zero_std_is_division():
     z = fused.noise_and_scale(sums, 0.0, None, 4.0, dtypes, compile=False)
     for n in sums:
         torch.testing.assert_close(z[n], (sums[n] / 4.0).to(dtypes[n]))
+
+
+class _Probe(torch.autograd.Function):
+    """Identity whose backward records whether a watched tensor has been freed by then."""
+
+    @staticmethod
+    def forward(ctx, x, watch):
+        ctx.watch = watch
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if "ref" in ctx.watch:
+            ctx.watch["freed_in_backward"] = ctx.watch["ref"]() is None
+        return g, None
+
+
+class _ProbeNet(nn.Module):
+    def __init__(self, watch):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 3)
+        self.watch = watch
+
+    def forward(self, x):
+        h = _Probe.apply(torch.tanh(self.a(x)), self.watch)
+        return self.b(h)  # (B, 3): only the loss reads it, and cross_entropy saves log_softmax, not its input
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_captured_outputs_released_before_the_backward_ends(method):
+    """The engine keeps a captured layer's output only as a gradient edge: an output that nothing
+    else saves (b's logits here, like GPT-2's (B, T, V) logits) is freed before the backward reaches
+    the layers below it. Results stay exact."""
+    import weakref
+
+    watch = {}
+    model = _ProbeNet(watch)
+    model.b.register_forward_hook(lambda m, a, out: watch.__setitem__("ref", weakref.ref(out)))
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))}
+    dp = make_dp_step(model, models.mlp_loss, max_grad_norm=0.5, noise_multiplier=0.0, method=method)
+    dp(trainable_params(model), batch)
+    assert watch["freed_in_backward"] is True
+    assert_exact(_ProbeNet({}), models.mlp_loss, batch, method=method, max_grad_norm=0.5)

@@ -89,6 +89,9 @@ class Rule:
     # ``custom_uses(module, capture, grads, batch_size)``, where ``capture.targets`` are the tensors
     # whose gradients the engine passes back as ``grads`` (None where one does not reach the loss).
     custom_forward = False
+    # Whether ``uses`` reads the values of ``output``. A rule that does not sets this False: the
+    # engine then releases the layer's output after the forward (``output`` is passed as None).
+    needs_output = True
 
     def supports(self, module: nn.Module) -> Optional[str]:
         """None if the layer's configuration is covered, else a short reason (-> vmap fallback)."""

@@ -25,6 +25,7 @@ class ConvRule(Rule):
     """Patches U (B, L, C_in·k) = unfold(x), g (B, L, C_out): G_W,i = Σ_l g ⊗ U (C_out, C_in·k)."""
 
     name = "conv"
+    needs_output = False
 
     def supports(self, module: nn.Module) -> Optional[str]:
         if module.groups != 1:

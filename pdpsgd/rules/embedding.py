@@ -13,6 +13,7 @@ class EmbeddingRule(Rule):
     """G_W,i[v] = Σ_{t: ids[i,t]=v, v≠padding_idx} g[i,t]. Ghost norm masks on equal ids."""
 
     name = "embedding"
+    needs_output = False
     broadcast_batch = True  # (1, T) ids (positions) are expanded to the batch by the engine
 
     def supports(self, module: nn.Module) -> Optional[str]:

@@ -13,6 +13,7 @@ class HFConv1DRule(Rule):
     """G_W,i = Σ_t a[i,t] ⊗ g[i,t] (in, out), the transpose of Linear's layout; G_b,i = Σ_t g[i,t]."""
 
     name = "hf_conv1d"
+    needs_output = False
 
     def uses(self, module, args, kwargs, output, grad_output, batch_size) -> Optional[Dict[str, Use]]:
         x = first_input(args, kwargs, "x")

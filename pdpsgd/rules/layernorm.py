@@ -18,6 +18,7 @@ class LayerNormRule(Rule):
     """G_w,i = Σ_t g ⊙ x̂ and G_b,i = Σ_t g, both (B, *normalized_shape): explicit, always cheap."""
 
     name = "layernorm"
+    needs_output = False
 
     def uses(self, module, args, kwargs, output, grad_output, batch_size) -> Optional[Dict[str, Use]]:
         x = first_input(args, kwargs)

@@ -12,6 +12,7 @@ class LinearRule(Rule):
     """G_W,i = Σ_t g[i,t] ⊗ a[i,t] (out, in); G_b,i = Σ_t g[i,t]."""
 
     name = "linear"
+    needs_output = False
 
     def uses(self, module, args, kwargs, output, grad_output, batch_size) -> Optional[Dict[str, Use]]:
         x = first_input(args, kwargs)

@@ -23,6 +23,7 @@ class TorchRMSNormRule(Rule):
     """nn.RMSNorm: G_w,i = Σ_t g ⊙ x·rsqrt(mean(x²)+eps) (B, *normalized_shape)."""
 
     name = "rmsnorm"
+    needs_output = False
 
     def uses(self, module, args, kwargs, output, grad_output, batch_size) -> Optional[Dict[str, Use]]:
         if module.weight is None:
