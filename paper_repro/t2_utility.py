@@ -55,12 +55,18 @@ def build(model, dataset, mode, seed):
 
 
 def main(argv=None):
-    a = parse_mode(__doc__.splitlines()[0], argv, extra=lambda p: p.add_argument(
-        "--models", default="", help="comma-separated subset of bilstm,minilm (default: all of the mode's)"))
+    def extra(p):
+        p.add_argument("--models", default="", help="comma-separated subset of bilstm,minilm (default: all of the mode's)")
+        p.add_argument("--datasets", default="", help="comma-separated subset of tweets,bbc (default: all of the mode's)")
+
+    a = parse_mode(__doc__.splitlines()[0], argv, extra=extra)
     t0 = time.time()
     method = "auto" if bk_available() else "vmap"
     rows, tasks_info = [], {}
-    combos = [c for c in COMBOS[a.mode] if not a.models or c[0] in a.models.split(",")]
+    combos = [c for c in COMBOS[a.mode] if (not a.models or c[0] in a.models.split(","))
+              and (not a.datasets or c[1] in a.datasets.split(","))]
+    if not combos:
+        raise SystemExit(f"--models {a.models!r} --datasets {a.datasets!r} select none of {COMBOS[a.mode]}")
     combo_tasks = {}
     for model, dataset in combos:
         task = build(model, dataset, a.mode, a.seed)

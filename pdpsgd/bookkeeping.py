@@ -239,10 +239,12 @@ def _active_rows(u: Dense, gl: Tensor, gr: Tensor) -> Optional[Tensor]:
     whose square underflows to 0 is kept)."""
     n = gl.shape[0] * gl.shape[1]
     need = (1 - ACTIVE_ROWS_FRACTION) * n
+    cands = [(gx.diagonal(dim1=1, dim2=2) == 0).reshape(-1) for gx in (gl, gr)]  # ‖X_t‖² == 0: ⊇ zero rows
+    if int((cands[0] | cands[1]).sum()) < need:  # too few candidates: no need to confirm any
+        return None
     zero = torch.zeros(n, dtype=torch.bool, device=gl.device)
-    for X, gx in ((u.L, gl), (u.R, gr)):
-        cand = (gx.diagonal(dim1=1, dim2=2) == 0).reshape(-1)  # ‖X_t‖² == 0: a superset of the zero rows
-        if int(cand.sum()) == 0:
+    for X, cand in ((u.L, cands[0]), (u.R, cands[1])):
+        if not bool(cand.any()):
             continue
         idx = cand.nonzero().squeeze(1)
         exact = X.reshape(n, -1).index_select(0, idx).abs().amax(1) == 0  # confirm each row exactly

@@ -69,19 +69,25 @@ def test_t2_accounting_matches_targets(smoke_out):
     assert any(r["schedule"] != "constant" for r in rows)  # the decay variant ran
 
 
-def test_t2_partial_run_keeps_the_other_models_rows(smoke_out, tmp_path):
-    """--models runs part of a mode; the other models' rows of an earlier run in --out are kept."""
+@pytest.mark.parametrize("select", [["--models", "bilstm"], ["--datasets", "tweets"]])
+def test_t2_partial_run_keeps_the_other_models_rows(smoke_out, tmp_path, select):
+    """--models / --datasets run part of a mode; the other rows of an earlier run in --out are kept."""
     import shutil
 
     shutil.copy(smoke_out / "t2_utility.json", tmp_path / "t2_utility.json")
     before = json.loads((tmp_path / "t2_utility.json").read_text())
-    _load("t2_utility").main(["--smoke", "--models", "bilstm", "--out", str(tmp_path)])
+    _load("t2_utility").main(["--smoke", *select, "--out", str(tmp_path)])
     after = json.loads((tmp_path / "t2_utility.json").read_text())
     models = {r["model"].split("/")[0] for r in after["rows"]}
     assert models == {"BiLSTM", "MiniLM-L6"}
     kept = [r for r in after["rows"] if r["model"].startswith("MiniLM")]
     assert kept == [r for r in before["rows"] if r["model"].startswith("MiniLM")]
     assert any("kept from an earlier run" in n for n in after["notes"])
+
+
+def test_t2_empty_selection_is_an_error(tmp_path):
+    with pytest.raises(SystemExit, match="select none"):
+        _load("t2_utility").main(["--smoke", "--models", "minilm", "--datasets", "tweets", "--out", str(tmp_path)])
 
 
 def test_t3_bounds_reported(smoke_out):
