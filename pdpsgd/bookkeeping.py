@@ -41,10 +41,22 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-try:  # torch >= 2.2: autograd.grad accepts a tensor's gradient edge in place of the tensor
-    from torch.autograd.graph import get_gradient_edge as _gradient_edge
-except ImportError:  # pragma: no cover
-    _gradient_edge = None
+
+
+def _edge_fn():
+    """``get_gradient_edge`` if this torch's ``autograd.grad`` accepts gradient edges as inputs, else None."""
+    try:
+        from torch.autograd.graph import get_gradient_edge
+
+        x = torch.ones(1, requires_grad=True)
+        y = x * 2
+        (g,) = torch.autograd.grad((y * 3).sum(), [get_gradient_edge(y)])
+        return get_gradient_edge if float(g) == 3.0 else None
+    except Exception:  # pragma: no cover - older torch: outputs are kept as tensors (more memory)
+        return None
+
+
+_gradient_edge = _edge_fn()
 
 from ._types import Batch, EngineResult, Params, WeightsFn
 from .functional import LossModule, ParamIndex
@@ -717,12 +729,14 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
     for n, r in routes.items():
         p = params[n]
         acc = _acc(p.dtype)
+        # each parameter's factors / per-example gradients are dropped once its sum is taken, so the
+        # sums (parameter-sized) replace them instead of adding to them
         if r == "vmap":
-            sums[n] = weighted_sum(w[n], fb_grads[n])
+            sums[n] = weighted_sum(w[n], fb_grads.pop(n))
         elif n in kept_G:
             sums[n] = _wsum(w[n], kept_G.pop(n))
         else:
-            uses = col.uses.get(n, [])
+            uses = col.uses.pop(n, [])
             keep = w[n] != 0
             keep = None if bool(keep.all()) else keep
             s = None
@@ -730,6 +744,7 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
                 t = _weighted_use_sum(u, w[n], keep, p.shape, acc, active.get(id(u)))
                 s = t if s is None else s + t
             sums[n] = s if s is not None else torch.zeros(p.shape, dtype=acc, device=p.device)
+            del uses
     return losses, sq, w, sums, routes
 
 
