@@ -442,6 +442,73 @@ def _model_layout(model: nn.Module, params: Params, registry: RuleRegistry, over
     return ruled, fallback, owner
 
 
+_NOT_REACHED = object()
+
+
+@dataclass
+class _Early:
+    call: _Call
+    got: Any = _NOT_REACHED  # the rule's uses, once its output gradient has been seen
+
+
+def _eager_calls(calls: List[_Call], leaves: List[Tensor]) -> Dict[int, _Early]:
+    """Calls whose (small, explicit) uses are taken *inside* the backward (``Rule.eager``): a
+    pre-hook on the output's node reads g as the engine reaches it, the rule runs there, and the
+    layer's input and g are released at once instead of living until the whole backward is done
+    (e.g. every LayerNorm's input and output gradient). Only calls whose node lies on a path to
+    another requested gradient qualify — the engine runs exactly those nodes; the others are
+    requested as before."""
+    cand = [i for i, c in enumerate(calls) if c.edge is not None and getattr(c.rule, "eager", False)]
+    if not cand:
+        return {}
+    idx = set(cand)
+    goals = set()  # nodes whose gradients autograd.grad is asked for (hold them: stable identity)
+    for i, c in enumerate(calls):
+        if i not in idx:
+            for t in c.targets:
+                if not isinstance(t, Tensor):
+                    goals.add(t.node)
+                elif t.requires_grad:
+                    goals.add(_gradient_edge(t).node)
+    for t in leaves:
+        goals.add(_gradient_edge(t).node)
+    dead: Set[Any] = set()  # nodes proven to reach no goal
+
+    def reaches(node) -> bool:
+        if node in goals:
+            return True
+        stack, seen = [node], {node}
+        while stack:
+            for nxt, _ in stack.pop().next_functions:
+                if nxt is None or nxt in seen or nxt in dead:
+                    continue
+                if nxt in goals:
+                    return True
+                seen.add(nxt)
+                stack.append(nxt)
+        dead.update(seen)
+        return False
+
+    return {i: _Early(calls[i]) for i in cand if reaches(calls[i].edge.node)}
+
+
+def _eager_hook(st: _Early, B: int):
+    c = st.call
+    nr = c.edge.output_nr
+
+    def hook(grad_outputs):
+        g = grad_outputs[nr]
+        if g is not None:
+            args = tuple(x.detach() if isinstance(x, Tensor) else x for x in c.args)
+            kwargs = {k: (x.detach() if isinstance(x, Tensor) else x) for k, x in c.kwargs.items()}
+            st.got = c.rule.uses(c.module, args, kwargs, None, g.detach(), B)
+            del args, kwargs
+        c.args, c.kwargs = (), {}  # the layer's input is no longer needed here
+        return None
+
+    return c.edge.node.register_prehook(hook)
+
+
 def _override(overrides: Mapping[str, str], mname: str, m: nn.Module) -> Optional[str]:
     return overrides.get(mname) or overrides.get(type(m).__name__)
 
@@ -547,26 +614,36 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
                 fallback.setdefault(c2, f"{type(c.module).__name__} ({c.mname}): input/output modified in place")
     _release_outputs(calls)
     leaf_names = [n for n in ruled_names]
-    call_targets = [c.targets for c in calls]
+    early = _eager_calls(calls, [leaves[n] for n in leaf_names]) if losses.requires_grad else {}
+    call_targets = [[] if i in early else c.targets for i, c in enumerate(calls)]
     n_call = sum(len(t) for t in call_targets)
     targets = [t for ts in call_targets for t in ts] + [leaves[n] for n in leaf_names]
-    if losses.requires_grad and targets:
-        grads = torch.autograd.grad(losses.sum(), targets, allow_unused=True)
-    else:
-        grads = (None,) * len(targets)
+    hooks = [_eager_hook(st, B) for st in early.values()]
+    try:
+        if losses.requires_grad and targets:
+            grads = torch.autograd.grad(losses.sum(), targets, allow_unused=True)
+        else:
+            grads = (None,) * len(targets)
+    finally:
+        for h in hooks:
+            h.remove()
     for n, g in zip(leaf_names, grads[n_call:]):
         if g is not None:
             fallback.setdefault(n, "also used outside its layer's forward")
     uses: Dict[str, List[Use]] = {}
     k = 0
-    for c, ts in zip(calls, call_targets):
+    for i, (c, ts) in enumerate(zip(calls, call_targets)):
         gs, k = list(grads[k:k + len(ts)]), k + len(ts)
         mname, rule, local = ruled[c.module]
         if all(n in fallback for n in local.values()):
             continue
-        if all(g is None for g in gs):
+        if i in early:
+            got = early[i].got
+            if got is _NOT_REACHED:
+                continue  # no gradient reached this call's output: zero contribution
+        elif all(g is None for g in gs):
             continue  # this call's output does not reach the loss: zero contribution
-        if c.capture is not None:
+        elif c.capture is not None:
             got = rule.custom_uses(c.module, c.capture, gs, B)
         else:
             args = tuple(x.detach() if isinstance(x, Tensor) else x for x in c.args)

@@ -461,3 +461,37 @@ def test_captured_outputs_released_before_the_backward_ends(method):
     dp(trainable_params(model), batch)
     assert watch["freed_in_backward"] is True
     assert_exact(_ProbeNet({}), models.mlp_loss, batch, method=method, max_grad_norm=0.5)
+
+
+class _LNStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_in = nn.LayerNorm(5)  # on the raw input: nothing requested lies below it
+        self.a = nn.Linear(5, 6)
+        self.ln_mid = nn.LayerNorm(6)  # between two captured Linears: its uses are taken in the backward
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.b(self.ln_mid(torch.tanh(self.a(self.ln_in(x))))).sum(1)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_layernorm_uses_taken_inside_the_backward_exact(method, monkeypatch):
+    """LayerNorm's per-example gradients are computed by a pre-hook as the backward reaches the
+    layer (its input and g are then released); a LayerNorm with no other requested gradient below
+    it is requested as before. Both exact against the naive oracle."""
+    import pdpsgd.bookkeeping as bk
+
+    eager = []
+    orig = bk._eager_calls
+
+    def spy(calls, leaves):
+        out = orig(calls, leaves)
+        eager.append(sorted(calls[i].mname for i in out))
+        return out
+
+    monkeypatch.setattr(bk, "_eager_calls", spy)
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 7, 5), "y": torch.randint(0, 3, (4,))}
+    assert_exact(_LNStack(), models.mlp_loss, batch, method=method, max_grad_norm=0.3)
+    assert eager and all(e == ["ln_mid"] for e in eager)

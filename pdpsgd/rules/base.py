@@ -92,6 +92,10 @@ class Rule:
     # Whether ``uses`` reads the values of ``output``. A rule that does not sets this False: the
     # engine then releases the layer's output after the forward (``output`` is passed as None).
     needs_output = True
+    # Whether ``uses`` may run inside the backward, as soon as the output gradient is known, because
+    # it returns small explicit uses only (e.g. LayerNorm's (B, d)): the layer's input and output
+    # gradient are then released at once. Requires ``needs_output = False``.
+    eager = False
 
     def supports(self, module: nn.Module) -> Optional[str]:
         """None if the layer's configuration is covered, else a short reason (-> vmap fallback)."""

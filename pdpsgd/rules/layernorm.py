@@ -19,6 +19,7 @@ class LayerNormRule(Rule):
 
     name = "layernorm"
     needs_output = False
+    eager = True
 
     def uses(self, module, args, kwargs, output, grad_output, batch_size) -> Optional[Dict[str, Use]]:
         x = first_input(args, kwargs)

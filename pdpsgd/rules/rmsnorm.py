@@ -24,6 +24,7 @@ class TorchRMSNormRule(Rule):
 
     name = "rmsnorm"
     needs_output = False
+    eager = True
 
     def uses(self, module, args, kwargs, output, grad_output, batch_size) -> Optional[Dict[str, Use]]:
         if module.weight is None:
