@@ -442,6 +442,26 @@ def _model_layout(model: nn.Module, params: Params, registry: RuleRegistry, over
     return ruled, fallback, owner
 
 
+_REENTRANT = (
+    "{} with use_reentrant=True (reentrant activation checkpointing), which book-keeping cannot capture: "
+    "the checkpointed layers run without gradients in the forward. Use use_reentrant=False (Hugging "
+    "Face's default; model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': "
+    "False}})), or turn checkpointing off for the DP step."
+)
+
+
+class _Scope(nn.Module):
+    """``forward(fn) = fn()`` with ``m`` (the loss module) as a submodule, so that ``functional_call``
+    keeps the parameters swapped in for everything ``fn`` runs: the forward *and* the backward."""
+
+    def __init__(self, loss_module: LossModule):
+        super().__init__()
+        self.m = loss_module
+
+    def forward(self, fn):  # type: ignore[override]
+        return fn()
+
+
 _NOT_REACHED = object()
 
 
@@ -528,12 +548,21 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
     detached = {n: leaves[n].detach() for n in ruled_names}
     calls: List[_Call] = []
     handles = []
+    # After the forward, the hooks stay on through the backward: a layer that runs again then is a
+    # checkpoint recomputation (torch.utils.checkpoint, use_reentrant=False; HF's default), which
+    # must see the same parameters and produce the same graph as in the forward, and is not recorded.
+    replay = [False]
+    nograd: Set[nn.Module] = set()  # ruled layers that ran with gradients disabled in the forward
+    swapped: Dict[nn.Module, List[Dict[str, Tensor]]] = {}
 
     def pre_hook(module, args, kwargs):
         mname, rule, local = ruled[module]
+        prev = {}
         for pn, c in local.items():
             if c in detached:
+                prev[pn] = module._parameters[pn]
                 module._parameters[pn] = detached[c]
+        swapped.setdefault(module, []).append(prev)
         return None
 
     pending: Dict[nn.Module, List[Any]] = {}  # custom-forward captures, until their post hook
@@ -555,18 +584,24 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
 
     def post_hook(module, args, kwargs, output):
         mname, rule, local = ruled[module]
-        for pn, c in local.items():
-            if c in detached:
-                module._parameters[pn] = leaves[c]
+        stack = swapped.get(module)
+        for pn, t in (stack.pop() if stack else {}).items():
+            module._parameters[pn] = t
+        if replay[0] and torch.is_grad_enabled() and module in nograd:
+            raise RuntimeError(_REENTRANT.format(f"layer {mname or '<root>'!r} ran without gradients in the "
+                                                 "forward and with gradients during the backward"))
         if getattr(rule, "custom_forward", False):
             capture = pending[module].pop()
-            if capture is not None:
+            if capture is not None and not replay[0]:
                 vers = tuple(x._version for x in args if isinstance(x, Tensor))
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, capture))
             return None
         if not isinstance(output, Tensor) or not output.is_floating_point():
             for c in local.values():
                 fallback.setdefault(c, f"{type(module).__name__} ({mname}) returned no float tensor")
+            return None
+        if not torch.is_grad_enabled() and not replay[0]:
+            nograd.add(module)  # no gradient can flow from this call: it contributes exactly 0
             return None
         if torch.is_grad_enabled() and not output.requires_grad:
             # e.g. the first embedding: make g reachable. The clone (not the leaf itself) is handed on,
@@ -576,9 +611,48 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             # e.g. GPT-2's position embedding of (1, T) ids, broadcast over the batch downstream:
             # expanding it to B rows (same values) lets the backward keep each example's gradient.
             output = output.expand(B, *output.shape[1:])
-        vers = tuple(x._version for x in args if isinstance(x, Tensor))
-        calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers))
+        if not replay[0]:
+            vers = tuple(x._version for x in args if isinstance(x, Tensor))
+            calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers))
         return output
+
+    leaf_names = [n for n in ruled_names]
+
+    def forward_backward():
+        with torch.enable_grad():
+            losses = loss_module(batch)
+        replay[0] = True
+        if not isinstance(losses, Tensor) or losses.shape != (B,):
+            shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+            raise ValueError(
+                f"loss_fn must return one loss per example, shape [{B}]; got {shape}. Use reduction='none' "
+                "(and sum per-token losses per example)."
+            )
+        # in-place edits of a captured input/output after the layer ran would make a or g stale
+        for c in calls:
+            now = (() if c.output is None else (c.output._version,)) + tuple(
+                x._version for x in c.args if isinstance(x, Tensor))
+            if now != c.versions:
+                for c2 in ruled[c.module][2].values():
+                    fallback.setdefault(c2, f"{type(c.module).__name__} ({c.mname}): input/output modified in place")
+        _release_outputs(calls)
+        early = _eager_calls(calls, [leaves[n] for n in leaf_names]) if losses.requires_grad else {}
+        call_targets = [[] if i in early else c.targets for i, c in enumerate(calls)]
+        targets = [t for ts in call_targets for t in ts] + [leaves[n] for n in leaf_names]
+        hooks = [_eager_hook(st, B) for st in early.values()]
+        try:
+            if losses.requires_grad and targets:
+                grads = torch.autograd.grad(losses.sum(), targets, allow_unused=True)
+            else:
+                grads = (None,) * len(targets)
+        except RuntimeError as err:
+            if "use_reentrant=True" in str(err):
+                raise RuntimeError(_REENTRANT.format("the model uses torch.utils.checkpoint")) from err
+            raise
+        finally:
+            for h in hooks:
+                h.remove()
+        return losses, grads, early, call_targets
 
     patched: Dict[nn.Module, Any] = {}  # module -> its own instance-level forward (or a sentinel)
     try:
@@ -589,8 +663,11 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
                 # the rule computes the layer itself (to keep internal activations), only while capturing
                 patched[m] = m.__dict__.get("forward", _NO_FORWARD)
                 m.forward = custom_forward(m, rule)
-        with torch.enable_grad():
-            losses = functional_call(loss_module, LossModule.prefixed({**constants, **leaves}), (batch,))
+        # forward and backward inside one functional_call: the parameters stay swapped in for a
+        # checkpointed layer that the backward recomputes
+        scope = _Scope(loss_module)
+        losses, grads, early, call_targets = functional_call(
+            scope, {"m." + k: v for k, v in LossModule.prefixed({**constants, **leaves}).items()}, (forward_backward,))
     finally:
         for h in handles:
             h.remove()
@@ -599,34 +676,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
                 del m.forward
             else:
                 m.forward = f
-    if not isinstance(losses, Tensor) or losses.shape != (B,):
-        shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
-        raise ValueError(
-            f"loss_fn must return one loss per example, shape [{B}]; got {shape}. Use reduction='none' "
-            "(and sum per-token losses per example)."
-        )
-    # in-place edits of a captured input/output after the layer ran would make a or g stale
-    for c in calls:
-        now = (() if c.output is None else (c.output._version,)) + tuple(
-            x._version for x in c.args if isinstance(x, Tensor))
-        if now != c.versions:
-            for c2 in ruled[c.module][2].values():
-                fallback.setdefault(c2, f"{type(c.module).__name__} ({c.mname}): input/output modified in place")
-    _release_outputs(calls)
-    leaf_names = [n for n in ruled_names]
-    early = _eager_calls(calls, [leaves[n] for n in leaf_names]) if losses.requires_grad else {}
-    call_targets = [[] if i in early else c.targets for i, c in enumerate(calls)]
     n_call = sum(len(t) for t in call_targets)
-    targets = [t for ts in call_targets for t in ts] + [leaves[n] for n in leaf_names]
-    hooks = [_eager_hook(st, B) for st in early.values()]
-    try:
-        if losses.requires_grad and targets:
-            grads = torch.autograd.grad(losses.sum(), targets, allow_unused=True)
-        else:
-            grads = (None,) * len(targets)
-    finally:
-        for h in hooks:
-            h.remove()
     for n, g in zip(leaf_names, grads[n_call:]):
         if g is not None:
             fallback.setdefault(n, "also used outside its layer's forward")

@@ -85,6 +85,15 @@ def _explain_vmap_error(err: Exception) -> Exception:
             "raw nn.Parameter such as a learned h0 does not), or pad the sequences to a common length and "
             f"mask the padded steps. Original error: {msg}"
         )
+    if _raised_in(err, "torch/utils/checkpoint.py") or ("requires_grad_()" in msg and "functorch" in msg):
+        return RuntimeError(
+            "the forward calls autograd itself (requires_grad_() / torch.autograd.* inside the model), which "
+            "torch.func.vmap cannot run per example; the usual cause is gradient checkpointing "
+            "(model.gradient_checkpointing_enable(), torch.utils.checkpoint). Fixes: turn it off for the DP "
+            "step (model.gradient_checkpointing_disable()), or use method='bk' / 'auto', which run the model "
+            "batched and work with checkpointing, with every trained parameter covered by a rule (see "
+            f"dp_step.plan(...): no 'vmap' routes). Original error: {msg}"
+        )
     if "data-dependent control flow" in msg or ".item()" in msg:
         return RuntimeError(
             "the model (or loss_fn) branches on tensor values, which torch.func.vmap cannot run per "

@@ -1,5 +1,6 @@
 """Exactness of the book-keeping engine (method="bk" / "auto") against the naive float64 oracle."""
 import math
+import warnings
 
 import pytest
 import torch
@@ -495,3 +496,36 @@ def test_layernorm_uses_taken_inside_the_backward_exact(method, monkeypatch):
     batch = {"x": torch.randn(4, 7, 5), "y": torch.randint(0, 3, (4,))}
     assert_exact(_LNStack(), models.mlp_loss, batch, method=method, max_grad_norm=0.3)
     assert eager and all(e == ["ln_mid"] for e in eager)
+
+
+def test_gpt2_with_hf_gradient_checkpointing_exact():
+    """Hugging Face activation checkpointing (non-reentrant, its default) under book-keeping:
+    exact against the naive oracle, tied weights included."""
+    model = models.tiny_gpt2()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    assert model.transformer.gradient_checkpointing
+    for method in METHODS:
+        r = assert_exact(model, models.hf_lm_loss, _gpt2_batch(), method=method, max_grad_norm=0.5)
+        assert "vmap" not in r.routes.values()
+
+
+class _NoGradBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 4), nn.Linear(5, 3)
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = torch.sigmoid(self.a(x)).mean(1, keepdim=True)  # a trained layer used without gradients
+        return self.b(x) * scale + self.b(x * 0.5)  # b used twice, once per example row scale
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_layer_run_under_no_grad_contributes_zero_exactly(method):
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(6, 5), "y": torch.randint(0, 3, (6,))}
+    r = assert_exact(_NoGradBranch(), models.mlp_loss, batch, method=method, max_grad_norm=0.4)
+    assert r.routes["b.weight"] != "vmap"

@@ -97,3 +97,49 @@ def test_data_dependent_control_flow_is_explained():
     step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0)
     with pytest.raises(RuntimeError, match="branches on tensor values.*method='bk'"):
         step(pdpsgd.trainable_params(m), batch())
+
+
+class _Checkpointed(nn.Module):
+    """x -> a -> checkpoint(b -> tanh -> c) -> d: the checkpointed block's input requires grad."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(5, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(lambda t: self.c(torch.tanh(self.b(t))), torch.tanh(self.a(x)), use_reentrant=self.reentrant)
+        return self.d(h)
+
+
+def test_gradient_checkpointing_runs_under_bk_and_is_explained_under_vmap():
+    """Non-reentrant activation checkpointing (Hugging Face's default): method='bk'/'auto' run it
+    exactly (the backward's recomputation sees the same parameters, and is not recorded twice);
+    vmap cannot, and says so with the fix."""
+    from pdpsgd.testing import assert_exact
+
+    torch.manual_seed(0)
+    m = _Checkpointed(reentrant=False)
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(RuntimeError, match="gradient checkpointing.*method='bk'"):
+        step(pdpsgd.trainable_params(m), batch())
+    for method in ("bk", "auto"):
+        r = assert_exact(m, mlp_loss, batch(), method=method, max_grad_norm=0.5)
+        assert set(r.routes.values()) <= {"ghost", "explicit"}
+    before = {n: p.clone() for n, p in m.named_parameters()}
+    pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method="bk")(
+        pdpsgd.trainable_params(m), batch())
+    for n, p in m.named_parameters():  # the model's own parameters are back in place, unchanged
+        assert isinstance(p, nn.Parameter) and torch.equal(p, before[n]) and p.grad is None
+
+
+def test_reentrant_checkpointing_is_refused_by_bk():
+    """use_reentrant=True runs the block without gradients in the forward: book-keeping cannot
+    capture it, so it refuses with the fix instead of training b and c as if their gradient were 0."""
+    torch.manual_seed(0)
+    m = _Checkpointed(reentrant=True)
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method="bk")
+    with pytest.raises(RuntimeError, match="book-keeping cannot capture.*use_reentrant=False"):
+        step(pdpsgd.trainable_params(m), batch())
