@@ -33,6 +33,7 @@ accepts an input whose leading dim is the batch size) and no mixing of examples 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
@@ -450,6 +451,15 @@ _REENTRANT = (
 )
 
 
+def _no_checkpoint_early_stop():
+    try:
+        from torch.utils.checkpoint import set_checkpoint_early_stop
+
+        return set_checkpoint_early_stop(False)
+    except ImportError:  # pragma: no cover - older torch: no early stop to turn off
+        return contextlib.nullcontext()
+
+
 class _Scope(nn.Module):
     """``forward(fn) = fn()`` with ``m`` (the loss module) as a submodule, so that ``functional_call``
     keeps the parameters swapped in for everything ``fn`` runs: the forward *and* the backward."""
@@ -495,8 +505,8 @@ def _eager_calls(calls: List[_Call], leaves: List[Tensor]) -> Dict[int, _Early]:
     dead: Set[Any] = set()  # nodes proven to reach no goal
 
     def reaches(node) -> bool:
-        if node in goals:
-            return True
+        # the node itself being requested is not enough: the engine captures a requested gradient
+        # without running the node, so its pre-hook would not fire
         stack, seen = [node], {node}
         while stack:
             for nxt, _ in stack.pop().next_functions:
@@ -552,7 +562,6 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
     # checkpoint recomputation (torch.utils.checkpoint, use_reentrant=False; HF's default), which
     # must see the same parameters and produce the same graph as in the forward, and is not recorded.
     replay = [False]
-    nograd: Set[nn.Module] = set()  # ruled layers that ran with gradients disabled in the forward
     swapped: Dict[nn.Module, List[Dict[str, Tensor]]] = {}
 
     def pre_hook(module, args, kwargs):
@@ -587,12 +596,9 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         stack = swapped.get(module)
         for pn, t in (stack.pop() if stack else {}).items():
             module._parameters[pn] = t
-        if replay[0] and torch.is_grad_enabled() and module in nograd:
-            raise RuntimeError(_REENTRANT.format(f"layer {mname or '<root>'!r} ran without gradients in the "
-                                                 "forward and with gradients during the backward"))
         if getattr(rule, "custom_forward", False):
             capture = pending[module].pop()
-            if capture is not None and not replay[0]:
+            if capture is not None and not replay[0] and torch.is_grad_enabled():
                 vers = tuple(x._version for x in args if isinstance(x, Tensor))
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, capture))
             return None
@@ -600,8 +606,9 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             for c in local.values():
                 fallback.setdefault(c, f"{type(module).__name__} ({mname}) returned no float tensor")
             return None
-        if not torch.is_grad_enabled() and not replay[0]:
-            nograd.add(module)  # no gradient can flow from this call: it contributes exactly 0
+        if not torch.is_grad_enabled():
+            # no gradient can flow from this call: it contributes exactly 0 (and a checkpoint
+            # recomputation of it, which runs in the same grad mode, is left as it is too)
             return None
         if torch.is_grad_enabled() and not output.requires_grad:
             # e.g. the first embedding: make g reachable. The clone (not the leaf itself) is handed on,
@@ -646,7 +653,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             else:
                 grads = (None,) * len(targets)
         except RuntimeError as err:
-            if "use_reentrant=True" in str(err):
+            if str(err).startswith("When use_reentrant=True"):  # torch's own refusal of .grad()
                 raise RuntimeError(_REENTRANT.format("the model uses torch.utils.checkpoint")) from err
             raise
         finally:
@@ -666,8 +673,12 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         # forward and backward inside one functional_call: the parameters stay swapped in for a
         # checkpointed layer that the backward recomputes
         scope = _Scope(loss_module)
-        losses, grads, early, call_targets = functional_call(
-            scope, {"m." + k: v for k, v in LossModule.prefixed({**constants, **leaves}).items()}, (forward_backward,))
+        # a checkpoint recomputation runs its whole segment (no early stop), so every pre-hook's
+        # parameter swap is undone by its post-hook before anything else is recomputed
+        with _no_checkpoint_early_stop():
+            losses, grads, early, call_targets = functional_call(
+                scope, {"m." + k: v for k, v in LossModule.prefixed({**constants, **leaves}).items()},
+                (forward_backward,))
     finally:
         for h in handles:
             h.remove()

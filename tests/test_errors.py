@@ -143,3 +143,38 @@ def test_reentrant_checkpointing_is_refused_by_bk():
     step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method="bk")
     with pytest.raises(RuntimeError, match="book-keeping cannot capture.*use_reentrant=False"):
         step(pdpsgd.trainable_params(m), batch())
+
+
+class _NoGradAndCheckpoint(nn.Module):
+    """The same layers used under no_grad and inside non-reentrant checkpoints (review cases)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 5), nn.Linear(5, 3)
+        self.pos = nn.Embedding(6, 5)
+        self.rnn = nn.LSTM(5, 5, batch_first=True)
+
+    def block(self, h):
+        with torch.no_grad():
+            p = torch.sigmoid(self.pos(torch.arange(h.shape[1])[None]))  # (1, T, d): broadcast, no gradient
+            t, _ = self.rnn(h)  # a custom-forward rule under no_grad
+        return torch.tanh(self.a(h)) * p + 0.1 * t
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        with torch.no_grad():
+            gate = self.a(x).mean((1, 2)).unsqueeze(1)  # a used without gradients too
+        h = checkpoint(self.block, x, use_reentrant=False)
+        h2, _ = self.rnn(h)
+        return self.b(h2.mean(1)) * torch.sigmoid(gate)
+
+
+@pytest.mark.parametrize("method", ["bk", "auto"])
+def test_no_grad_uses_inside_and_outside_checkpoints_exact(method):
+    from pdpsgd.testing import assert_exact
+
+    torch.manual_seed(0)
+    b = {"x": torch.randn(4, 6, 5), "y": torch.randint(0, 3, (4,))}
+    r = assert_exact(_NoGradAndCheckpoint(), mlp_loss, b, method=method, max_grad_norm=0.5)
+    assert "vmap" not in r.routes.values()
