@@ -187,12 +187,9 @@ def _materialise(u: Use, shape: torch.Size, acc: torch.dtype) -> Tensor:
 
 
 def _sq_norm(G: Tensor) -> Tensor:
-    """(B, *shape) -> (B,) squared norms, float32 or wider, without a squared copy of G."""
-    acc = _acc(G.dtype)
-    flat = G.reshape(G.shape[0], -1)
-    if flat.dtype != acc:
-        return sq_norm_per_example(flat)
-    return torch.linalg.vector_norm(flat, dim=1).square()
+    """(B, *shape) -> (B,) squared norms, float32 or wider, without a squared copy of G (blocked:
+    see ``per_sample.sq_norm_per_example`` for why not ``linalg.vector_norm``)."""
+    return sq_norm_per_example(G)
 
 
 def _wsum(w: Tensor, G: Tensor) -> Tensor:

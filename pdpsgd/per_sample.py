@@ -139,10 +139,29 @@ def per_sample_grads(
     return losses, grads
 
 
+# Column block of ``sq_norm_per_example``: small enough to stay in cache, large enough that the
+# few block sums add no visible error.
+SQ_NORM_BLOCK = 1 << 14
+
+
 def sq_norm_per_example(g: Tensor) -> Tensor:
-    """(b, *shape) -> (b,) squared L2 norm, accumulated in float32 at least."""
+    """(b, *shape) -> (b,) squared L2 norm, accumulated in float32 at least.
+
+    Summed in column blocks of ``SQ_NORM_BLOCK`` (torch's blocked/cascade ``sum`` inside each, then
+    one add per block), which keeps the float32 relative error ~1e-7 at any size without a squared
+    copy of g. Not ``linalg.vector_norm`` or a BLAS dot: on CPU their float32 accumulation drifts
+    with the row length (measured relative error of ‖g‖²: 7e-5 at 2 M coordinates, 1e-3 at 13 M),
+    which would let a clipped contribution exceed C by that much."""
     acc = torch.promote_types(g.dtype, torch.float32)
-    return g.reshape(g.shape[0], -1).to(acc).pow(2).sum(1)
+    flat = g.reshape(g.shape[0], -1)
+    n = flat.shape[1]
+    if n <= SQ_NORM_BLOCK:
+        return flat.to(acc).pow(2).sum(1)
+    out = None
+    for i in range(0, n, SQ_NORM_BLOCK):
+        s = flat[:, i:i + SQ_NORM_BLOCK].to(acc).pow(2).sum(1)  # (b, k) -> (b,)
+        out = s if out is None else out.add_(s)
+    return out
 
 
 def weighted_sum(w: Tensor, g: Tensor) -> Tensor:
