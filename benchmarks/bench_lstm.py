@@ -1,12 +1,12 @@
 """BiLSTM text classifier (frozen GloVe-sized embedding, B=32, T=32, hidden 64): one full training
 step (loss, gradients, Adam) per variant, interleaved in one process, medians of CPU time.
 
-    python benchmarks/bench_lstm.py [--reps 9] [--threads 1] [--T 32] [--hidden 64] [--packed]
+    python benchmarks/bench_lstm.py [--reps 9] [--threads 1] [--T 32] [--hidden 64] [--packed] [--cell gru]
 
 variants: nonprivate; naive (per-example loop over torch's fused LSTM, clip, sum, noise);
 pdpsgd vmap (pure-PyTorch LSTM under torch.func.vmap); pdpsgd bk / auto (the LSTM rule,
 pdpsgd/rules/rnn.py); Opacus hooks with its DPLSTM (Opacus cannot hook nn.LSTM; DPLSTM is its
-drop-in replacement, when opacus is installed).
+drop-in replacement, when opacus is installed). ``--cell gru``: the same with nn.GRU (Opacus: DPGRU).
 """
 import argparse
 import statistics
@@ -50,10 +50,10 @@ def make(variant, a, batch):
     B = batch["input_ids"].shape[0]
     if variant == "opacus":
         from opacus import GradSampleModule
-        from opacus.layers import DPLSTM
+        from opacus.layers import DPGRU, DPLSTM
         from opacus.optimizers import DPOptimizer
 
-        model = GradSampleModule(BiLSTM(a.hidden, a.packed, DPLSTM), loss_reduction="sum")
+        model = GradSampleModule(BiLSTM(a.hidden, a.packed, DPGRU if a.cell == "gru" else DPLSTM), loss_reduction="sum")
         opt = DPOptimizer(torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3),
                           noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=B, loss_reduction="sum")
 
@@ -62,7 +62,7 @@ def make(variant, a, batch):
             loss_fn(model, batch).sum().backward()
             opt.step()
         return step
-    model = BiLSTM(a.hidden, a.packed)
+    model = BiLSTM(a.hidden, a.packed, nn.GRU if a.cell == "gru" else nn.LSTM)
     params = pdpsgd.trainable_params(model)
     opt = torch.optim.Adam(params.values(), lr=1e-3)
     if variant == "nonprivate":
@@ -106,6 +106,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--packed", action="store_true", help="pack_padded_sequence with random lengths")
     ap.add_argument("--variants", default="nonprivate,naive,vmap,bk,auto,opacus")
+    ap.add_argument("--cell", default="lstm", choices=["lstm", "gru"])
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(1)
@@ -132,7 +133,7 @@ def main():
             steps[v]()
             times[v].append(time.process_time() - t)
     base = statistics.median(times["nonprivate"])
-    print(f"BiLSTM B={a.B} T={a.T} hidden={a.hidden} packed={a.packed} threads={a.threads}, CPU time, "
+    print(f"Bi{a.cell.upper()} B={a.B} T={a.T} hidden={a.hidden} packed={a.packed} threads={a.threads}, CPU time, "
           f"median of {a.reps}")
     print("| variant | step ms | × non-private |")
     print("|---|---|---|")
