@@ -119,6 +119,11 @@ def values(res: Path) -> dict:
             v["BKU_PPL"] = " / ".join(f"{p:.2f}" for p in ppls)
             v["BKU_EPS"] = _num(dp[0]["epsilon"])
             v["BKU_DIFF"] = f"≤ {max(r['max_param_diff_vs_vmap'] for r in dp):.1e}"
+            ex = [r["max_param_diff_vs_vmap"] for r in dp if r["variant"] == "bk, all explicit"]
+            rest = [r["max_param_diff_vs_vmap"] for r in dp if r["variant"] != "bk, all explicit"]
+            if ex and rest:
+                v["BKU_DIFF_EXPL"] = f"{ex[0]:.1e}"
+                v["BKU_DIFF_REST"] = f"≤ {max(rest):.1e}"
             v["BKU_TVM"] = _num(next((r["time_s"] for r in dp if r["variant"] == "vmap"), None), 1)
             v["BKU_TBK"] = _num(next((r["time_s"] for r in dp if r["variant"].startswith("bk (mixed")), None), 1)
         st = bu["settings"]
