@@ -149,7 +149,8 @@ def main(argv=None):
         "Single seed per cell: differences of 1–2 points are within run-to-run noise at these sizes.",
     ]
     if merged:
-        notes.append(f"Rows of {', '.join(merged)} are kept from an earlier run of this mode (--models {a.models} ran now).")
+        now = " ".join(f"--{k} {v}" for k, v in (("models", a.models), ("datasets", a.datasets)) if v)
+        notes.append(f"Rows of {', '.join(merged)} are kept from an earlier run of this mode ({now} ran now).")
     if len(combos) < len(COMBOS[a.mode]):
         notes.append(f"Partial run (--models {a.models}): only {', '.join(f'{m}/{d}' for m, d in combos)} of this mode's "
                      f"{', '.join(f'{m}/{d}' for m, d in COMBOS[a.mode])}.")
