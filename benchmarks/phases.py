@@ -1,0 +1,74 @@
+"""Where a `bk` step's time goes: CPU time of the engine's phases against the non-private step.
+
+    python benchmarks/phases.py --configs gpt2-32,gpt2-128,bert-128 --steps 5
+
+Wraps (for this process only) `bookkeeping._collect` (forward + activations-only backward),
+`_weighted_use_sum` (clipped sums from the factors), `_inner` (ghost norms) and the step's
+`noise_and_scale` with CPU-time counters (none of them calls another), runs `--steps` steps of each variant (models and batches of
+`bench.py`, one thread) and prints the mean per step.
+"""
+import argparse
+import collections
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402
+
+import pdpsgd.bookkeeping as bk  # noqa: E402
+import pdpsgd.step as stp  # noqa: E402
+
+ACC = collections.defaultdict(float)
+PHASES = {"_collect": "capture (forward + activations-only backward)", "_weighted_use_sum": "clipped sums",
+          "_inner": "ghost norms", "noise_and_scale": "noise + scale"}
+
+
+def _wrap(mod, name):
+    f = getattr(mod, name)
+
+    def g(*a, **k):
+        t = time.process_time()
+        try:
+            return f(*a, **k)
+        finally:
+            ACC[name] += time.process_time() - t
+
+    setattr(mod, name, g)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="gpt2-32,gpt2-128,bert-128")
+    ap.add_argument("--steps", type=int, default=5)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    for n in ("_collect", "_weighted_use_sum", "_inner"):
+        _wrap(bk, n)
+    _wrap(stp, "noise_and_scale")
+    for cfg in a.configs.split(","):
+        steps = {v: bench.make_step(v, cfg, torch.device("cpu"))[0] for v in ("nonprivate", "bk")}
+        for _ in range(2):
+            for s in steps.values():
+                s()
+        ACC.clear()
+        tot = {}
+        for v, s in steps.items():
+            t = time.process_time()
+            for _ in range(a.steps):
+                s()
+            tot[v] = (time.process_time() - t) / a.steps * 1e3
+        print(f"\n{cfg}: non-private {tot['nonprivate']:.0f} ms, bk {tot['bk']:.0f} ms "
+              f"({tot['bk'] / tot['nonprivate']:.2f}x); bk phases, ms per step:")
+        named = 0.0
+        for n, label in PHASES.items():
+            ms = ACC[n] / a.steps * 1e3
+            named += ms
+            print(f"  {label:48s} {ms:7.1f}")
+        print(f"  {'rest (Adam, explicit norms and sums, clip factors)':48s} {tot['bk'] - named:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
