@@ -271,6 +271,8 @@ def main():
     results = {}
     for cfg in a.configs.split(","):
         t, tc, notes = timing_run(cfg, variants, device, a.reps)
+        # printed before the memory runs, so a time limit hit there still leaves the timings
+        print(f"timing {cfg}: " + json.dumps({v: round(t[v] * 1e3, 2) for v in variants}) + " ms", flush=True)
         mem = {}
         if not a.no_memory:
             for v in variants:
