@@ -192,11 +192,29 @@ def _sq_norm(G: Tensor) -> Tensor:
     return sq_norm_per_example(G)
 
 
-def _wsum(w: Tensor, G: Tensor) -> Tensor:
-    """Σ_i w_i G_i; rows with w_i = 0 are skipped exactly (``weighted_sum``) when there are any."""
-    if bool((w != 0).all()) and G.dtype == _acc(G.dtype):
+def _wsum(w: Tensor, G: Tensor, keep: Optional[Tensor]) -> Tensor:
+    """Σ_i w_i G_i; rows with w_i = 0 (``keep`` False; None: there are none) are skipped exactly
+    (``weighted_sum``)."""
+    if keep is None and G.dtype == _acc(G.dtype):
         return torch.tensordot(w.to(G.dtype), G, dims=1)  # (B,) x (B, *shape) -> shape
     return weighted_sum(w, G)
+
+
+class _KeepMemo:
+    """``w != 0`` per weight tensor, or None when every weight is non-zero. Deciding that is a host
+    sync (a stall of the launch queue on CUDA), so it is taken once per distinct weight tensor (flat
+    clipping: one tensor for all parameters), not once per parameter."""
+
+    def __init__(self):
+        self.memo: Dict[int, Tuple[Tensor, Optional[Tensor]]] = {}
+
+    def __call__(self, w: Tensor) -> Optional[Tensor]:
+        hit = self.memo.get(id(w))
+        if hit is None or hit[0] is not w:
+            keep = w != 0
+            hit = (w, None if bool(keep.all()) else keep)
+            self.memo[id(w)] = hit
+        return hit[1]
 
 
 def _key(X: Tensor):
@@ -240,6 +258,10 @@ class _GramMemo:
 # Compact the clipped-sum matmul to the rows (tokens) with non-zero factors when at most this
 # fraction of rows remains (e.g. padded positions of BERT, whose output gradients are exactly 0).
 ACTIVE_ROWS_FRACTION = 0.9
+# Devices where that compaction is tried. Deciding it is a host sync per ghost-route layer; on CUDA
+# each sync drains the launch queue (the GPU idles while Python queues the next kernels), which
+# costs more than the padded rows it saves, so there the sums run over all rows (exact either way).
+ACTIVE_ROWS_DEVICES = ("cpu",)
 
 
 def _active_rows(u: Dense, gl: Tensor, gr: Tensor) -> Optional[Tensor]:
@@ -307,7 +329,7 @@ def _weighted_use_sum(u: Use, w: Tensor, keep: Optional[Tensor], shape: torch.Si
     ``rows`` (dense uses): indices of the B·T factor rows that are not exactly zero; the matmul then
     runs over those rows only (the others contribute exactly 0)."""
     if isinstance(u, Explicit):
-        return _wsum(w, u.G.to(acc).reshape(u.G.shape[0], *shape))
+        return _wsum(w, u.G.to(acc).reshape(u.G.shape[0], *shape), keep)
     w = w.to(acc)
     if isinstance(u, Dense) and u.R is not None and rows is not None:
         B, T, P0 = u.L.shape
@@ -817,6 +839,7 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
                         counts[k] = counts.get(k, 0) + 1
     grams = _GramMemo(counts)
     active: Dict[int, Tensor] = {}  # id(dense use) -> its non-zero factor rows (when few enough)
+    rows = active if device.type in ACTIVE_ROWS_DEVICES else None
     for n, r in routes.items():
         if r == "vmap":
             continue
@@ -845,7 +868,7 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
             tot = None
             for i, u in enumerate(uses):
                 for j in range(i, len(uses)):
-                    t = _inner(u, uses[j], p.shape, acc, grams, active)
+                    t = _inner(u, uses[j], p.shape, acc, grams, rows)
                     t = t if i == j else 2 * t
                     tot = t if tot is None else tot + t
             sq[n] = tot.clamp_min(0)  # a sum of squares; rounding may dip below 0 only when ~0
@@ -860,6 +883,7 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
     sq = {n: sq[n] for n in params}
     losses = col.losses.to(_acc(col.losses.dtype))
     w = weights_fn(sq, losses, mask)
+    keep_of = _KeepMemo()
     sums: Dict[str, Tensor] = {}
     for n, r in routes.items():
         p = params[n]
@@ -869,11 +893,10 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
         if r == "vmap":
             sums[n] = weighted_sum(w[n], fb_grads.pop(n))
         elif n in kept_G:
-            sums[n] = _wsum(w[n], kept_G.pop(n))
+            sums[n] = _wsum(w[n], kept_G.pop(n), keep_of(w[n]))
         else:
             uses = col.uses.pop(n, [])
-            keep = w[n] != 0
-            keep = None if bool(keep.all()) else keep
+            keep = keep_of(w[n])
             s = None
             for u in uses:
                 t = _weighted_use_sum(u, w[n], keep, p.shape, acc, active.get(id(u)))

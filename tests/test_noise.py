@@ -92,3 +92,38 @@ def test_consume_never_writes_one_tensor_twice():
                           {"a": torch.float32, "b": torch.float32}, compile=False, consume=True)
     assert not torch.equal(out["a"], out["b"])
     assert out["a"].std() < 1.2 and out["b"].std() < 1.2  # neither got two draws of noise
+
+
+def test_accelerator_stream_draws_all_parameters_at_once(monkeypatch):
+    """Generators off the CPU draw every parameter's noise in one normal_ call (one launch, not one
+    per 64k coordinates); exercised here on CPU by forcing that policy."""
+    from pdpsgd import fused
+
+    monkeypatch.setattr(fused, "noise_chunk", lambda gdev: None)
+    calls = []
+    real = torch.Tensor.normal_
+
+    def spy(self, *a, **k):
+        calls.append(self.numel())
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "normal_", spy)
+    shapes = {"big": (fused.NOISE_CHUNK * 3 + 5,), "m": (70, 50), "tiny": (3,)}
+    total = sum(int(np.prod(s)) for s in shapes.values())
+    sums = {n: torch.randn(s, dtype=torch.float64) for n, s in shapes.items()}
+    dtypes = {n: torch.float32 for n in sums}
+    out = noise_and_scale(sums, 0.7, torch.Generator().manual_seed(9), 5.0, dtypes, compile=False)
+    assert calls == [total]  # one draw for all parameters
+    # the stream: one standard-normal draw of all coordinates, cut in order
+    z = torch.empty(total, dtype=torch.float64).normal_(generator=torch.Generator().manual_seed(9))
+    off = 0
+    for n, s in sums.items():
+        k = s.numel()
+        assert out[n].dtype == torch.float32
+        torch.testing.assert_close(out[n], ((s + 0.7 * z[off:off + k].view(s.shape)) / 5.0).float())
+        off += k
+    zs = fused.draw_noise({n: s.shape for n, s in sums.items()}, torch.Generator().manual_seed(9), torch.float64,
+                          torch.device("cpu"))
+    assert torch.equal(torch.cat([v.reshape(-1) for v in zs.values()]), z)
+    noise = (out["big"].double() * 5.0 - sums["big"]) / 0.7
+    assert abs(float(noise.mean())) < 0.01 and abs(float(noise.std()) - 1) < 0.01

@@ -299,3 +299,14 @@ def test_poisson_physical_batches_with_padding_equal_one_batch(seed, max_phys, s
     whole = make()(params, {k: v[idx] for k, v in data.items()})
     for n in params:
         torch.testing.assert_close(acc.grads[n], whole.grads[n], rtol=1e-12, atol=1e-14)
+
+
+def test_vmap_default_chunk_scales_with_free_accelerator_memory():
+    from pdpsgd.per_sample import CPU_CHUNK_BUDGET_ELEMS, chunk_budget_elems, default_chunk_size
+
+    assert chunk_budget_elems(torch.device("cpu")) == CPU_CHUNK_BUDGET_ELEMS
+    assert default_chunk_size(8, 124_000_000) == 1  # GPT-2 small on the CPU budget: one example per chunk
+    big = chunk_budget_elems(torch.device("cuda"), free_bytes=140 * 2**30)  # an idle H200
+    assert default_chunk_size(8, 124_000_000, budget_elems=big) == 8
+    assert default_chunk_size(200, 124_000_000, budget_elems=big) == 75  # a quarter of 140 GiB in float32
+    assert chunk_budget_elems(torch.device("cuda"), free_bytes=2**20) == CPU_CHUNK_BUDGET_ELEMS  # never below
