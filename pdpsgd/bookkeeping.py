@@ -61,7 +61,8 @@ _gradient_edge = _edge_fn()
 
 from ._types import Batch, EngineResult, Params, WeightsFn
 from .functional import LossModule, ParamIndex
-from .per_sample import batch_size, per_sample_grads, slice_batch, sq_norm_per_example, weighted_sum
+from .per_sample import (SQ_NORM_BLOCK, batch_size, per_sample_grads, slice_batch, sq_norm_per_example,
+                         weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
 from .rules.base import Dense, Explicit, Index, Rule, Use
 
@@ -419,9 +420,12 @@ class _Collected:
 
 
 def _model_layout(model: nn.Module, params: Params, registry: RuleRegistry, overrides: Mapping[str, str]):
-    """Which modules get hooks, with their (local name -> canonical name) trained params."""
-    index = ParamIndex(model)
-    canon = index.canonical
+    """Which modules get hooks, with their (local name -> canonical name) trained params.
+
+    One walk over the modules: a parameter's canonical name is the first name it is met under,
+    as in ``ParamIndex`` (named_modules visits modules in the same order with or without
+    duplicates, so the first sighting is the same)."""
+    first: Dict[int, str] = {}  # id(parameter) -> canonical name
     ruled: Dict[nn.Module, Tuple[str, Rule, Dict[str, str]]] = {}
     fallback: Dict[str, str] = {}
     owner: Dict[str, List[Tuple[str, nn.Module]]] = {}
@@ -430,8 +434,7 @@ def _model_layout(model: nn.Module, params: Params, registry: RuleRegistry, over
         for pn, p in m._parameters.items():
             if p is None:
                 continue
-            full = f"{mname}.{pn}" if mname else pn
-            c = canon.get(full, full)
+            c = first.setdefault(id(p), f"{mname}.{pn}" if mname else pn)
             if c in params:
                 local[pn] = c
                 owner.setdefault(c, []).append((mname, m))
@@ -820,6 +823,45 @@ def _empty(params: Params, b: int, device: torch.device):
     return z
 
 
+# Small explicit per-example gradients (norm-layer weights, biases: (B, k) with k at most this) of
+# equal size are stacked, (B, m, k), and their norms and clipped sums taken in a few launches for
+# all m instead of several per parameter (GPT-2 small: 98 such parameters in 3 sizes). At most one
+# sum block of ``sq_norm_per_example``, so the reduction is the same kind and precision.
+STACK_MAX_ELEMS = SQ_NORM_BLOCK
+
+
+def _stack_small(stackable: Dict[Tuple, List[Tuple[str, Tensor]]], B: int, sq: Dict[str, Tensor],
+                 kept_G: Dict[str, Tensor]) -> List[Tuple[List[str], Tensor]]:
+    """Squared norms of the stackable G's into ``sq``; returns (names, S (B, m, k)) per stack (a
+    lone G goes to ``kept_G`` as before)."""
+    out = []
+    for items in stackable.values():
+        if len(items) == 1:
+            n, G = items[0]
+            sq[n] = _sq_norm(G)
+            kept_G[n] = G
+            continue
+        S = torch.stack([G.reshape(B, -1) for _, G in items], dim=1)  # m x (B, k) -> (B, m, k)
+        s2 = S.pow(2).sum(2)  # (B, m, k) -> (B, m): one row sum per example and parameter
+        for j, (n, _) in enumerate(items):
+            sq[n] = s2[:, j]
+        out.append(([n for n, _ in items], S))
+    stackable.clear()
+    return out
+
+
+def _stacked_sums(names: List[str], S: Tensor, w: Mapping[str, Tensor], params: Params,
+                  sums: Dict[str, Tensor]) -> None:
+    """Σ_i w_i G_i for every parameter of a stack: one weighted reduction over the batch."""
+    W = torch.stack([w[n] for n in names], dim=1).to(S.dtype)  # m x (B,) -> (B, m)
+    # rows of weight 0 (dropped, possibly non-finite examples) are zeroed, never multiplied by 0;
+    # done unconditionally (small) so no host sync decides it
+    S = torch.where((W != 0).unsqueeze(2), S, torch.zeros((), dtype=S.dtype, device=S.device))
+    tot = torch.einsum("bm,bmk->mk", W, S)  # (B, m) x (B, m, k) -> (m, k)
+    for j, n in enumerate(names):
+        sums[n] = tot[j].reshape(params[n].shape)
+
+
 def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts):
     B = mask.shape[0]
     device = mask.device
@@ -840,6 +882,7 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
     grams = _GramMemo(counts)
     active: Dict[int, Tensor] = {}  # id(dense use) -> its non-zero factor rows (when few enough)
     rows = active if device.type in ACTIVE_ROWS_DEVICES else None
+    stackable: Dict[Tuple, List[Tuple[str, Tensor]]] = {}  # (numel, dtype, device) -> small explicit G's
     for n, r in routes.items():
         if r == "vmap":
             continue
@@ -853,9 +896,15 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
             G = _materialise(uses[0], p.shape, acc)
             for u in uses[1:]:
                 G = G + _materialise(u, p.shape, acc)
-            sq[n] = _sq_norm(G)
             small = len(uses) == 1 and not isinstance(uses[0], (Dense, Index))
             small = small or all(isinstance(u, Dense) and u.R is None for u in uses)
+            k = G[0].numel() if B else 0
+            if small and 0 < k <= STACK_MAX_ELEMS:  # norms and sums taken below, stacked by size
+                stackable.setdefault((k, G.dtype, G.device), []).append((n, G))
+                col.uses[n] = []
+                del G, uses
+                continue
+            sq[n] = _sq_norm(G)
             # keep G for Σ c_i G_i when it is no bigger than the factors it replaces (they are
             # released now: memory only goes down), or within the budget of extra memory
             frees = G.numel() <= factor_elems([_use_shape(u, p.shape) for u in uses], B)
@@ -873,6 +922,7 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
                     tot = t if tot is None else tot + t
             sq[n] = tot.clamp_min(0)  # a sum of squares; rounding may dip below 0 only when ~0
     del grams
+    stacks = _stack_small(stackable, B, sq, kept_G)
     fb = [n for n, r in routes.items() if r == "vmap"]
     fb_grads: Dict[str, Tensor] = {}
     if fb:
@@ -885,7 +935,14 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
     w = weights_fn(sq, losses, mask)
     keep_of = _KeepMemo()
     sums: Dict[str, Tensor] = {}
+    stacked = set()
+    for names, S in stacks:
+        _stacked_sums(names, S, w, params, sums)
+        stacked.update(names)
+    del stacks
     for n, r in routes.items():
+        if n in stacked:
+            continue
         p = params[n]
         acc = _acc(p.dtype)
         # each parameter's factors / per-example gradients are dropped once its sum is taken, so the

@@ -120,15 +120,22 @@ def noise_and_scale(
     if compile:
         zs = draw_noise({n: s.shape for n, s in sums.items()}, generator, ndt, first.device)
         sums = {n: s.to(acc[n]) for n, s in sums.items()}
-        return _compiled()(sums, {n: z.to(acc[n]) for n, z in zs.items()}, float(std), inv, dict(dtypes))
+        zs = {n: z.to(device=sums[n].device, dtype=acc[n]) for n, z in zs.items()}  # each on its sum's device
+        return _compiled()(sums, zs, float(std), inv, dict(dtypes))
     gdev = generator.device if generator is not None else first.device
-    if noise_chunk(gdev) is None:
-        zs = draw_noise({n: s.shape for n, s in sums.items()}, generator, ndt, first.device)
-        return {n: (s.to(acc[n]).add(zs[n].to(acc[n]), alpha=std).mul_(inv)).to(dtypes[n]) for n, s in sums.items()}
-    scratch = torch.empty(min(NOISE_CHUNK, max(s.numel() for s in sums.values())), dtype=ndt, device=gdev)
-    out: Dict[str, Tensor] = {}
     ptrs = [s.untyped_storage().data_ptr() for s in sums.values()]
     uses = Counter(ptrs)
+    if noise_chunk(gdev) is None:
+        zs = draw_noise({n: s.shape for n, s in sums.items()}, generator, ndt, first.device)
+        out: Dict[str, Tensor] = {}
+        for (n, s), ptr in zip(sums.items(), ptrs):
+            owned = consume and s.dtype == acc[n] and s.is_contiguous() and uses[ptr] == 1
+            o = s if owned else s.to(acc[n], memory_format=torch.contiguous_format, copy=True)
+            o.add_(zs[n].to(device=o.device, dtype=o.dtype), alpha=std).mul_(inv)
+            out[n] = o.to(dtypes[n])
+        return out
+    scratch = torch.empty(min(NOISE_CHUNK, max(s.numel() for s in sums.values())), dtype=ndt, device=gdev)
+    out = {}
     for (n, s), ptr in zip(sums.items(), ptrs):
         # overwrite only a sum that is the sole user of its storage (never one shared by two names)
         owned = consume and s.dtype == acc[n] and s.is_contiguous() and uses[ptr] == 1

@@ -545,3 +545,85 @@ def test_float32_norms_of_large_layers_are_accurate(method, route):
     _, grads = naive_per_sample_grads(to_float64(model), models.mlp_loss, to_float64(b))
     ref = torch.cat([g.reshape(3, -1) for g in grads.values()], 1).norm(dim=1)
     assert ((got - ref).abs() / ref).max() < 1e-6
+
+
+class _NormStack(nn.Module):
+    """Several LayerNorms and biased Linears of one width (their explicit per-example gradients
+    are stacked by size), one bias of another width, a bias-free LayerNorm. (Widths ≥ 2: a width-1
+    LayerNorm's x̂ is 0 up to rounding, so its weight gradient is rounding noise in any engine.)"""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.inp = nn.Linear(3, d)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.mid = nn.Linear(d, d)
+        self.up = nn.Linear(d, h)
+        self.ln3 = nn.LayerNorm(h, bias=False)
+        self.out = nn.Linear(h, 2)
+
+    def forward(self, x):  # (B, T, 3)
+        z = self.ln1(self.inp(x))
+        z = self.ln2(z + torch.tanh(self.mid(z)))
+        return self.out(self.ln3(torch.tanh(self.up(z)))).sum(1)  # (B, 2)
+
+
+@settings(deadline=None, max_examples=25)
+@given(seed=st.integers(0, 10_000), B=st.integers(1, 6), T=st.integers(1, 9), d=st.integers(2, 7),
+       h=st.integers(2, 7), C=st.floats(1e-3, 3.0), clipping=st.sampled_from(["flat", "per_layer"]),
+       mask_bits=st.integers(0, 63), method=st.sampled_from(METHODS))
+def test_stacked_small_explicit_norms_and_sums_exact(seed, B, T, d, h, C, clipping, mask_bits, method):
+    import pdpsgd.bookkeeping as bk
+
+    torch.manual_seed(seed)
+    model = _NormStack(d, h)
+    b = {"x": torch.randn(B, T, 3), "y": torch.randint(0, 2, (B,))}
+    mask = torch.tensor([(mask_bits >> i) & 1 == 1 for i in range(B)])
+    stacked = []
+    real = bk._stacked_sums
+
+    def spy(names, S, *a, **k):
+        stacked.append(list(names))
+        return real(names, S, *a, **k)
+
+    bk._stacked_sums = spy
+    try:
+        r = assert_exact(model, models.mlp_loss, b, method=method, max_grad_norm=C, clipping=clipping, mask=mask,
+                         bk_options={"routes": {"LayerNorm": "explicit"}})
+    finally:
+        bk._stacked_sums = real
+    if bool(mask.any()):  # (all-padding batches are skipped before anything is computed)
+        assert r.routes["ln1.weight"] == "explicit"
+        assert any({"ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias"} <= set(s) for s in stacked), stacked
+
+
+def test_stacked_sums_skip_nonfinite_examples():
+    """A dropped non-finite example's (NaN) rows in a stack are zeroed, never multiplied by 0."""
+    import pdpsgd.bookkeeping as bk
+
+    S = torch.ones(3, 2, 4)
+    S[1] = float("nan")
+    w = {"a": torch.tensor([1.0, 0.0, 2.0]), "b": torch.tensor([0.5, 0.0, 0.5])}
+    sums = {}
+    bk._stacked_sums(["a", "b"], S, w, {"a": torch.empty(4), "b": torch.empty(2, 2)}, sums)
+    assert torch.equal(sums["a"], torch.full((4,), 3.0)) and torch.equal(sums["b"], torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("route", ["ghost", "explicit"])
+def test_keep_check_per_weight_tensor_with_different_zero_patterns(route):
+    """Per-layer clipping where one group's float32 factors are all exactly 0 (budget underflows)
+    and one example is non-finite: each weight tensor gets its own keep mask (taken once per
+    distinct tensor), so every other group's sum stays exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3))
+    x = torch.randn(6, 5)
+    x[4] = 1e30  # non-finite gradient: weight 0 in every group
+    b = {"x": x, "y": torch.randint(0, 3, (6,))}
+    params = trainable_params(model)
+    kw = dict(max_grad_norm=0.5, noise_multiplier=0.0, clipping="per_layer", clip_budget=[1e-100, 1, 1, 1, 1, 1])
+    ref = make_dp_step(model, models.mlp_loss, method="vmap", **kw).clipped_sum(params, b)
+    for m in METHODS:
+        got = make_dp_step(model, models.mlp_loss, method=m, bk_options={"routes": {"Linear": route}},
+                           **kw).clipped_sum(params, b)
+        assert float(got.sums["0.weight"].abs().max()) == 0.0
+        for n in params:
+            torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-5, atol=1e-6)

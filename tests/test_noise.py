@@ -127,3 +127,21 @@ def test_accelerator_stream_draws_all_parameters_at_once(monkeypatch):
     assert torch.equal(torch.cat([v.reshape(-1) for v in zs.values()]), z)
     noise = (out["big"].double() * 5.0 - sums["big"]) / 0.7
     assert abs(float(noise.mean())) < 0.01 and abs(float(noise.std()) - 1) < 0.01
+
+
+def test_noise_policy_by_generator_device_and_consume_on_the_one_draw_path(monkeypatch):
+    from pdpsgd import fused
+
+    assert fused.noise_chunk(torch.device("cpu")) == fused.NOISE_CHUNK
+    assert fused.noise_chunk(torch.device("cuda")) is None and fused.noise_chunk(torch.device("mps")) is None
+    monkeypatch.setattr(fused, "noise_chunk", lambda gdev: None)
+    s = torch.zeros(100)
+    out = noise_and_scale({"a": s, "b": s}, 1.0, torch.Generator().manual_seed(0), 1.0,
+                          {"a": torch.float32, "b": torch.float32}, compile=False, consume=True)
+    assert torch.equal(s, torch.zeros(100))  # a storage shared by two names is never written
+    assert not torch.equal(out["a"], out["b"])
+    own = {"w": torch.ones(50), "h": torch.ones(3, dtype=torch.bfloat16)}
+    got = noise_and_scale(own, 0.5, torch.Generator().manual_seed(1), 2.0,
+                          {"w": torch.float32, "h": torch.bfloat16}, compile=False, consume=True)
+    assert got["w"].data_ptr() == own["w"].data_ptr()  # a float32 sum handed over is updated in place
+    assert got["h"].dtype == torch.bfloat16

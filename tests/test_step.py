@@ -308,5 +308,24 @@ def test_vmap_default_chunk_scales_with_free_accelerator_memory():
     assert default_chunk_size(8, 124_000_000) == 1  # GPT-2 small on the CPU budget: one example per chunk
     big = chunk_budget_elems(torch.device("cuda"), free_bytes=140 * 2**30)  # an idle H200
     assert default_chunk_size(8, 124_000_000, budget_elems=big) == 8
-    assert default_chunk_size(200, 124_000_000, budget_elems=big) == 75  # a quarter of 140 GiB in float32
+    assert default_chunk_size(200, 124_000_000, budget_elems=big) == 37  # an eighth of 140 GiB in float32
     assert chunk_budget_elems(torch.device("cuda"), free_bytes=2**20) == CPU_CHUNK_BUDGET_ELEMS  # never below
+
+
+@pytest.mark.parametrize("dtype,chunks", [(torch.float32, 3), (torch.float64, 5)])
+def test_vmap_engine_takes_its_default_chunk_from_the_device_budget(monkeypatch, dtype, chunks):
+    from pdpsgd import per_sample
+
+    m, b = mlp_case(0, 9, 4, 5)  # float64 model
+    m = m.to(dtype)
+    b = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in b.items()}
+    params = pdpsgd.trainable_params(m)
+    numel = sum(p.numel() for p in params.values())
+    seen = []
+    monkeypatch.setattr(per_sample, "chunk_budget_elems", lambda dev: (seen.append(dev), 4 * numel)[1])
+    calls = []
+    real = per_sample.per_sample_grads
+    monkeypatch.setattr(per_sample, "per_sample_grads", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="vmap")(params, b)
+    assert seen == [torch.device("cpu")]
+    assert len(calls) == chunks  # 9 examples in chunks of 4 (float32) or 2 (float64: 8-byte gradients)
