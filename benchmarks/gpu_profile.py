@@ -29,7 +29,8 @@ import pdpsgd.step as stp  # noqa: E402
 
 PHASES = {(bk, "_collect"): "pdpsgd:capture", (bk, "_routes"): "pdpsgd:plan", (bk, "_inner"): "pdpsgd:ghost_norms",
           (bk, "_sq_norm"): "pdpsgd:explicit_norms", (bk, "_materialise"): "pdpsgd:materialise",
-          (bk, "_weighted_use_sum"): "pdpsgd:clipped_sums", (stp, "noise_and_scale"): "pdpsgd:noise_scale"}
+          (bk, "_weighted_use_sum"): "pdpsgd:clipped_sums", (stp, "noise_and_scale"): "pdpsgd:noise_scale",
+          (bk, "_stack_small"): "pdpsgd:stacked_norms", (bk, "_stacked_sums"): "pdpsgd:stacked_sums"}
 
 
 def _label(mod, name, label):
