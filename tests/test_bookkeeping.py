@@ -249,13 +249,14 @@ def test_llama_rmsnorm_and_gemma_fallback():
         assert r.routes["1.weight"] == route
 
 
-def test_bf16_model_float32_accumulation():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bf16_model_float32_accumulation(dtype):
     torch.manual_seed(0)
     model = models.tiny_gpt2()
     b = _gpt2_batch()
     ref = make_dp_step(model, models.hf_lm_loss, max_grad_norm=1e9, noise_multiplier=0.0, method="vmap")
     want = ref(trainable_params(model), b).per_sample_norms
-    m16 = model.to(torch.bfloat16)
+    m16 = model.to(dtype)
     for m in METHODS:
         step = make_dp_step(m16, models.hf_lm_loss, max_grad_norm=1.0, noise_multiplier=0.0, method=m)
         part = step.clipped_sum(trainable_params(m16), b)
