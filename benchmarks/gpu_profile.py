@@ -120,8 +120,15 @@ def main():
             if e.key.startswith("pdpsgd:"):
                 print(f"  {e.key:24s} {e.cpu_time_total / 1e3 / n:8.2f} | {getattr(e, tkey, 0) / 1e3 / n:8.2f}   "
                       f"calls/step {e.count / n:.0f}")
-        tot_dev = sum(getattr(e, dkey, 0) for e in ka) / 1e3 / n
-        print(f"  total self device time {tot_dev:.2f} ms/step")
+        # GPU busy time: kernels and copies only (operator rows and labelled ranges carry device
+        # time too, which would count it twice); against the step's wall time this says whether the
+        # step is bound by the GPU or by the host issuing it
+        busy = sum(e.duration_time_total if hasattr(e, "duration_time_total") else e.time_range.elapsed_us()
+                   for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")
+                   and not e.name.startswith(("pdpsgd:", "Optimizer."))) / 1e3 / n
+        wall = statistics.median(times[v]) * 1e3
+        print(f"  GPU busy {busy:.1f} ms per step (kernels and copies) of a {wall:.1f} ms step (wall, unprofiled): "
+              f"{'host-bound' if busy < 0.8 * wall else 'GPU-bound'}")
         print(f"== {v}: top ops by self device time (ms/step, calls/step)")
         for e in sorted(ka, key=lambda e: -getattr(e, dkey, 0))[:15]:
             if getattr(e, dkey, 0) <= 0:

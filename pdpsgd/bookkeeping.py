@@ -61,8 +61,8 @@ _gradient_edge = _edge_fn()
 
 from ._types import Batch, EngineResult, Params, WeightsFn
 from .functional import LossModule, ParamIndex
-from .per_sample import (SQ_NORM_BLOCK, batch_size, per_sample_grads, slice_batch, sq_norm_per_example,
-                         weighted_sum)
+from .per_sample import (SQ_NORM_BLOCK, batch_size, cat_chunks, per_sample_grads, slice_batch,
+                         sq_norm_per_example, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
 from .rules.base import Dense, Explicit, Index, Rule, Use
 
@@ -1022,8 +1022,8 @@ def bk_engine(
     ldt = max((l.dtype for l in losses_all), key=lambda d: torch.finfo(d).bits)
     return EngineResult(
         losses=torch.cat([l.to(ldt) for l in losses_all]),
-        sq_norms={n: torch.cat(v) for n, v in sq_all.items()},
-        weights={n: torch.cat(v) for n, v in w_all.items()},
+        sq_norms={n: cat_chunks(v) for n, v in sq_all.items()},
+        weights={n: cat_chunks(v) for n, v in w_all.items()},
         clipped_sum=total,
         routes=routes,
     )

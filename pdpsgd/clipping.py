@@ -13,7 +13,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-__all__ = ["ClipGroups", "make_groups", "clip_factor", "make_weights_fn"]
+__all__ = ["ClipGroups", "make_groups", "clip_factor", "make_weights_fn", "sum_sq_norms"]
 
 Clipping = Union[str, Mapping[str, Sequence[str]], Sequence[Sequence[str]]]
 
@@ -89,6 +89,20 @@ def clip_factor(norm: Tensor, threshold: float, fn: str = "abadi", gamma: float 
     return torch.where(torch.isfinite(norm), c, torch.zeros_like(c))
 
 
+def sum_sq_norms(sq_norms: Mapping[str, Tensor], names: Optional[Sequence[str]] = None) -> Tensor:
+    """Σ_n sq_norms[n] over ``names`` (default: all), (b,), in the widest dtype among them: two
+    launches (stack, sum) instead of one add per parameter (148 adds for GPT-2 small, each a
+    kernel launch on a GPU)."""
+    vals = list(sq_norms.values()) if names is None else [sq_norms[n] for n in names]
+    if len(vals) == 1:
+        return vals[0]
+    dts = {v.dtype for v in vals}
+    if len(dts) > 1:
+        dt = max(dts, key=lambda d: torch.finfo(d).bits)  # float dtypes: the widest holds the others
+        vals = [v.to(dt) for v in vals]
+    return torch.stack(vals).sum(0)  # (n, b) -> (b,)
+
+
 def make_weights_fn(groups: ClipGroups, *, clip_fn: str = "abadi", gamma: float = 0.01):
     """Return ``weights_fn(sq_norms, losses, mask) -> name -> Tensor[b]`` (see ``_types.WeightsFn``).
 
@@ -101,11 +115,11 @@ def make_weights_fn(groups: ClipGroups, *, clip_fn: str = "abadi", gamma: float 
         raise ValueError("gamma must be > 0 for automatic clipping")
 
     def weights_fn(sq_norms: Mapping[str, Tensor], losses: Tensor, mask: Tensor) -> Dict[str, Tensor]:
-        total = sum(sq_norms.values())  # (b,)
+        total = sum_sq_norms(sq_norms)  # (b,)
         keep = mask & torch.isfinite(total) & torch.isfinite(losses.to(total.dtype))
         out: Dict[str, Tensor] = {}
         for names, threshold in zip(groups.names, groups.thresholds):
-            sq = sum(sq_norms[n] for n in names)
+            sq = total if len(names) == len(sq_norms) else sum_sq_norms(sq_norms, names)
             c = clip_factor(sq.sqrt(), threshold, clip_fn, gamma)
             c = torch.where(keep, c, torch.zeros_like(c))
             for n in names:

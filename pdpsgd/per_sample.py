@@ -18,7 +18,7 @@ from ._compat import transformers_vmap_compat
 from ._types import Batch, EngineResult, LossFn, Params, WeightsFn
 from .functional import LossModule
 
-__all__ = ["batch_size", "slice_batch", "per_sample_grads", "vmap_engine", "default_chunk_size",
+__all__ = ["batch_size", "slice_batch", "per_sample_grads", "vmap_engine", "default_chunk_size", "cat_chunks",
            "chunk_budget_elems"]
 
 
@@ -119,6 +119,12 @@ def chunk_budget_elems(device: torch.device, free_bytes: Optional[int] = None) -
     if free_bytes is None:
         free_bytes = torch.cuda.mem_get_info(device)[0]
     return max(CPU_CHUNK_BUDGET_ELEMS, int(free_bytes * ACCEL_CHUNK_FRACTION) // 4)
+
+
+def cat_chunks(parts: List[Tensor]) -> Tensor:
+    """Per-chunk (b_k,) results joined to (B,); a single chunk is returned as it is (no copy, no
+    launch: one per parameter and result adds up on a GPU)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _device_of(params: Mapping[str, Tensor], mask: Tensor) -> torch.device:
@@ -246,8 +252,8 @@ def vmap_engine(
             total[n] = torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
     return EngineResult(
         losses=torch.cat([l.to(losses_all[-1].dtype) for l in losses_all]) if losses_all else torch.zeros(0),
-        sq_norms={n: torch.cat(v) for n, v in sq_all.items()},
-        weights={n: torch.cat(v) for n, v in w_all.items()},
+        sq_norms={n: cat_chunks(v) for n, v in sq_all.items()},
+        weights={n: cat_chunks(v) for n, v in w_all.items()},
         clipped_sum=total,
         routes={n: "vmap" for n in params},
     )

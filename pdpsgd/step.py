@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ._types import Batch, EngineResult, LossFn, Params, StepOutput
-from .clipping import Clipping, make_groups, make_weights_fn
+from .clipping import Clipping, make_groups, make_weights_fn, sum_sq_norms
 from .functional import LossModule, ParamIndex, check_no_batch_mixing
 from .fused import noise_and_scale
 from .noise import entropy_generator
@@ -182,7 +182,7 @@ class DPStep:
                 self._loss_module, detached, constants, batch, mask, weights_fn,
                 chunk_size=self.chunk_size, method=self.method, **self.bk_options,
             )
-        total_sq = sum(res.sq_norms.values())
+        total_sq = sum_sq_norms(res.sq_norms)
         norms = total_sq.sqrt()
         kept = mask & torch.isfinite(total_sq) & torch.isfinite(res.losses)
         if self.on_nonfinite == "raise" and bool((mask & ~kept).any()):
@@ -193,7 +193,7 @@ class DPStep:
             )
         clipped = torch.zeros_like(mask)
         for names, thr in zip(groups.names, groups.thresholds):
-            sq = sum(res.sq_norms[n] for n in names)
+            sq = total_sq if len(names) == len(res.sq_norms) else sum_sq_norms(res.sq_norms, names)
             if self.clip_fn == "abadi":
                 clipped = clipped | (sq.sqrt() > thr)
             else:

@@ -329,3 +329,16 @@ def test_vmap_engine_takes_its_default_chunk_from_the_device_budget(monkeypatch,
     pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="vmap")(params, b)
     assert seen == [torch.device("cpu")]
     assert len(calls) == chunks  # 9 examples in chunks of 4 (float32) or 2 (float64: 8-byte gradients)
+
+
+def test_sum_sq_norms_matches_the_plain_sum_and_promotes():
+    from pdpsgd.clipping import sum_sq_norms
+
+    torch.manual_seed(0)
+    sq = {f"p{i}": torch.rand(5, dtype=torch.float64) for i in range(7)}
+    torch.testing.assert_close(sum_sq_norms(sq), sum(sq.values()), rtol=1e-15, atol=0)
+    torch.testing.assert_close(sum_sq_norms(sq, ["p1", "p4"]), sq["p1"] + sq["p4"], rtol=1e-15, atol=0)
+    assert sum_sq_norms(sq, ["p3"]) is sq["p3"]
+    mixed = {"a": torch.ones(3), "b": torch.full((3,), 2.0, dtype=torch.float64)}
+    out = sum_sq_norms(mixed)
+    assert out.dtype == torch.float64 and torch.equal(out, torch.full((3,), 3.0, dtype=torch.float64))
