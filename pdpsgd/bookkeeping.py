@@ -203,17 +203,20 @@ def _wsum(w: Tensor, G: Tensor, keep: Optional[Tensor]) -> Tensor:
 
 class _KeepMemo:
     """``w != 0`` per weight tensor, or None when every weight is non-zero. Deciding that is a host
-    sync (a stall of the launch queue on CUDA), so it is taken once per distinct weight tensor (flat
-    clipping: one tensor for all parameters), not once per parameter."""
+    sync, so it is taken once per distinct weight tensor (flat clipping: one tensor for all
+    parameters), not once per parameter, and only on ``SYNC_DEVICES``: elsewhere the mask is always
+    returned and the rows of weight 0 are zeroed by ``torch.where`` on the device (one more
+    elementwise pass over the factors, cheap on a GPU, instead of a stall of its launch queue)."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device):
+        self.decide = device.type in SYNC_DEVICES
         self.memo: Dict[int, Tuple[Tensor, Optional[Tensor]]] = {}
 
     def __call__(self, w: Tensor) -> Optional[Tensor]:
         hit = self.memo.get(id(w))
         if hit is None or hit[0] is not w:
             keep = w != 0
-            hit = (w, None if bool(keep.all()) else keep)
+            hit = (w, None if self.decide and bool(keep.all()) else keep)
             self.memo[id(w)] = hit
         return hit[1]
 
@@ -263,6 +266,10 @@ ACTIVE_ROWS_FRACTION = 0.9
 # each sync drains the launch queue (the GPU idles while Python queues the next kernels), which
 # costs more than the padded rows it saves, so there the sums run over all rows (exact either way).
 ACTIVE_ROWS_DEVICES = ("cpu",)
+# Devices on which the engine reads tensor values on the host to skip work (are all weights
+# non-zero? is a chunk all padding?). On CUDA each such read is a sync that drains the launch
+# queue, so there the engine does the (exact, cheap) work instead of deciding.
+SYNC_DEVICES = ("cpu",)
 
 
 def _active_rows(u: Dense, gl: Tensor, gr: Tensor) -> Optional[Tensor]:
@@ -933,7 +940,7 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
     sq = {n: sq[n] for n in params}
     losses = col.losses.to(_acc(col.losses.dtype))
     w = weights_fn(sq, losses, mask)
-    keep_of = _KeepMemo()
+    keep_of = _KeepMemo(device)
     sums: Dict[str, Tensor] = {}
     stacked = set()
     for names, S in stacks:
@@ -998,7 +1005,9 @@ def bk_engine(
     for start in range(0, B, chunk):
         stop = min(B, start + chunk)
         m = mask[start:stop]
-        if not bool(m.any()):
+        # (a single chunk on a GPU is run whatever its mask: deciding would be a sync; an
+        # all-padding batch then gives weight 0 to every example, the same sums)
+        if (device.type in SYNC_DEVICES or chunk < B) and not bool(m.any()):
             z = _empty(params, stop - start, device)
             losses_all.append(torch.zeros(stop - start, device=device))
             for n in params:

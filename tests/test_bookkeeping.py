@@ -628,3 +628,65 @@ def test_keep_check_per_weight_tensor_with_different_zero_patterns(route):
         assert float(got.sums["0.weight"].abs().max()) == 0.0
         for n in params:
             torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def sync_free(monkeypatch):
+    """The engine as it runs on a GPU: no host reads of tensor values (no keep checks, no
+    active-row compaction, a single chunk never skipped), forced here on CPU."""
+    import pdpsgd.bookkeeping as bk
+
+    monkeypatch.setattr(bk, "SYNC_DEVICES", ())
+    monkeypatch.setattr(bk, "ACTIVE_ROWS_DEVICES", ())
+    spy = []
+
+    def install():  # record every host read of a tensor's value from now on
+        for name in ("__bool__", "__int__", "__float__", "item", "tolist"):
+            real = getattr(torch.Tensor, name)
+
+            def read(self, *a, _real=real, _name=name, **k):
+                spy.append((_name, tuple(self.shape)))
+                return _real(self, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, read)
+
+    return spy, install
+
+
+@pytest.mark.parametrize("route", ["ghost", "explicit"])
+def test_sync_free_engine_exact_with_nonfinite_masks_padding_and_groups(sync_free, route, monkeypatch):
+    import pdpsgd.bookkeeping as bk
+
+    spy, install_spy = sync_free
+    opts = {"routes": {"Linear": route, "Conv1D": route}}
+    torch.manual_seed(0)
+    # a non-finite example and per-layer groups whose factors differ in their zero patterns
+    x = torch.randn(6, 5)
+    x[4] = 1e30
+    b = {"x": x, "y": torch.randint(0, 3, (6,))}
+    model = nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3))
+    kw = dict(max_grad_norm=0.5, noise_multiplier=0.0, clipping="per_layer", clip_budget=[1e-100, 1, 1, 1, 1, 1])
+    params = trainable_params(model)
+    ref = make_dp_step(model, models.mlp_loss, method="vmap", **kw).clipped_sum(params, b)
+    for m in METHODS:
+        got = make_dp_step(model, models.mlp_loss, method=m, bk_options=opts, **kw).clipped_sum(params, b)
+        for n in params:
+            torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-5, atol=1e-6)
+        assert int(got.kept.sum()) == 5
+    # padded BERT and a masked, padded GPT-2 in one chunk, against the float64 oracle
+    bb = _tokens(B=4, T=8)
+    assert_exact(models.tiny_bert(), models.hf_cls_loss, bb, method="bk", max_grad_norm=0.1, bk_options=opts)
+    g = _gpt2_batch(B=5)
+    mask = torch.tensor([True, False, True, True, False])
+    assert_exact(models.tiny_gpt2(), models.hf_lm_loss, g, method="auto", mask=mask, max_grad_norm=0.5,
+                 bk_options=opts)
+    # an all-padding batch in a single chunk runs (no host read decides to skip it) and adds 0
+    step = make_dp_step(models.tiny_gpt2(), models.hf_lm_loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
+    out = step.clipped_sum(trainable_params(step.model), g, mask=torch.zeros(5, dtype=torch.bool))
+    assert all(float(s.abs().max()) == 0.0 for s in out.sums.values())
+    # and a whole step reads no tensor value on the host (each would be a GPU sync)
+    step = make_dp_step(model, models.mlp_loss, method="bk", bk_options=opts, **{**kw, "noise_multiplier": 1.0},
+                        generator=torch.Generator().manual_seed(0))
+    install_spy()
+    step(params, b)
+    assert spy == [], f"host reads of tensors in the step: {spy}"
