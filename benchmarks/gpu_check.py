@@ -1,5 +1,5 @@
 """GPU exactness checks (run by gpu.sh): bk/auto == naive float64 oracle on CUDA, compiled fused
-noise+scale == eager on CUDA, bf16 model with float32 norms/sums. Exits non-zero on any failure."""
+noise+scale == eager on CUDA, bf16 and fp16 models with float32 norms/sums. Exits non-zero on any failure."""
 from __future__ import annotations
 
 import os
@@ -56,14 +56,15 @@ def main() -> int:
     m = models.tiny_gpt2().to(dev)
     ref = pdpsgd.make_dp_step(m, models.hf_lm_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="vmap")
     want = ref.clipped_sum(pdpsgd.trainable_params(m), lm).per_sample_norms
-    mb = m.to(torch.bfloat16)
-    for method in ("bk", "auto"):
-        st = pdpsgd.make_dp_step(mb, models.hf_lm_loss, max_grad_norm=1.0, noise_multiplier=0.0, method=method)
-        part = st.clipped_sum(pdpsgd.trainable_params(mb), lm)
-        rel = float(((part.per_sample_norms - want).abs() / want).max())
-        ok = all(s.dtype == torch.float32 for s in part.sums.values()) and rel < 0.1
-        print(("ok  " if ok else "FAIL") + f" bf16 {method}: float32 sums, norm rel. diff vs fp32 model {rel:.3f}")
-        fails += not ok
+    for dt in (torch.bfloat16, torch.float16):
+        mb = models.tiny_gpt2().to(dev).to(dt)
+        for method in ("bk", "auto"):
+            st = pdpsgd.make_dp_step(mb, models.hf_lm_loss, max_grad_norm=1.0, noise_multiplier=0.0, method=method)
+            part = st.clipped_sum(pdpsgd.trainable_params(mb), lm)
+            rel = float(((part.per_sample_norms - want).abs() / want).max())
+            ok = all(s.dtype == torch.float32 for s in part.sums.values()) and rel < 0.1
+            print(("ok  " if ok else "FAIL") + f" {str(dt)[6:]} {method}: float32 sums, norm rel. diff vs fp32 model {rel:.3f}")
+            fails += not ok
     print(f"gpu checks: {fails} failures, {time.time() - t0:.0f}s")
     return 1 if fails else 0
 
