@@ -34,7 +34,11 @@ non-finite examples). Applied per example, so an engine may call it chunk by chu
 
 
 class EngineResult(NamedTuple):
-    """What a per-example engine (``per_sample`` or ``bookkeeping``) returns for one batch."""
+    """What a per-example engine (``per_sample`` or ``bookkeeping``) returns for one batch.
+
+    Read-only: entries may share storage (with flat clipping every ``weights`` entry is one
+    tensor; ``sq_norms`` and ``clipped_sum`` entries of stacked small parameters are views into
+    one buffer), so an in-place edit of one would change others."""
 
     losses: Tensor  # (B,) per-example losses, detached
     sq_norms: Dict[str, Tensor]  # name -> (B,) per-example squared norms (float32 or wider)

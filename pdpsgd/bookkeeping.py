@@ -60,8 +60,8 @@ def _edge_fn():
 _gradient_edge = _edge_fn()
 
 from ._types import Batch, EngineResult, Params, WeightsFn
-from .functional import LossModule, ParamIndex
-from .per_sample import (SQ_NORM_BLOCK, batch_size, cat_chunks, per_sample_grads, slice_batch,
+from .functional import LossModule, ParamIndex, preserve_module_state
+from .per_sample import (SQ_NORM_BLOCK, _device_of, batch_size, cat_chunks, per_sample_grads, slice_batch,
                          sq_norm_per_example, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
 from .rules.base import Dense, Explicit, Index, Rule, Use
@@ -704,7 +704,8 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         scope = _Scope(loss_module)
         # a checkpoint recomputation runs its whole segment (no early stop), so every pre-hook's
         # parameter swap is undone by its post-hook before anything else is recomputed
-        with _no_checkpoint_early_stop():
+        # (preserve_module_state: also undoes a parameter swap a failing forward left half done)
+        with _no_checkpoint_early_stop(), preserve_module_state(model):
             losses, grads, early, call_targets = functional_call(
                 scope, {"m." + k: v for k, v in LossModule.prefixed({**constants, **leaves}).items()},
                 (forward_backward,))
@@ -871,7 +872,7 @@ def _stacked_sums(names: List[str], S: Tensor, w: Mapping[str, Tensor], params: 
 
 def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts):
     B = mask.shape[0]
-    device = mask.device
+    device = _device_of(params, mask)  # the parameters' device decides what may sync
     col = _collect(loss_module, params, constants, batch, registry, overrides)
     routes = _routes(col, params, B, cm, overrides, opts, device)
     sq: Dict[str, Tensor] = {}
@@ -996,7 +997,7 @@ def bk_engine(
     registry, overrides, cm = _options(method, bk_options)
     B = batch_size(batch)
     chunk = chunk_size or B
-    device = mask.device
+    device = _device_of(params, mask)
     losses_all: List[Tensor] = []
     sq_all: Dict[str, List[Tensor]] = {n: [] for n in params}
     w_all: Dict[str, List[Tensor]] = {n: [] for n in params}
@@ -1006,7 +1007,9 @@ def bk_engine(
         stop = min(B, start + chunk)
         m = mask[start:stop]
         # (a single chunk on a GPU is run whatever its mask: deciding would be a sync; an
-        # all-padding batch then gives weight 0 to every example, the same sums)
+        # all-padding batch then gives weight 0 to every example, the same (zero) sums, but its
+        # per-example norms and losses are the computed values instead of 0 and its routes are
+        # reported instead of "skipped")
         if (device.type in SYNC_DEVICES or chunk < B) and not bool(m.any()):
             z = _empty(params, stop - start, device)
             losses_all.append(torch.zeros(stop - start, device=device))

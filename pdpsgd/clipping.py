@@ -114,12 +114,15 @@ def make_weights_fn(groups: ClipGroups, *, clip_fn: str = "abadi", gamma: float 
     if not gamma > 0 and clip_fn == "automatic":
         raise ValueError("gamma must be > 0 for automatic clipping")
 
+    single = len(groups.names) == 1  # flat clipping: the group's norm is the total
+
     def weights_fn(sq_norms: Mapping[str, Tensor], losses: Tensor, mask: Tensor) -> Dict[str, Tensor]:
         total = sum_sq_norms(sq_norms)  # (b,)
         keep = mask & torch.isfinite(total) & torch.isfinite(losses.to(total.dtype))
         out: Dict[str, Tensor] = {}
         for names, threshold in zip(groups.names, groups.thresholds):
-            sq = total if len(names) == len(sq_norms) else sum_sq_norms(sq_norms, names)
+            whole = single and len(names) == len(sq_norms) and all(n in sq_norms for n in names)
+            sq = total if whole else sum_sq_norms(sq_norms, names)
             c = clip_factor(sq.sqrt(), threshold, clip_fn, gamma)
             c = torch.where(keep, c, torch.zeros_like(c))
             for n in names:

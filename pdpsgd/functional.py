@@ -8,14 +8,15 @@ weight is *one* parameter whose per-example gradient is summed over every use.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Mapping, Optional
+import contextlib
+from typing import Dict, Iterable, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
 
 from ._types import Batch, LossFn, Params
 
-__all__ = ["trainable_params", "ParamIndex", "LossModule", "check_no_batch_mixing"]
+__all__ = ["trainable_params", "ParamIndex", "LossModule", "check_no_batch_mixing", "preserve_module_state"]
 
 
 def trainable_params(model: nn.Module) -> Params:
@@ -117,3 +118,20 @@ def check_no_batch_mixing(model: nn.Module) -> None:
                 "undefined. Replace it with GroupNorm or LayerNorm (opacus.validators.ModuleValidator.fix "
                 "does this), or freeze it with module.eval() to use its running statistics."
             )
+
+
+@contextlib.contextmanager
+def preserve_module_state(model: nn.Module) -> Iterator[None]:
+    """Every module's own parameters and buffers are the same objects after the block as before.
+
+    ``torch.func.functional_call`` restores them itself, except (torch 2.13 and earlier) when a
+    module is registered under two names and one of its parameters is tied to another module: the
+    substituted tensor is then left in the model and the tie is broken, so every later step would
+    train a different, untied model. This puts back whatever it left behind."""
+    saved = [(d, k, v) for m in model.modules() for d in (m._parameters, m._buffers) for k, v in d.items()]
+    try:
+        yield
+    finally:
+        for d, k, v in saved:
+            if d.get(k) is not v:
+                d[k] = v

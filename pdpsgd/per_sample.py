@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ._compat import transformers_vmap_compat
 from ._types import Batch, EngineResult, LossFn, Params, WeightsFn
-from .functional import LossModule
+from .functional import LossModule, preserve_module_state
 
 __all__ = ["batch_size", "slice_batch", "per_sample_grads", "vmap_engine", "default_chunk_size", "cat_chunks",
            "chunk_budget_elems"]
@@ -159,7 +159,7 @@ def per_sample_grads(
         return loss, loss.detach()
 
     fn = vmap(grad(loss_one, has_aux=True), in_dims=(None, _in_dims(batch)), randomness="different")
-    with vmap_context(loss_module.model):
+    with vmap_context(loss_module.model), preserve_module_state(loss_module.model):
         try:
             grads, losses = fn(params, batch)
         except RuntimeError as err:

@@ -193,7 +193,8 @@ class DPStep:
             )
         clipped = torch.zeros_like(mask)
         for names, thr in zip(groups.names, groups.thresholds):
-            sq = total_sq if len(names) == len(res.sq_norms) else sum_sq_norms(res.sq_norms, names)
+            sq = total_sq if len(groups.names) == 1 and len(names) == len(res.sq_norms) \
+                else sum_sq_norms(res.sq_norms, names)
             if self.clip_fn == "abadi":
                 clipped = clipped | (sq.sqrt() > thr)
             else:

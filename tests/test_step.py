@@ -342,3 +342,55 @@ def test_sum_sq_norms_matches_the_plain_sum_and_promotes():
     mixed = {"a": torch.ones(3), "b": torch.full((3,), 2.0, dtype=torch.float64)}
     out = sum_sq_norms(mixed)
     assert out.dtype == torch.float64 and torch.equal(out, torch.full((3,), 3.0, dtype=torch.float64))
+
+
+class _AliasedTied(nn.Module):
+    """A LayerNorm registered under two names (and called twice) whose bias is tied to another
+    LayerNorm: torch's functional_call (2.13) leaves its substitute in such a model."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.pre, self.ln, self.ln2, self.out = nn.Linear(3, d), nn.LayerNorm(d), nn.LayerNorm(d), nn.Linear(d, 2)
+        self.alias = self.ln
+        self.ln2.bias = self.ln.bias
+
+    def forward(self, x):
+        z = self.ln(self.pre(x))
+        return self.out(self.alias(self.ln2(torch.tanh(z)))).sum(1)
+
+
+@pytest.mark.parametrize("method", ["vmap", "bk", "auto"])
+def test_steps_leave_the_model_as_it_was(method):
+    from pdpsgd.testing import assert_exact
+
+    torch.manual_seed(0)
+    m = _AliasedTied().double()
+    before = {n: p for n, p in m.named_parameters(remove_duplicate=False)}
+    b = {"x": torch.randn(3, 2, 3, dtype=torch.float64), "y": torch.randint(0, 2, (3,))}
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.2, noise_multiplier=0.0, method=method)
+    first = step.clipped_sum(pdpsgd.trainable_params(m), b)
+    second = step.clipped_sum(pdpsgd.trainable_params(m), b)  # the same model again, ties intact
+    assert {n: p for n, p in m.named_parameters(remove_duplicate=False)} == before
+    assert m.ln2.bias is m.ln.bias and isinstance(m.ln.bias, nn.Parameter)
+    torch.testing.assert_close(first.per_sample_norms, second.per_sample_norms, rtol=1e-12, atol=0)
+    assert_exact(m, mlp_loss, b, method=method, max_grad_norm=0.2)
+
+
+@pytest.mark.parametrize("method", ["vmap", "bk"])
+def test_a_failing_forward_leaves_the_model_intact(method):
+    class Fails(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            raise RuntimeError("boom after the first layer")
+
+    m = Fails()
+    before = {n: p for n, p in m.named_parameters()}
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0, method=method)
+    with pytest.raises(RuntimeError, match="boom"):
+        step.clipped_sum(pdpsgd.trainable_params(m), {"x": torch.randn(2, 3), "y": torch.tensor([0, 1])})
+    assert {n: p for n, p in m.named_parameters()} == before
+    assert all(isinstance(p, nn.Parameter) for p in m.parameters())
