@@ -38,6 +38,7 @@ CONFIGS = {
     "tiny": ("gpt2", 2, 64, 2, 512, 16, 4),
 }
 FUSED = False
+AMP = False  # bf16 torch.autocast around every variant's model call (--amp)
 COMPILE = False
 BACK_TO_BACK = True
 VARIANTS = ["nonprivate", "bk", "auto", "vmap", "opacus", "opacus_ghost"]
@@ -74,6 +75,18 @@ def build(cfg_name, device, dtype=torch.float32, untied=False):
 
 
 def make_loss(fam, explicit_pos=False):
+    loss = _make_loss(fam, explicit_pos)
+    if not AMP:
+        return loss
+
+    def amp_loss(m, b):
+        with torch.autocast(b["input_ids"].device.type, dtype=torch.bfloat16):
+            return loss(m, b)
+
+    return amp_loss
+
+
+def _make_loss(fam, explicit_pos=False):
     def gpt2_loss(m, b):
         kw = {"position_ids": b["position_ids"]} if explicit_pos else {}
         logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"], **kw).logits[:, :-1]
@@ -166,7 +179,8 @@ def make_step(variant, cfg_name, device, compile_noise=False):
             opt.zero_grad(set_to_none=True)
             kw = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
                   "position_ids": batch["position_ids"]}
-            logits = gsm(**kw).logits
+            with torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16, enabled=AMP):
+                logits = gsm(**kw).logits
             if fam == "gpt2":
                 lg = logits[:, :-1]
                 loss = crit(lg.reshape(-1, lg.shape[-1]), batch["input_ids"][:, 1:].reshape(-1), shape=lg.shape)
@@ -255,12 +269,13 @@ def main():
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--fused", action="store_true", help="DP variants: noise+scale via pdpsgd.fused")
     ap.add_argument("--compile", action="store_true", help="with --fused: torch.compile the fused function")
+    ap.add_argument("--amp", action="store_true", help="bf16 torch.autocast around the model call (all variants)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--no-back-to-back", action="store_true",
                     help="time each variant right after the previous variant's step (old behaviour)")
     a = ap.parse_args()
-    global FUSED, COMPILE, BACK_TO_BACK
-    FUSED, COMPILE, BACK_TO_BACK = a.fused, a.compile, not a.no_back_to_back
+    global FUSED, COMPILE, BACK_TO_BACK, AMP
+    FUSED, COMPILE, BACK_TO_BACK, AMP = a.fused, a.compile, not a.no_back_to_back, a.amp
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
@@ -278,7 +293,7 @@ def main():
             for v in variants:
                 if str(notes.get(v, "")).startswith("error"):
                     continue
-                extra = ["--fused"] if a.fused else []  # no --compile: saves compile time, same memory
+                extra = (["--fused"] if a.fused else []) + (["--amp"] if a.amp else [])  # no --compile: same memory
                 r = subprocess.run([sys.executable, __file__, "--memory-only", v, cfg, "--device", a.device] + extra,
                                    capture_output=True, text=True)
                 try:

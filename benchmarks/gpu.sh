@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU run (one CUDA device, < 8 min): exactness checks on the CUDA path (compiled fused noise),
 # then the benchmark at GPT-2-small size (12 layers, width 768, vocab 50257, T=256, B=8); then, time
-# permitting, gpu_profile.py and the small configs' timings (diagnostics).
+# permitting, a bf16-autocast timing, gpu_profile.py and the small configs' timings (diagnostics).
 # Usage: bash benchmarks/gpu.sh            (from the repository root)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +16,11 @@ timeout 310 python benchmarks/bench.py --device cuda --configs gpt2small-256 --r
 bench_rc=$?
 # diagnostics, each only while the whole run stays under 8 minutes
 left() { echo $(( 450 - ($(date +%s) - start) )); }
+if [ "$(left)" -gt 60 ]; then
+  echo "== the same with bf16 torch.autocast around the model call (time only) =="
+  timeout "$(left)" python benchmarks/bench.py --device cuda --configs gpt2small-256 --reps 5 --fused --compile --amp \
+    --variants nonprivate,bk,opacus,opacus_ghost --no-memory 2>&1 | grep -E "^timing|^\|"
+fi
 if [ "$(left)" -gt 60 ]; then
   echo "== where a bk step's time goes (host syncs, phases, top kernels) =="
   timeout "$(left)" python benchmarks/gpu_profile.py --config gpt2small-256 --reps 5 2>&1 | grep -v USDT | head -60

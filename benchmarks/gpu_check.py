@@ -65,6 +65,26 @@ def main() -> int:
             ok = all(s.dtype == torch.float32 for s in part.sums.values()) and rel < 0.1
             print(("ok  " if ok else "FAIL") + f" {str(dt)[6:]} {method}: float32 sums, norm rel. diff vs fp32 model {rel:.3f}")
             fails += not ok
+    # bf16 autocast around a float32 model: float32 norms and sums, each contribution <= C
+    m = models.tiny_gpt2().to(dev)
+
+    def amp_loss(model, batch):
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            return models.hf_lm_loss(model, batch)
+
+    C = float(want.min()) / 4
+    for method in ("bk", "auto"):
+        st = pdpsgd.make_dp_step(m, amp_loss, max_grad_norm=1e9, noise_multiplier=0.0, method=method)
+        part = st.clipped_sum(pdpsgd.trainable_params(m), lm)
+        rel = float(((part.per_sample_norms - want).abs() / want).max())
+        st = pdpsgd.make_dp_step(m, amp_loss, max_grad_norm=C, noise_multiplier=0.0, method=method)
+        worst = 0.0
+        for i in range(lm["input_ids"].shape[0]):
+            s = st.clipped_sum(pdpsgd.trainable_params(m), {k: v[i:i + 1] for k, v in lm.items()}).sums
+            worst = max(worst, sum(float(v.double().pow(2).sum()) for v in s.values()) ** 0.5 / C)
+        ok = all(s.dtype == torch.float32 for s in part.sums.values()) and rel < 0.05 and worst <= 1 + 1e-5
+        print(("ok  " if ok else "FAIL") + f" autocast bf16 {method}: norm rel. diff {rel:.3f}, max contribution/C {worst:.6f}")
+        fails += not ok
     print(f"gpu checks: {fails} failures, {time.time() - t0:.0f}s")
     return 1 if fails else 0
 

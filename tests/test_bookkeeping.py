@@ -698,3 +698,32 @@ def test_sync_free_engine_exact_with_nonfinite_masks_padding_and_groups(sync_fre
     install_spy()
     step(params, b)
     assert spy == [], f"host reads of tensors in the step: {spy}"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_autocast_bf16_loss_bounded_and_close_to_float32(method):
+    """Mixed precision by torch.autocast inside the loss (the usual GPU set-up, here on CPU): the
+    captured activations and output gradients are bf16, norms and sums float32; every example's
+    clipped contribution stays ≤ C and the norms match the float32 model's to bf16 precision."""
+    torch.manual_seed(0)
+    model = models.tiny_gpt2()
+    b = _gpt2_batch()
+
+    def amp_loss(m, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return models.hf_lm_loss(m, batch)
+
+    params = trainable_params(model)
+    want = make_dp_step(model, models.hf_lm_loss, max_grad_norm=1e9, noise_multiplier=0.0,
+                        method="vmap").clipped_sum(params, b).per_sample_norms
+    step = make_dp_step(model, amp_loss, max_grad_norm=1e9, noise_multiplier=0.0, method=method)
+    got = step.clipped_sum(params, b)
+    assert all(s.dtype == torch.float32 for s in got.sums.values()) and got.per_sample_norms.dtype == torch.float32
+    torch.testing.assert_close(got.per_sample_norms, want, rtol=0.02, atol=0)
+    C = float(want.min()) / 4  # every example clipped
+    step = make_dp_step(model, amp_loss, max_grad_norm=C, noise_multiplier=0.0, method=method)
+    for i in range(b["input_ids"].shape[0]):
+        one = {k: v[i:i + 1] for k, v in b.items()}
+        s = step.clipped_sum(params, one).sums
+        norm = math.sqrt(sum(float(v.double().pow(2).sum()) for v in s.values()))
+        assert norm <= C * (1 + 1e-5), (i, norm / C)
