@@ -60,6 +60,7 @@ def _edge_fn():
 _gradient_edge = _edge_fn()
 
 from ._types import Batch, EngineResult, Params, WeightsFn
+from .clipping import sum_sq_norms
 from .functional import LossModule, ParamIndex, preserve_module_state
 from .per_sample import (SQ_NORM_BLOCK, _device_of, batch_size, cat_chunks, per_sample_grads, slice_batch,
                          sq_norm_per_example, weighted_sum)
@@ -202,17 +203,27 @@ def _wsum(w: Tensor, G: Tensor, keep: Optional[Tensor]) -> Tensor:
 
 
 class _KeepMemo:
-    """``w != 0`` per weight tensor, or None when every weight is non-zero. Deciding that is a host
-    sync, so it is taken once per distinct weight tensor (flat clipping: one tensor for all
-    parameters), not once per parameter, and only on ``SYNC_DEVICES``: elsewhere the mask is always
-    returned and the rows of weight 0 are zeroed by ``torch.where`` on the device (one more
-    elementwise pass over the factors, cheap on a GPU, instead of a stall of its launch queue)."""
+    """``w != 0`` per weight tensor, or None when the rows of weight 0 need no zeroing.
 
-    def __init__(self, device: torch.device):
+    Zeroing (``torch.where`` on the factors) is what keeps a dropped example's non-finite values
+    out of a sum (NaN·0 is NaN). On ``SYNC_DEVICES`` (CPU) it is decided per distinct weight tensor
+    (flat clipping: one for all parameters), None when every weight is non-zero; there the mask
+    also lets the row compaction skip weight-0 rows. Elsewhere (GPU) one host read per step
+    decides it, ``nonfinite``: whether any example's squared norm is non-finite. Only such an
+    example can have non-finite factor rows (a non-finite row makes its own Gram/explicit norm
+    non-finite), and a finite row times weight 0 adds exactly 0; so normally no factor is copied
+    (zeroing always would copy each, e.g. +412 MB for GPT-2 small's logits gradient) and the
+    step has one sync instead of one per weight tensor."""
+
+    def __init__(self, device: torch.device, sq: Mapping[str, Tensor]):
         self.decide = device.type in SYNC_DEVICES
+        # off the CPU: the step's one host read
+        self.zero = None if self.decide else bool((~torch.isfinite(sum_sq_norms(sq))).any())
         self.memo: Dict[int, Tuple[Tensor, Optional[Tensor]]] = {}
 
     def __call__(self, w: Tensor) -> Optional[Tensor]:
+        if self.zero is False:
+            return None
         hit = self.memo.get(id(w))
         if hit is None or hit[0] is not w:
             keep = w != 0
@@ -269,7 +280,7 @@ ACTIVE_ROWS_DEVICES = ("cpu",)
 # Devices on which the engine reads tensor values on the host to skip work (are all weights
 # non-zero? is a chunk all padding?). On CUDA each such read is a sync that drains the launch
 # queue, so there the engine does the (exact, cheap) work instead of deciding.
-SYNC_DEVICES = ("cpu",)
+SYNC_DEVICES = ("cpu",)  # elsewhere: one host read per step (see _KeepMemo)
 
 
 def _active_rows(u: Dense, gl: Tensor, gr: Tensor) -> Optional[Tensor]:
@@ -941,7 +952,7 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
     sq = {n: sq[n] for n in params}
     losses = col.losses.to(_acc(col.losses.dtype))
     w = weights_fn(sq, losses, mask)
-    keep_of = _KeepMemo(device)
+    keep_of = _KeepMemo(device, sq)
     sums: Dict[str, Tensor] = {}
     stacked = set()
     for names, S in stacks:

@@ -640,8 +640,9 @@ def test_keep_check_per_weight_tensor_with_different_zero_patterns(route):
 
 @pytest.fixture
 def sync_free(monkeypatch):
-    """The engine as it runs on a GPU: no host reads of tensor values (no keep checks, no
-    active-row compaction, a single chunk never skipped), forced here on CPU."""
+    """The engine as it runs on a GPU: one host read per step (is any example's norm
+    non-finite?), no per-tensor keep checks, no active-row compaction, a single chunk never
+    skipped; forced here on CPU."""
     import pdpsgd.bookkeeping as bk
 
     monkeypatch.setattr(bk, "SYNC_DEVICES", ())
@@ -692,12 +693,27 @@ def test_sync_free_engine_exact_with_nonfinite_masks_padding_and_groups(sync_fre
     step = make_dp_step(models.tiny_gpt2(), models.hf_lm_loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
     out = step.clipped_sum(trainable_params(step.model), g, mask=torch.zeros(5, dtype=torch.bool))
     assert all(float(s.abs().max()) == 0.0 for s in out.sums.values())
-    # and a whole step reads no tensor value on the host (each would be a GPU sync)
+    # no factor is copied for zeroing when every norm is finite (weight-0 rows of finite factors
+    # add exactly 0), and they are zeroed when one is not
+    seen = []
+    real_zero = bk._zero_rows
+    monkeypatch.setattr(bk, "_zero_rows", lambda x, keep: (seen.append(x.shape), real_zero(x, keep))[1])
+    fine = {"x": torch.randn(6, 5), "y": b["y"]}
+    per = make_dp_step(model, models.mlp_loss, method="bk", bk_options=opts, **kw)
+    got2 = per.clipped_sum(params, fine, mask=torch.tensor([True, True, False, True, True, True]))
+    assert seen == []
+    per.clipped_sum(params, b)
+    assert seen != [] or route == "explicit"  # (the explicit route keeps G: zeroed by weighted_sum)
+    ref2m = make_dp_step(model, models.mlp_loss, method="vmap", **kw).clipped_sum(
+        params, fine, mask=torch.tensor([True, True, False, True, True, True]))
+    for n in params:
+        torch.testing.assert_close(got2.sums[n], ref2m.sums[n], rtol=1e-5, atol=1e-6)
+    # and a whole step (noise included) reads one tensor value on the host: the non-finite check
     step = make_dp_step(model, models.mlp_loss, method="bk", bk_options=opts, **{**kw, "noise_multiplier": 1.0},
                         generator=torch.Generator().manual_seed(0))
     install_spy()
     step(params, b)
-    assert spy == [], f"host reads of tensors in the step: {spy}"
+    assert spy == [("__bool__", ())], f"host reads of tensors in the step: {spy}"
 
 
 @pytest.mark.parametrize("method", METHODS)
