@@ -111,12 +111,24 @@ def check_no_batch_mixing(model: nn.Module) -> None:
     depends on every other example and no clipping bound holds.
     """
     for name, module in model.named_modules():
-        if isinstance(module, _MIXING) and module.training:
+        if not isinstance(module, _MIXING):
+            continue
+        # torch's own rule: batch statistics in training mode, and in eval mode too when the layer
+        # keeps no running statistics (track_running_stats=False)
+        no_running = getattr(module, "running_mean", None) is None and getattr(module, "running_var", None) is None
+        if module.training:
             raise ValueError(
                 f"layer {name or '<root>'!r} ({type(module).__name__}) mixes examples of a batch in "
                 "training mode (batch statistics), so per-example gradients and the DP guarantee are "
                 "undefined. Replace it with GroupNorm or LayerNorm (opacus.validators.ModuleValidator.fix "
                 "does this), or freeze it with module.eval() to use its running statistics."
+            )
+        if no_running:
+            raise ValueError(
+                f"layer {name or '<root>'!r} ({type(module).__name__}) has track_running_stats=False, so it "
+                "normalises with batch statistics even in eval mode: it mixes examples of a batch and "
+                "per-example gradients and the DP guarantee are undefined. Replace it with GroupNorm or "
+                "LayerNorm (opacus.validators.ModuleValidator.fix does this)."
             )
 
 

@@ -23,6 +23,15 @@ def test_batchnorm_in_training_is_refused_and_eval_is_fine():
         step(pdpsgd.trainable_params(m), batch())
 
 
+@pytest.mark.parametrize("method", ["vmap", "bk"])
+def test_batchnorm_without_running_stats_is_refused_in_eval_mode_too(method):
+    """track_running_stats=False: batch statistics in eval mode as well (it mixes examples)."""
+    m = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4, affine=False, track_running_stats=False),
+                      nn.Linear(4, 3)).eval()
+    with pytest.raises(ValueError, match="track_running_stats=False.*mixes examples"):
+        pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)
+
+
 def test_scalar_loss_is_refused():
     m = mlp()
     step = pdpsgd.make_dp_step(m, lambda mod, b: F.cross_entropy(mod(b["x"]), b["y"]), max_grad_norm=1.0, noise_multiplier=1.0)
