@@ -41,6 +41,7 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.utils._pytree import tree_flatten, tree_map
 
 
 
@@ -406,6 +407,7 @@ class _Call:
     versions: Tuple[int, ...]
     capture: Any = None  # custom-forward rules: what ``rule.forward`` returned beside the output
     edge: Any = None  # the output's gradient edge, once ``output`` is released (see ``_release_outputs``)
+    k: int = -1  # this call's index among its module's calls (for the batch-dimension probe)
 
     @property
     def targets(self) -> List[Any]:
@@ -583,8 +585,63 @@ def _override(overrides: Mapping[str, str], mname: str, m: nn.Module) -> Optiona
     return overrides.get(mname) or overrides.get(type(m).__name__)
 
 
+# The rules split a layer's factors by example along the first dimension of its input, taken to be
+# the batch when it has size B. A first dimension that only happens to equal B (a time-major layer
+# with T == B, a layer applied to a (V, d) table with V == B) would credit rows to the wrong
+# examples, and a padded example would leak into the sum. So the first dimensions are checked
+# against a probe: a no-grad forward of PROBE_B (or PROBE_B + 1 when B == PROBE_B) examples of the
+# batch, where a batch dimension follows the probe's size and a coincidence does not. A call whose
+# dimension did not follow goes to the exact vmap fallback. The probe is a function of the model's
+# code and the batch's shapes; ``DPStep`` memoises it per shape signature (``probe_memo``).
+PROBE_B = 2
+PROBE_MEMO_MAX = 64
+
+
+def _first_tensor(args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[Tensor]:
+    for x in list(args) + list(kwargs.values()):
+        if isinstance(x, Tensor):
+            return x
+    return None
+
+
+def _first_dim(args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[int]:
+    x = _first_tensor(args, kwargs)
+    return int(x.shape[0]) if x is not None and x.dim() > 0 else None
+
+
+def _probe_key(batch: Batch, B: int):
+    leaves, spec = tree_flatten(batch)
+    return (B, str(spec), tuple((tuple(x.shape), x.dtype, x.device.type) if isinstance(x, Tensor) else repr(x)
+                                for x in leaves))
+
+
+def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
+                      ruled: Dict[nn.Module, Tuple[str, Rule, Dict[str, str]]], B: int):
+    """(probe size, {module name: first dims of its calls, in order}), or (probe size, error text)."""
+    Bp = PROBE_B if B != PROBE_B else PROBE_B + 1
+    idx = torch.arange(Bp) % B  # examples 0, 1, ... (repeated when B is smaller)
+    probe = tree_map(lambda x: x.index_select(0, idx.to(x.device)) if isinstance(x, Tensor) else x, batch)
+    seen: Dict[str, List[Optional[int]]] = {}
+
+    def hook(module, args, kwargs, output):
+        seen.setdefault(ruled[module][0], []).append(_first_dim(args, kwargs))
+
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m, (_, rule, _) in ruled.items()
+               if not getattr(rule, "custom_forward", False)]  # (custom-forward rules check their own layout)
+    try:
+        with torch.no_grad(), preserve_module_state(loss_module.model):
+            functional_call(loss_module, LossModule.prefixed({**constants, **{n: v.detach() for n, v in params.items()}}),
+                            (probe,))
+    except Exception as err:  # a model that cannot run the probe: nothing is verified
+        return Bp, f"{type(err).__name__}: {str(err)[:200]}"
+    finally:
+        for h in handles:
+            h.remove()
+    return Bp, seen
+
+
 def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
-             registry: RuleRegistry, overrides: Mapping[str, str]) -> _Collected:
+             registry: RuleRegistry, overrides: Mapping[str, str], probe_memo: Optional[Dict] = None) -> _Collected:
     """Forward with temporary hooks, backward to the captured outputs; uses per ruled parameter."""
     model = loss_module.model
     B = batch_size(batch)
@@ -603,6 +660,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
     # must see the same parameters and produce the same graph as in the forward, and is not recorded.
     replay = [False]
     swapped: Dict[nn.Module, List[Dict[str, Tensor]]] = {}
+    real_dims: Dict[str, List[Optional[int]]] = {}  # module name -> first dim of each call's input
 
     def pre_hook(module, args, kwargs):
         mname, rule, local = ruled[module]
@@ -633,6 +691,8 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
 
     def post_hook(module, args, kwargs, output):
         mname, rule, local = ruled[module]
+        if not replay[0]:
+            real_dims.setdefault(mname, []).append(_first_dim(args, kwargs))
         stack = swapped.get(module)
         for pn, t in (stack.pop() if stack else {}).items():
             module._parameters[pn] = t
@@ -660,7 +720,8 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             output = output.expand(B, *output.shape[1:])
         if not replay[0]:
             vers = tuple(x._version for x in args if isinstance(x, Tensor))
-            calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers))
+            calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers,
+                               k=len(real_dims[mname]) - 1))
         return output
 
     leaf_names = [n for n in ruled_names]
@@ -728,6 +789,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
                 del m.forward
             else:
                 m.forward = f
+    _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo)
     n_call = sum(len(t) for t in call_targets)
     for n, g in zip(leaf_names, grads[n_call:]):
         if g is not None:
@@ -762,6 +824,36 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
                 fallback.setdefault(c_name, f"{rule.name} rule gave no factor for {mname}.{pn}")
     uses = {n: u for n, u in uses.items() if n not in fallback}
     return _Collected(losses.detach(), uses, fallback, owner)
+
+
+def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo):
+    """Send to the vmap fallback every parameter of a call whose input's first dimension equals B
+    but did not follow the probe's batch size (see ``PROBE_B``)."""
+    todo = [c for c in calls if c.capture is None and real_dims[c.mname][c.k] == B
+            and not all(n in fallback for n in ruled[c.module][2].values())]
+    if not todo:
+        return
+    key = _probe_key(batch, B) if probe_memo is not None else None
+    got = probe_memo.get(key) if key is not None else None
+    if got is None:
+        got = _probe_first_dims(loss_module, params, constants, batch, ruled, B)
+        if key is not None and not isinstance(got[1], str):
+            if len(probe_memo) >= PROBE_MEMO_MAX:
+                probe_memo.clear()
+            probe_memo[key] = got
+    Bp, seen = got
+    for c in todo:
+        if isinstance(seen, str):
+            reason = f"the batch-dimension probe failed ({seen})"
+        else:
+            dims = seen.get(c.mname, [])
+            if len(dims) == len(real_dims[c.mname]) and (
+                    dims[c.k] == Bp or (dims[c.k] == 1 and getattr(c.rule, "broadcast_batch", False))):
+                continue  # the first dimension is the batch (or, B == 1, a broadcast one, e.g. positions)
+            reason = (f"input's first dimension equals the batch size {B} but is not the batch dimension "
+                      f"(a probe with {Bp} examples gave {dims[c.k] if c.k < len(dims) else 'no such call'})")
+        for n in ruled[c.module][2].values():
+            fallback.setdefault(n, f"{type(c.module).__name__} ({c.mname}): {reason}")
 
 
 def _options(method: str, opts: Mapping[str, Any]):
@@ -881,10 +973,10 @@ def _stacked_sums(names: List[str], S: Tensor, w: Mapping[str, Tensor], params: 
         sums[n] = tot[j].reshape(params[n].shape)
 
 
-def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts):
+def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts, probe_memo=None):
     B = mask.shape[0]
     device = _device_of(params, mask)  # the parameters' device decides what may sync
-    col = _collect(loss_module, params, constants, batch, registry, overrides)
+    col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo)
     routes = _routes(col, params, B, cm, overrides, opts, device)
     sq: Dict[str, Tensor] = {}
     kept_G: Dict[str, Tensor] = {}
@@ -992,6 +1084,7 @@ def bk_engine(
     *,
     chunk_size: Optional[int] = None,
     method: str = "bk",
+    probe_memo: Optional[Dict] = None,
     **bk_options: Any,
 ) -> EngineResult:
     """Per-example norms, weights and clipped sums by book-keeping (see the module docstring).
@@ -1030,7 +1123,7 @@ def bk_engine(
             continue
         sub = batch if (start == 0 and stop == B) else slice_batch(batch, start, stop)
         losses, sq, w, sums, r = _chunk(loss_module, params, constants, sub, m, weights_fn, registry,
-                                        overrides, cm, bk_options)
+                                        overrides, cm, bk_options, probe_memo)
         for n in params:
             total[n] = sums[n] if n not in total else total[n] + sums[n]
             sq_all[n].append(sq[n])

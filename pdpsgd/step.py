@@ -112,6 +112,9 @@ class DPStep:
         self.expected_batch_size = expected_batch_size
         self.method = method
         self.chunk_size = chunk_size
+        # book-keeping's batch-dimension probe, per batch shape signature (a function of the model's
+        # code and the shapes; see bookkeeping.PROBE_B)
+        self._probe_memo: dict = {}
         self.generator = generator
         self.clipping = clipping
         self.clip_budget = clip_budget
@@ -180,7 +183,7 @@ class DPStep:
 
             res = bk_engine(
                 self._loss_module, detached, constants, batch, mask, weights_fn,
-                chunk_size=self.chunk_size, method=self.method, **self.bk_options,
+                chunk_size=self.chunk_size, method=self.method, probe_memo=self._probe_memo, **self.bk_options,
             )
         total_sq = sum_sq_norms(res.sq_norms)
         norms = total_sq.sqrt()

@@ -743,3 +743,78 @@ def test_autocast_bf16_loss_bounded_and_close_to_float32(method):
         s = step.clipped_sum(params, one).sums
         norm = math.sqrt(sum(float(v.double().pow(2).sum()) for v in s.values()))
         assert norm <= C * (1 + 1e-5), (i, norm / C)
+
+
+class _TimeMajor(nn.Module):
+    """Time-major (T, B, d) layers, as nn.Transformer's default batch_first=False."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.enc = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, ids):  # (B, T)
+        return self.out(self.enc(self.emb(ids.t())).mean(0))
+
+
+class _ClassTable(nn.Module):
+    """A Linear applied to a (V, d) class table: no batch dimension at all."""
+
+    def __init__(self, V=4, d=3):
+        super().__init__()
+        self.enc, self.proj = nn.Linear(5, d), nn.Linear(d, d)
+        self.cls = nn.Parameter(torch.randn(V, d))
+
+    def forward(self, x):
+        return self.enc(x) @ self.proj(self.cls).T  # (B, V)
+
+
+def _ce(m, b):
+    return F.cross_entropy(m(b["x"]), b["y"], reduction="none")
+
+
+@pytest.mark.parametrize("case", ["time_major", "class_table"])
+def test_first_dim_equal_to_B_by_coincidence_is_not_taken_for_the_batch(case):
+    """A layer input whose first dimension only happens to equal B (T == B time-major, V == B
+    table) must not be split by example: exact, and a padded example never moves the sum."""
+    import pdpsgd.bookkeeping as bk
+
+    torch.manual_seed(0)
+    B = 4
+    if case == "time_major":
+        model, x = _TimeMajor(), torch.randint(0, 10, (B, B))
+        x2 = x.clone()
+        x2[3] = torch.randint(0, 10, (B,))
+    else:
+        model, x = _ClassTable(V=B), torch.randn(B, 5)
+        x2 = x.clone()
+        x2[3] = 100 * torch.randn(5)
+    b = {"x": x, "y": torch.randint(0, 2, (B,))}
+    mask = torch.tensor([True, True, True, False])
+    for m in METHODS:
+        r = assert_exact(model, _ce, b, method=m, max_grad_norm=0.05, mask=mask)
+        assert "vmap" in r.routes.values()  # the coincidental layer went to the exact fallback
+        m64 = to_float64(model)
+        step = make_dp_step(m64, _ce, max_grad_norm=0.05, noise_multiplier=0.0, method=m)
+        p = trainable_params(m64)
+        s1 = step.clipped_sum(p, to_float64(b), mask).sums
+        s2 = step.clipped_sum(p, to_float64({**b, "x": x2}), mask).sums
+        assert max(float((s1[n] - s2[n]).abs().max()) for n in s1) == 0.0
+    # the probe runs once per batch shape, not once per step
+    calls = []
+    real = bk._probe_first_dims
+    bk._probe_first_dims = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        step = make_dp_step(model, _ce, max_grad_norm=0.05, noise_multiplier=0.0, method="bk")
+        for _ in range(3):
+            step.clipped_sum(trainable_params(model), b)
+    finally:
+        bk._probe_first_dims = real
+    assert calls == [1]
+
+
+def test_batch_of_one_keeps_every_gpt2_layer_on_its_rule():
+    """B == 1: GPT-2's position embedding is a broadcast (1, T) call, not a coincidence."""
+    r = assert_exact(models.tiny_gpt2(), models.hf_lm_loss, _gpt2_batch(B=1), method="bk", max_grad_norm=0.5)
+    assert "vmap" not in r.routes.values(), r.routes
