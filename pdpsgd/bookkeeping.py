@@ -27,9 +27,14 @@ Formal guarantee: for every trained parameter, ``sq_norms[n][i]`` is ‖∂loss_
 gradient summed over all uses) and ``clipped_sum[n]`` = Σ_i w_i ∂loss_i/∂θ_n with w from
 ``weights_fn`` evaluated on those norms; both up to floating-point rounding (tested against the
 naive float64 loop at rel. err ≤ 1e-9). Examples with weight 0 (padding, non-finite) contribute
-exactly 0: their rows are zeroed, never multiplied by 0. Requires batch-first layers (a rule only
-accepts an input whose leading dim is the batch size) and no mixing of examples in the forward
-(``check_no_batch_mixing``).
+exactly 0: rows that may hold non-finite values are zeroed, never multiplied by 0 (see
+``_KeepMemo``; a finite row times 0 is exactly 0). A rule splits its factors by example along the
+input's leading dim; one whose size equals B only by coincidence (time-major T == B, a table with
+V == B) is detected by a probe and computed by the vmap fallback (``PROBE_B``). No mixing of
+examples in the forward (``check_no_batch_mixing``). Floating-point caveat: in float32 a ghost
+norm is a sum of T² products and can lose its digits to cancellation when the factors are large
+and nearly cancel (crafted inputs: |a| ≈ 1e4 with opposing g); the explicit route and float64 do
+not have this problem.
 """
 from __future__ import annotations
 
@@ -210,11 +215,11 @@ class _KeepMemo:
     out of a sum (NaN·0 is NaN). On ``SYNC_DEVICES`` (CPU) it is decided per distinct weight tensor
     (flat clipping: one for all parameters), None when every weight is non-zero; there the mask
     also lets the row compaction skip weight-0 rows. Elsewhere (GPU) one host read per step
-    decides it, ``nonfinite``: whether any example's squared norm is non-finite. Only such an
+    decides it: whether any example's squared norm is non-finite. Only such an
     example can have non-finite factor rows (a non-finite row makes its own Gram/explicit norm
     non-finite), and a finite row times weight 0 adds exactly 0; so normally no factor is copied
     (zeroing always would copy each, e.g. +412 MB for GPT-2 small's logits gradient) and the
-    step has one sync instead of one per weight tensor."""
+    step has one sync instead of one per weight tensor. (``zero``: that read's answer; None on CPU.)"""
 
     def __init__(self, device: torch.device, sq: Mapping[str, Tensor]):
         self.decide = device.type in SYNC_DEVICES

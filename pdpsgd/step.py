@@ -173,7 +173,10 @@ class DPStep:
             mask = mask.to(device=device, dtype=torch.bool)
         check_no_batch_mixing(self.model)
         detached = {n: p.detach() for n, p in params.items()}
-        constants = {**self._index.frozen(detached), **self._index.buffers}
+        # frozen parameters and buffers read from the model now, not from construction time: after
+        # model.to(dtype) or a rebound buffer (e.g. a recomputed RoPE cache) they are new tensors
+        constants = {n: p.detach() for n, p in self.model.named_parameters() if n not in detached}
+        constants.update(dict(self.model.named_buffers()))
         groups = make_groups(list(detached), self.clipping, self.max_grad_norm, budget=self.clip_budget)
         weights_fn = make_weights_fn(groups, clip_fn=self.clip_fn, gamma=self.gamma)
         if self.method == "vmap":

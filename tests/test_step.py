@@ -394,3 +394,35 @@ def test_a_failing_forward_leaves_the_model_intact(method):
         step.clipped_sum(pdpsgd.trainable_params(m), {"x": torch.randn(2, 3), "y": torch.tensor([0, 1])})
     assert {n: p for n, p in m.named_parameters()} == before
     assert all(isinstance(p, nn.Parameter) for p in m.parameters())
+
+
+def test_buffers_and_frozen_parameters_are_read_at_call_time():
+    """Rebinding a buffer or converting the model after the step was built is seen by the step."""
+    from pdpsgd.testing import naive_clipped_sum
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+            self.register_buffer("scale", torch.tensor(1.0))
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x) * self.scale))
+
+    torch.manual_seed(0)
+    m = Scaled().double()
+    b = {"x": torch.randn(6, 4, dtype=torch.float64), "y": torch.randint(0, 3, (6,))}
+    for method in ("vmap", "bk"):
+        step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.3, noise_multiplier=0.0, method=method,
+                                   expected_batch_size=1.0)
+        m.scale = torch.tensor(3.0, dtype=torch.float64)  # rebound after construction
+        m.a.weight.requires_grad_(False)  # (frozen: passed as a constant, read now)
+        with torch.no_grad():
+            m.a.weight.mul_(2.0)
+        params = {n: p for n, p in m.named_parameters() if p.requires_grad}
+        got = step.clipped_sum(params, b)
+        norms, sums = naive_clipped_sum(m, mlp_loss, b, max_grad_norm=0.3, params=params)
+        for n in params:
+            torch.testing.assert_close(got.sums[n], sums[n], rtol=1e-9, atol=1e-12)
+        m.scale = torch.tensor(1.0, dtype=torch.float64)
+        m.a.weight.requires_grad_(True)
