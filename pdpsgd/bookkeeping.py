@@ -31,10 +31,8 @@ exactly 0: rows that may hold non-finite values are zeroed, never multiplied by 
 ``_KeepMemo``; a finite row times 0 is exactly 0). A rule splits its factors by example along the
 input's leading dim; one whose size equals B only by coincidence (time-major T == B, a table with
 V == B) is detected by a probe and computed by the vmap fallback (``PROBE_B``). No mixing of
-examples in the forward (``check_no_batch_mixing``). Floating-point caveat: in float32 a ghost
-norm is a sum of T² products and can lose its digits to cancellation when the factors are large
-and nearly cancel (crafted inputs: |a| ≈ 1e4 with opposing g); the explicit route and float64 do
-not have this problem.
+examples in the forward (``check_no_batch_mixing``). In float32 a ghost norm that lost its digits
+to cancellation (crafted inputs) is replaced by an upper bound (``_cancellation_guard``).
 """
 from __future__ import annotations
 
@@ -312,15 +310,19 @@ def _active_rows(u: Dense, gl: Tensor, gr: Tensor) -> Optional[Tensor]:
 
 
 def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[_GramMemo] = None,
-           rows: Optional[Dict[int, Tensor]] = None) -> Tensor:
+           rows: Optional[Dict[int, Tensor]] = None, bounds: Optional[Dict[int, Tensor]] = None) -> Tensor:
     """Per-example ⟨G_u, G_v⟩ (B,) without materialising G when a ghost formula exists (``cache``:
-    this batch's ``_GramMemo``; ``rows``: filled with ``_active_rows`` of self pairs, by id(use))."""
+    this batch's ``_GramMemo``; ``rows``: filled with ``_active_rows`` of self pairs, by id(use);
+    ``bounds``: filled, for self pairs of Gram formulas, with Σ_t ‖L_t‖‖R_t‖ ≥ ‖G_u,i‖ (B,), read
+    off the Gram diagonals, by id(use))."""
     if isinstance(u, Index) and isinstance(v, Dense):
         u, v = v, u
     if isinstance(u, Dense) and isinstance(v, Dense) and u.R is not None and v.R is not None \
             and u.L.shape[-1] == v.L.shape[-1] and u.R.shape[-1] == v.R.shape[-1]:
         gl = _gram(u.L, v.L, acc, cache)  # (B, T, P0) x (B, S, P0) -> (B, T, S)
         gr = _gram(u.R, v.R, acc, cache)  # (B, T, P1) x (B, S, P1) -> (B, T, S)
+        if u is v and bounds is not None:
+            bounds[id(u)] = (_diag(gl).sqrt() * _diag(gr).sqrt()).sum(1)  # Σ_t ‖L_t‖‖R_t‖ (B,)
         if u is v and rows is not None:
             act = _active_rows(u, gl, gr)
             if act is not None:
@@ -330,7 +332,10 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
         return (u.L.to(acc).sum(1) * v.L.to(acc).sum(1)).sum(1)  # (B, P0) · (B, P0) -> (B,)
     if isinstance(u, Index) and isinstance(v, Index) and u.R.shape[-1] == v.R.shape[-1]:
         eq = (u.ids.unsqueeze(2) == v.ids.unsqueeze(1)).to(acc)  # (B, T, 1) == (B, 1, S) -> (B, T, S)
-        return (eq * _gram(u.R.to(acc), v.R.to(acc))).sum((1, 2))  # (B, T, d) x (B, S, d) -> (B,)
+        gr = _gram(u.R.to(acc), v.R.to(acc))  # (B, T, d) x (B, S, d) -> (B, T, S)
+        if u is v and bounds is not None:
+            bounds[id(u)] = _diag(gr).sqrt().sum(1)  # Σ_t ‖e_{id_t}‖‖R_t‖ (B,)
+        return (eq * gr).sum((1, 2))  # (B, T, S) -> (B,)
     if isinstance(u, Dense) and u.R is not None and isinstance(v, Index) \
             and u.L.shape[-1] == v.num_rows and u.R.shape[-1] == v.R.shape[-1]:
         # ⟨Σ_s L[s] ⊗ R[s], Σ_t e_{id_t} ⊗ R'[t]⟩ = Σ_{s,t} L[s, id_t] (R[s]·R'[t])
@@ -341,6 +346,32 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
     Gu = _materialise(u, shape, acc)
     Gv = _materialise(v, shape, acc)
     return (Gu.reshape(Gu.shape[0], -1) * Gv.reshape(Gv.shape[0], -1)).sum(1)  # (B, n) · (B, n) -> (B,)
+
+
+def _diag(g: Tensor) -> Tensor:
+    return g.diagonal(dim1=1, dim2=2).clamp_min(0)  # (B, T, T) -> (B, T): squared row norms
+
+
+# Float32 ghost norms (a sum of T² products of Gram entries) can lose their digits to cancellation
+# when large token terms nearly cancel, which an example can be crafted to do (activations ≈ 1e4
+# with opposing output gradients: a norm of 7.5 computed as 0), while the clipped sum is computed
+# by a separate matmul: the example would escape its clip. κ_i = (Σ_t ‖L_t‖‖R_t‖)² / ‖G_i‖² says how
+# much cancels; measured on GPT-2 / BERT at T = 32 and 128 it stays below 2T for every weight. An
+# example with κ_i > KAPPA_MAX_PER_T · T in float32 (or narrower) is clipped with the bound
+# (Σ_t ‖L_t‖‖R_t‖)² ≥ ‖G_i‖² (triangle inequality) as its squared norm: clipped harder, never more
+# than C. No host read decides it (torch.where). Float64 keeps the exact norm.
+KAPPA_MAX_PER_T = 16
+
+
+def _cancellation_guard(sq: Tensor, uses: List[Use], bounds: Dict[int, Tensor], acc: torch.dtype) -> Tensor:
+    if acc == torch.float64 or not uses or any(id(u) not in bounds for u in uses):
+        return sq
+    b = bounds[id(uses[0])]
+    for u in uses[1:]:
+        b = b + bounds[id(u)]  # Σ over uses: ‖Σ_u G_u,i‖ ≤ Σ_u Σ_t ‖L_t‖‖R_t‖
+    T = max(u.T for u in uses)
+    b2 = b * b
+    return torch.where(sq * (KAPPA_MAX_PER_T * T) < b2, b2, sq)
 
 
 def _zero_rows(x: Tensor, keep: Tensor) -> Tensor:
@@ -1031,12 +1062,14 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
             del G, uses
         else:
             tot = None
+            bounds: Dict[int, Tensor] = {}
             for i, u in enumerate(uses):
                 for j in range(i, len(uses)):
-                    t = _inner(u, uses[j], p.shape, acc, grams, rows)
+                    t = _inner(u, uses[j], p.shape, acc, grams, rows, bounds)
                     t = t if i == j else 2 * t
                     tot = t if tot is None else tot + t
-            sq[n] = tot.clamp_min(0)  # a sum of squares; rounding may dip below 0 only when ~0
+            # a sum of squares; rounding may dip below 0 only when ~0 (and see _cancellation_guard)
+            sq[n] = _cancellation_guard(tot.clamp_min(0), uses, bounds, acc)
     del grams
     stacks = _stack_small(stackable, B, sq, kept_G)
     fb = [n for n, r in routes.items() if r == "vmap"]

@@ -818,3 +818,42 @@ def test_batch_of_one_keeps_every_gpt2_layer_on_its_rule():
     """B == 1: GPT-2's position embedding is a broadcast (1, T) call, not a coincidence."""
     r = assert_exact(models.tiny_gpt2(), models.hf_lm_loss, _gpt2_batch(B=1), method="bk", max_grad_norm=0.5)
     assert "vmap" not in r.routes.values(), r.routes
+
+
+@pytest.mark.parametrize("route", ["ghost", "explicit"])
+def test_float32_cancellation_cannot_escape_the_clip(route):
+    """Crafted example: two tokens with activations ≈ 1e4 and opposing output gradients, so the
+    per-example gradient v (a0 - a1)ᵀ is small while the ghost norm's T² terms are ≈ 1e8 and cancel
+    (float32 loses every digit). Each example's clipped contribution must stay ≤ C anyway."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3, bias=False)
+    v = torch.tensor([3.0, -2.0, 1.0])
+
+    def loss(m, b):
+        out = m(b["x"])  # (B, 2, 3)
+        return (out[:, 0] - out[:, 1]) @ v
+
+    base = torch.randn(4) * 1e4
+    x = torch.stack([torch.stack([base, base + torch.randn(4)]) for _ in range(4)])  # (4, 2, 4)
+    C = 1.0
+    step = make_dp_step(lin, loss, max_grad_norm=C, noise_multiplier=0.0, method="bk",
+                        bk_options={"routes": {"weight": route}})
+    for i in range(4):
+        part = step.clipped_sum(trainable_params(lin), {"x": x[i:i + 1]})
+        assert part.routes["weight"] == route
+        assert float(part.sums["weight"].double().norm()) <= C * (1 + 1e-4)
+        true = float(torch.outer(v.double(), (x[i, 0] - x[i, 1]).double()).norm())
+        assert float(part.per_sample_norms[0]) >= true * (1 - 1e-3)  # never an underestimate
+
+
+def test_cancellation_guard_leaves_ordinary_float32_norms_alone():
+    torch.manual_seed(0)
+    model = models.tiny_gpt2()
+    b = _gpt2_batch(T=12)
+    params = trainable_params(model)
+    ref = make_dp_step(model, models.hf_lm_loss, max_grad_norm=1.0, noise_multiplier=0.0,
+                       method="vmap").clipped_sum(params, b).per_sample_norms
+    for cm in ("ghost", "fastdp"):
+        got = make_dp_step(model, models.hf_lm_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk",
+                           bk_options={"cost_model": cm}).clipped_sum(params, b).per_sample_norms
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=0)
