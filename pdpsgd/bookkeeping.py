@@ -329,6 +329,8 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
                 rows[id(u)] = act
         return (gl * gr).sum((1, 2))  # (B, T, S) -> (B,)
     if isinstance(u, Dense) and u.R is None and isinstance(v, Dense) and v.R is None:
+        if u is v and bounds is not None:
+            bounds[id(u)] = torch.linalg.vector_norm(u.L.to(acc), dim=-1).sum(1)  # Σ_t ‖L_t‖ (B,)
         return (u.L.to(acc).sum(1) * v.L.to(acc).sum(1)).sum(1)  # (B, P0) · (B, P0) -> (B,)
     if isinstance(u, Index) and isinstance(v, Index) and u.R.shape[-1] == v.R.shape[-1]:
         eq = (u.ids.unsqueeze(2) == v.ids.unsqueeze(1)).to(acc)  # (B, T, 1) == (B, 1, S) -> (B, T, S)
