@@ -347,7 +347,10 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
         return (gath * _gram(u.R.to(acc), v.R.to(acc))).sum((1, 2))  # (B, S, d) x (B, T, d) -> (B,)
     Gu = _materialise(u, shape, acc)
     Gv = _materialise(v, shape, acc)
-    return (Gu.reshape(Gu.shape[0], -1) * Gv.reshape(Gv.shape[0], -1)).sum(1)  # (B, n) · (B, n) -> (B,)
+    out = (Gu.reshape(Gu.shape[0], -1) * Gv.reshape(Gv.shape[0], -1)).sum(1)  # (B, n) · (B, n) -> (B,)
+    if u is v and bounds is not None:
+        bounds[id(u)] = out.clamp_min(0).sqrt()  # ‖G_u,i‖ itself, materialised
+    return out
 
 
 def _diag(g: Tensor) -> Tensor:
@@ -371,7 +374,7 @@ def _cancellation_guard(sq: Tensor, uses: List[Use], bounds: Dict[int, Tensor], 
     b = bounds[id(uses[0])]
     for u in uses[1:]:
         b = b + bounds[id(u)]  # Σ over uses: ‖Σ_u G_u,i‖ ≤ Σ_u Σ_t ‖L_t‖‖R_t‖
-    T = max(u.T for u in uses)
+    T = sum(getattr(u, "T", 1) for u in uses)  # tokens over all uses
     b2 = b * b
     return torch.where(sq * (KAPPA_MAX_PER_T * T) < b2, b2, sq)
 
@@ -628,9 +631,13 @@ def _override(overrides: Mapping[str, str], mname: str, m: nn.Module) -> Optiona
 # with T == B, a layer applied to a (V, d) table with V == B) would credit rows to the wrong
 # examples, and a padded example would leak into the sum. So the first dimensions are checked
 # against a probe: a no-grad forward of PROBE_B (or PROBE_B + 1 when B == PROBE_B) examples of the
-# batch, where a batch dimension follows the probe's size and a coincidence does not. A call whose
+# batch, where a batch dimension follows the probe's size and a fixed one does not. A call whose
 # dimension did not follow goes to the exact vmap fallback. The probe is a function of the model's
-# code and the batch's shapes; ``DPStep`` memoises it per shape signature (``probe_memo``).
+# code and the batch's shapes; ``DPStep`` memoises it per shape signature and train/eval mode
+# (``probe_memo``). Not covered: a layer whose row count depends on tensor *values* (tokens
+# selected by a mask: mixture-of-experts routing, unpadded/varlen packing), whose count can equal
+# B in the step and PROBE_B in the probe by coincidence; book-keeping does not support such layers
+# (vmap refuses their data-dependent shapes outright). The probe calls ``loss_fn`` once more.
 PROBE_B = 2
 PROBE_MEMO_MAX = 64
 
@@ -647,9 +654,9 @@ def _first_dim(args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[int
     return int(x.shape[0]) if x is not None and x.dim() > 0 else None
 
 
-def _probe_key(batch: Batch, B: int):
+def _probe_key(batch: Batch, B: int, training: bool):
     leaves, spec = tree_flatten(batch)
-    return (B, str(spec), tuple((tuple(x.shape), x.dtype, x.device.type) if isinstance(x, Tensor) else repr(x)
+    return (B, training, str(spec), tuple((tuple(x.shape), x.dtype, x.device.type) if isinstance(x, Tensor) else repr(x)
                                 for x in leaves))
 
 
@@ -871,7 +878,7 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
             and not all(n in fallback for n in ruled[c.module][2].values())]
     if not todo:
         return
-    key = _probe_key(batch, B) if probe_memo is not None else None
+    key = _probe_key(batch, B, loss_module.model.training) if probe_memo is not None else None
     got = probe_memo.get(key) if key is not None else None
     if got is None:
         got = _probe_first_dims(loss_module, params, constants, batch, ruled, B)
