@@ -44,7 +44,7 @@ def main():
     import pdpsgd
     import pdpsgd_old
 
-    print(f"| config | order | old ms | new ms | non-private ms | old × np | new × np |")
+    print("| config | order | old ms | new ms | non-private ms | old × np | new × np |")
     print("|---|---|---|---|---|---|---|")
     for cfg in a.configs.split(","):
         fam, model, batch = bench.build(cfg, torch.device("cpu"))

@@ -4,7 +4,7 @@ Leaf module: imports nothing from pdpsgd.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Protocol
+from typing import Any, Callable, Dict, NamedTuple, Protocol
 
 import torch
 from torch import Tensor

@@ -9,9 +9,8 @@ weight is *one* parameter whose per-example gradient is summed over every use.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterable, Iterator, Mapping, Optional
+from typing import Dict, Iterable, Iterator, Mapping
 
-import torch
 from torch import Tensor, nn
 
 from ._types import Batch, LossFn, Params

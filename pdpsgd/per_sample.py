@@ -7,7 +7,7 @@ kernels (nn.LSTM/GRU/RNN) are replaced by exact pure-PyTorch versions while insi
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -15,7 +15,7 @@ from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ._compat import transformers_vmap_compat
-from ._types import Batch, EngineResult, LossFn, Params, WeightsFn
+from ._types import Batch, EngineResult, Params, WeightsFn
 from .functional import LossModule, preserve_module_state
 
 __all__ = ["batch_size", "slice_batch", "per_sample_grads", "vmap_engine", "default_chunk_size", "cat_chunks",

@@ -6,12 +6,12 @@ Gaussian noise -> divide by the expected batch size.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from ._types import Batch, EngineResult, LossFn, Params, StepOutput
+from ._types import Batch, LossFn, StepOutput
 from .clipping import Clipping, make_groups, make_weights_fn, sum_sq_norms
 from .functional import LossModule, ParamIndex, check_no_batch_mixing
 from .fused import noise_and_scale

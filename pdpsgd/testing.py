@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor, nn

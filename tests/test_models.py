@@ -1,5 +1,4 @@
 """The vmap step is exact on the model families users bring: RNNs, HF GPT-2 and BERT."""
-import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 

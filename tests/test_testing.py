@@ -3,7 +3,6 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import pdpsgd
 import pdpsgd.per_sample as per_sample
 from pdpsgd.testing import assert_exact, naive_per_sample_grads, token_batches
 from models import mlp, mlp_loss
@@ -44,7 +43,7 @@ def test_token_batches_strategy_draws_valid_batches(batch):
 
 
 def test_token_batches_draws_more_than_one_shape():
-    from hypothesis import find, settings
+    from hypothesis import settings
 
     shapes = set()
 
