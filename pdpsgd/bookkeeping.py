@@ -65,7 +65,7 @@ _gradient_edge = _edge_fn()
 
 from ._types import Batch, EngineResult, Params, WeightsFn
 from .clipping import sum_sq_norms
-from .functional import LossModule, ParamIndex, preserve_module_state
+from .functional import LossModule, model_constants, preserve_module_state
 from .per_sample import (SQ_NORM_BLOCK, _device_of, batch_size, cat_chunks, per_sample_grads, slice_batch,
                          sq_norm_per_example, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
@@ -966,9 +966,8 @@ def plan(model: nn.Module, loss_fn, params: Mapping[str, Tensor], batch: Batch, 
     the choice itself is a pure function of the shapes (``choose_route``).
     """
     registry, overrides, cm = _options(method, bk_options)
-    index = ParamIndex(model)
     params = {n: p.detach() for n, p in params.items()}
-    constants = {**index.frozen(params), **index.buffers}
+    constants = model_constants(model, params)
     col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides)
     dev = next(iter(params.values())).device
     return _routes(col, params, batch_size(batch), cm, overrides, bk_options, dev)

@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from ._types import Batch, LossFn, Params
 
-__all__ = ["trainable_params", "ParamIndex", "LossModule", "check_no_batch_mixing", "preserve_module_state"]
+__all__ = ["trainable_params", "ParamIndex", "LossModule", "check_no_batch_mixing", "preserve_module_state",
+           "model_constants"]
 
 
 def trainable_params(model: nn.Module) -> Params:
@@ -37,7 +38,6 @@ class ParamIndex:
             first_name.setdefault(id(p), name)
             self.canonical[name] = first_name[id(p)]
         self.params: Dict[str, Tensor] = dict(model.named_parameters())
-        self.buffers: Dict[str, Tensor] = dict(model.named_buffers())
 
     def resolve(self, params: Mapping[str, Tensor]) -> Params:
         """Validate a user's params dict and return it keyed by canonical names."""
@@ -73,10 +73,16 @@ class ParamIndex:
             out[canon] = value
         return out
 
-    def frozen(self, trainable: Iterable[str]) -> Params:
-        """The parameters that are not trained, detached (constants in the pure function)."""
-        keep = set(trainable)
-        return {n: p.detach() for n, p in self.params.items() if n not in keep}
+
+
+def model_constants(model: nn.Module, trainable: Iterable[str]) -> Dict[str, Tensor]:
+    """The constants of the pure function, read from the model *now*: its parameters that are not
+    trained (detached, canonical names) and its buffers. Not a construction-time snapshot: after
+    ``model.to(dtype)`` or a rebound buffer (e.g. a recomputed RoPE cache) they are new tensors."""
+    keep = set(trainable)
+    out = {n: p.detach() for n, p in model.named_parameters() if n not in keep}
+    out.update(dict(model.named_buffers()))
+    return out
 
 
 class LossModule(nn.Module):

@@ -125,21 +125,20 @@ def noise_and_scale(
     gdev = generator.device if generator is not None else first.device
     ptrs = [s.untyped_storage().data_ptr() for s in sums.values()]
     uses = Counter(ptrs)
-    if noise_chunk(gdev) is None:
-        zs = draw_noise({n: s.shape for n, s in sums.items()}, generator, ndt, first.device)
-        out: Dict[str, Tensor] = {}
-        for (n, s), ptr in zip(sums.items(), ptrs):
-            owned = consume and s.dtype == acc[n] and s.is_contiguous() and uses[ptr] == 1
-            o = s if owned else s.to(acc[n], memory_format=torch.contiguous_format, copy=True)
-            o.add_(zs[n].to(device=o.device, dtype=o.dtype), alpha=std).mul_(inv)
-            out[n] = o.to(dtypes[n])
-        return out
-    scratch = torch.empty(min(NOISE_CHUNK, max(s.numel() for s in sums.values())), dtype=ndt, device=gdev)
-    out = {}
+    # one draw for all off the CPU; per-chunk draws into a cache-sized scratch buffer on CPU
+    whole = noise_chunk(gdev) is None
+    zs = draw_noise({n: s.shape for n, s in sums.items()}, generator, ndt, first.device) if whole else None
+    scratch = None if whole else torch.empty(min(NOISE_CHUNK, max(s.numel() for s in sums.values())),
+                                              dtype=ndt, device=gdev)
+    out: Dict[str, Tensor] = {}
     for (n, s), ptr in zip(sums.items(), ptrs):
         # overwrite only a sum that is the sole user of its storage (never one shared by two names)
         owned = consume and s.dtype == acc[n] and s.is_contiguous() and uses[ptr] == 1
         o = s if owned else s.to(acc[n], memory_format=torch.contiguous_format, copy=True)
+        if whole:
+            o.add_(zs[n].to(device=o.device, dtype=o.dtype), alpha=std).mul_(inv)
+            out[n] = o.to(dtypes[n])
+            continue
         flat = o.view(-1)
         for a, b in _chunks(flat.numel()):
             z = scratch[: b - a].normal_(generator=generator)  # (b - a,) fresh standard normals, in cache

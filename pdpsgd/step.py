@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from ._types import Batch, LossFn, StepOutput
 from .clipping import Clipping, make_groups, make_weights_fn, sum_sq_norms
-from .functional import LossModule, ParamIndex, check_no_batch_mixing
+from .functional import LossModule, ParamIndex, check_no_batch_mixing, model_constants
 from .fused import noise_and_scale
 from .noise import entropy_generator
 from .per_sample import batch_size, vmap_engine
@@ -173,10 +173,7 @@ class DPStep:
             mask = mask.to(device=device, dtype=torch.bool)
         check_no_batch_mixing(self.model)
         detached = {n: p.detach() for n, p in params.items()}
-        # frozen parameters and buffers read from the model now, not from construction time: after
-        # model.to(dtype) or a rebound buffer (e.g. a recomputed RoPE cache) they are new tensors
-        constants = {n: p.detach() for n, p in self.model.named_parameters() if n not in detached}
-        constants.update(dict(self.model.named_buffers()))
+        constants = model_constants(self.model, detached)
         groups = make_groups(list(detached), self.clipping, self.max_grad_norm, budget=self.clip_budget)
         weights_fn = make_weights_fn(groups, clip_fn=self.clip_fn, gamma=self.gamma)
         if self.method == "vmap":

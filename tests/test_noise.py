@@ -2,6 +2,7 @@
 import math
 
 import numpy as np
+import pytest
 import torch
 from scipy import stats
 from torch import nn
@@ -29,7 +30,14 @@ def _noise_from_step(sigma, C, seed):
     return torch.cat([(out.grads[n] - part.sums[n]).flatten() for n in params]).double().numpy()
 
 
-def test_step_noise_is_gaussian_with_std_sigma_C():
+@pytest.mark.parametrize("policy", ["cpu_chunks", "one_draw"])
+def test_step_noise_is_gaussian_with_std_sigma_C(policy, monkeypatch):
+    """KS test of the step's noise on both streams: CPU chunks, and the accelerators' single draw
+    (forced here on CPU)."""
+    if policy == "one_draw":
+        from pdpsgd import fused
+
+        monkeypatch.setattr(fused, "noise_chunk", lambda gdev: None)
     sigma, C = 1.3, 0.7
     z = _noise_from_step(sigma, C, seed=11)
     assert z.size >= 1_000_000
