@@ -43,13 +43,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="gpt2-32,gpt2-128,bert-128")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--variant", default="bk", choices=("bk", "auto"))
     a = ap.parse_args()
     torch.set_num_threads(1)
     for n in ("_collect", "_weighted_use_sum", "_inner"):
         _wrap(bk, n)
     _wrap(stp, "noise_and_scale")
     for cfg in a.configs.split(","):
-        steps = {v: bench.make_step(v, cfg, torch.device("cpu"))[0] for v in ("nonprivate", "bk")}
+        steps = {v: bench.make_step(v, cfg, torch.device("cpu"))[0] for v in ("nonprivate", a.variant)}
         for _ in range(2):
             for s in steps.values():
                 s()
@@ -60,14 +61,15 @@ def main():
             for _ in range(a.steps):
                 s()
             tot[v] = (time.process_time() - t) / a.steps * 1e3
-        print(f"\n{cfg}: non-private {tot['nonprivate']:.0f} ms, bk {tot['bk']:.0f} ms "
-              f"({tot['bk'] / tot['nonprivate']:.2f}x); bk phases, ms per step:")
+        v = a.variant
+        print(f"\n{cfg}: non-private {tot['nonprivate']:.0f} ms, {v} {tot[v]:.0f} ms "
+              f"({tot[v] / tot['nonprivate']:.2f}x); {v} phases, ms per step:")
         named = 0.0
         for n, label in PHASES.items():
             ms = ACC[n] / a.steps * 1e3
             named += ms
             print(f"  {label:48s} {ms:7.1f}")
-        print(f"  {'rest (Adam, explicit norms and sums, clip factors)':48s} {tot['bk'] - named:7.1f}")
+        print(f"  {'rest (Adam, explicit norms and sums, clip factors)':48s} {tot[v] - named:7.1f}")
 
 
 if __name__ == "__main__":

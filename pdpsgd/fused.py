@@ -1,24 +1,26 @@
 """Noise + scale for all parameters in one (optionally ``torch.compile``-fused) function.
 
 The clip is already inside the clipped sums (Σ_i c_i g_i, computed by the engines); what is left
-per step is, for every parameter, ``(sum + std · z) / denom`` cast to the parameter's dtype, with
-z ~ N(0, I) drawn in float32 or wider. Eager PyTorch runs 3 elementwise kernels per parameter
-(hundreds of small launches for a transformer); the compiled version fuses them.
+per step is, for every parameter, ``sum / denom + (std / denom) · z`` cast to the parameter's dtype,
+with z ~ N(0, I) drawn in float32 or wider: the noise is drawn with standard deviation std/denom
+directly (``normal_(0, std / denom)``), so one more elementwise pass adds the scaled sum to it.
+Eager PyTorch runs 2 kernels per parameter (hundreds of small launches for a transformer); the
+compiled version fuses them.
 
 Noise stream (``draw_noise`` is its reference; compiled and eager use the very same z and agree to
 float rounding). With a CPU generator: per parameter, in order, in chunks of ``NOISE_CHUNK``
 coordinates, each chunk one ``normal_`` call (the kernel ``torch.randn`` runs); eager (the CPU
-default) draws each chunk into a small scratch buffer that stays in cache and adds it into its output
-slice, then scales the output in place (no buffer of all parameters' size, whose page faults cost as
-much as the draw); the inputs are copied first unless the caller hands them over (``consume=True``,
+default) draws each chunk into a small scratch buffer that stays in cache and writes
+scratch + sum/denom into its output slice in one pass (no buffer of all parameters' size, whose
+page faults cost as much as the draw); the inputs are copied first unless the caller hands them over (``consume=True``,
 what ``DPStep.__call__`` does with its own clipped sums). With a generator on an accelerator: all
 parameters' noise in ONE ``normal_`` call over one buffer, cut into per-parameter views in order
 (chunks there were one launch per 64k coordinates: ~1,900 launches and 56 ms of host time per step
 for GPT-2 small on an H200, more than the whole non-private step's GPU work).
 
-Formal guarantee: each coordinate of the output is (s + std·z)/denom with z an independent
-standard normal drawn in float32 or wider (never in bf16/fp16) from ``generator``; with
-std = σC and sums of L2 sensitivity C this is the Gaussian mechanism.
+Formal guarantee: each coordinate of the output is s/denom + (std/denom)·z with z an independent
+standard normal drawn in float32 or wider (never in bf16/fp16) from ``generator``, i.e.
+(s + N(0, std²))/denom; with std = σC and sums of L2 sensitivity C this is the Gaussian mechanism.
 """
 from __future__ import annotations
 
@@ -34,9 +36,10 @@ __all__ = ["noise_and_scale", "draw_noise", "noise_chunk", "default_compile", "N
 _COMPILED = None
 
 
-def _apply(sums, zs, std: float, inv_denom: float, dtypes):
-    # per tensor: (s + std·z) · (1/denom) -> param dtype; one fused kernel per tensor group when compiled
-    return {n: ((s + zs[n] * std) * inv_denom).to(dtypes[n]) for n, s in sums.items()}
+def _apply(sums, zs, inv_denom: float, dtypes):
+    # per tensor: s · (1/denom) + z, z ~ N(0, (std/denom)²) drawn already -> param dtype; one fused
+    # kernel per tensor group when compiled
+    return {n: (s * inv_denom + zs[n]).to(dtypes[n]) for n, s in sums.items()}
 
 
 def _compiled():
@@ -69,21 +72,22 @@ def noise_chunk(gdev: torch.device) -> Optional[int]:
 
 
 def draw_noise(shapes: Mapping[str, torch.Size], generator: Optional[torch.Generator], dtype: torch.dtype,
-               device: torch.device) -> Dict[str, Tensor]:
-    """Standard normals for each shape, in the order given, drawn exactly as ``noise_and_scale``
-    draws them (``noise_chunk`` of the generator's device): the reference for its stream."""
+               device: torch.device, std: float = 1.0) -> Dict[str, Tensor]:
+    """Normals N(0, std²) for each shape, in the order given, drawn exactly as ``noise_and_scale``
+    draws them (``noise_chunk`` of the generator's device; it passes std/denom): the reference for
+    its stream."""
     gdev = generator.device if generator is not None else device
     out = {}
     if noise_chunk(gdev) is None:  # one draw for all, cut into views in order
         sizes = [int(math.prod(shape)) for shape in shapes.values()]
-        flat = torch.empty(sum(sizes), dtype=dtype, device=gdev).normal_(generator=generator)
+        flat = torch.empty(sum(sizes), dtype=dtype, device=gdev).normal_(0.0, std, generator=generator)
         for (n, shape), z in zip(shapes.items(), flat.split(sizes)):
             out[n] = z.to(device).view(shape)
         return out
     for n, shape in shapes.items():
         z = torch.empty(int(math.prod(shape)), dtype=dtype, device=gdev)
         for a, b in _chunks(z.numel()):
-            z[a:b].normal_(generator=generator)
+            z[a:b].normal_(0.0, std, generator=generator)
         out[n] = z.to(device).view(shape)
     return out
 
@@ -98,7 +102,7 @@ def noise_and_scale(
     compile: Optional[bool] = None,
     consume: bool = False,
 ) -> Dict[str, Tensor]:
-    """``{n: ((sums[n] + N(0, std²)) / denom).to(dtypes[n])}``, noise in float32 or wider.
+    """``{n: (sums[n] / denom + N(0, (std/denom)²)).to(dtypes[n])}``, noise in float32 or wider.
 
     ``consume=True``: the caller hands the sums over (they are not used again), so a float32 (or
     wider) sum is overwritten in place and returned instead of copied.
@@ -114,20 +118,21 @@ def noise_and_scale(
         if compile:
             sums = {n: s.to(acc[n]) for n, s in sums.items()}
             zs = {n: torch.zeros((), dtype=acc[n], device=s.device) for n, s in sums.items()}
-            return _compiled()(sums, zs, 0.0, inv, dict(dtypes))
+            return _compiled()(sums, zs, inv, dict(dtypes))
         return {n: (s * inv).to(dtypes[n]) for n, s in sums.items()}
     ndt = max(acc.values(), key=lambda d: torch.finfo(d).bits)
+    zstd = float(std) * inv  # the noise is drawn already divided by denom
     if compile:
-        zs = draw_noise({n: s.shape for n, s in sums.items()}, generator, ndt, first.device)
+        zs = draw_noise({n: s.shape for n, s in sums.items()}, generator, ndt, first.device, zstd)
         sums = {n: s.to(acc[n]) for n, s in sums.items()}
         zs = {n: z.to(device=sums[n].device, dtype=acc[n]) for n, z in zs.items()}  # each on its sum's device
-        return _compiled()(sums, zs, float(std), inv, dict(dtypes))
+        return _compiled()(sums, zs, inv, dict(dtypes))
     gdev = generator.device if generator is not None else first.device
     ptrs = [s.untyped_storage().data_ptr() for s in sums.values()]
     uses = Counter(ptrs)
     # one draw for all off the CPU; per-chunk draws into a cache-sized scratch buffer on CPU
     whole = noise_chunk(gdev) is None
-    zs = draw_noise({n: s.shape for n, s in sums.items()}, generator, ndt, first.device) if whole else None
+    zs = draw_noise({n: s.shape for n, s in sums.items()}, generator, ndt, first.device, zstd) if whole else None
     scratch = None if whole else torch.empty(min(NOISE_CHUNK, max(s.numel() for s in sums.values())),
                                               dtype=ndt, device=gdev)
     out: Dict[str, Tensor] = {}
@@ -136,13 +141,13 @@ def noise_and_scale(
         owned = consume and s.dtype == acc[n] and s.is_contiguous() and uses[ptr] == 1
         o = s if owned else s.to(acc[n], memory_format=torch.contiguous_format, copy=True)
         if whole:
-            o.add_(zs[n].to(device=o.device, dtype=o.dtype), alpha=std).mul_(inv)
+            torch.add(zs[n].to(device=o.device, dtype=o.dtype), o, alpha=inv, out=o)  # z + s/denom, in place
             out[n] = o.to(dtypes[n])
             continue
         flat = o.view(-1)
         for a, b in _chunks(flat.numel()):
-            z = scratch[: b - a].normal_(generator=generator)  # (b - a,) fresh standard normals, in cache
-            # (s + std·z) / denom on this chunk while it is in cache (same ops and order as unchunked)
-            flat[a:b].add_(z.to(device=flat.device, dtype=flat.dtype), alpha=std).mul_(inv)
+            z = scratch[: b - a].normal_(0.0, zstd, generator=generator)  # (b - a,) N(0, (std/denom)²), in cache
+            # z + s/denom on this chunk while it is in cache, one pass (same ops and order as unchunked)
+            torch.add(z.to(device=flat.device, dtype=flat.dtype), flat[a:b], alpha=inv, out=flat[a:b])
         out[n] = o.to(dtypes[n])
     return out

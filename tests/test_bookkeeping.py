@@ -326,9 +326,9 @@ def _count_factor_sums(monkeypatch):
     seen = []
     orig = bk._weighted_use_sum
 
-    def spy(u, w, keep, shape, acc, rows=None):
+    def spy(u, w, keep, shape, acc, rows=None, out=None):
         seen.append(tuple(shape))
-        return orig(u, w, keep, shape, acc, rows)
+        return orig(u, w, keep, shape, acc, rows, out)
 
     monkeypatch.setattr(bk, "_weighted_use_sum", spy)
     return seen
