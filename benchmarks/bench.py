@@ -36,6 +36,9 @@ CONFIGS = {
     "bert-128": ("bert", 4, 256, 4, 8192, 128, 8),
     "gpt2small-256": ("gpt2", 12, 768, 12, 50257, 256, 8),
     "tiny": ("gpt2", 2, 64, 2, 512, 16, 4),
+    # GPT-2 small's depth at negligible compute: CPU time ~ host (launch / Python) overhead, the
+    # GPU step's bottleneck (benchmarks/README.md, GPU section)
+    "launch-proxy": ("gpt2", 12, 64, 2, 512, 16, 2),
 }
 FUSED = False
 AMP = False  # bf16 torch.autocast around every variant's model call (--amp)

@@ -32,7 +32,7 @@ exactly 0: rows that may hold non-finite values are zeroed, never multiplied by 
 input's leading dim; one whose size equals B only by coincidence (time-major T == B, a table with
 V == B) is detected by a probe and computed by the vmap fallback (``PROBE_B``). No mixing of
 examples in the forward (``check_no_batch_mixing``). In float32 a ghost norm that lost its digits
-to cancellation (crafted inputs) is replaced by an upper bound (``_cancellation_guard``).
+to cancellation (crafted inputs) is replaced by an upper bound (``_Guard``).
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ _gradient_edge = _edge_fn()
 from ._types import Batch, EngineResult, Params, WeightsFn
 from .clipping import sum_sq_norms
 from .functional import LossModule, model_constants, preserve_module_state
-from .per_sample import (SQ_NORM_BLOCK, _device_of, batch_size, cat_chunks, per_sample_grads, slice_batch,
+from .per_sample import (SQ_NORM_BLOCK, _device_of, acc_dtype, batch_size, cat_chunks, per_sample_grads, slice_batch,
                          sq_norm_per_example, weighted_dot, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
 from .rules.base import Dense, Explicit, Index, Rule, Use
@@ -92,7 +92,7 @@ EXPLICIT_KEEP_ELEMS = 1 << 23
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
+    return acc_dtype(dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -323,7 +323,8 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
         gl = _gram(u.L, v.L, acc, cache)  # (B, T, P0) x (B, S, P0) -> (B, T, S)
         gr = _gram(u.R, v.R, acc, cache)  # (B, T, P1) x (B, S, P1) -> (B, T, S)
         if u is v and bounds is not None:
-            bounds[id(u)] = (_diag(gl).sqrt() * _diag(gr).sqrt()).sum(1)  # Σ_t ‖L_t‖‖R_t‖ (B,)
+            # Σ_t ‖L_t‖‖R_t‖ (B,): √(‖L_t‖²‖R_t‖²), the Gram diagonals (sums of squares: ≥ 0)
+            bounds[id(u)] = (gl.diagonal(dim1=1, dim2=2) * gr.diagonal(dim1=1, dim2=2)).sqrt().sum(1)
         if u is v and rows is not None:
             act = _active_rows(u, gl, gr)
             if act is not None:
@@ -337,7 +338,7 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
         eq = (u.ids.unsqueeze(2) == v.ids.unsqueeze(1)).to(acc)  # (B, T, 1) == (B, 1, S) -> (B, T, S)
         gr = _gram(u.R.to(acc), v.R.to(acc))  # (B, T, d) x (B, S, d) -> (B, T, S)
         if u is v and bounds is not None:
-            bounds[id(u)] = _diag(gr).sqrt().sum(1)  # Σ_t ‖e_{id_t}‖‖R_t‖ (B,)
+            bounds[id(u)] = gr.diagonal(dim1=1, dim2=2).sqrt().sum(1)  # Σ_t ‖e_{id_t}‖‖R_t‖ (B,)
         return (eq * gr).sum((1, 2))  # (B, T, S) -> (B,)
     if isinstance(u, Dense) and u.R is not None and isinstance(v, Index) \
             and u.L.shape[-1] == v.num_rows and u.R.shape[-1] == v.R.shape[-1]:
@@ -354,10 +355,6 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
     return out
 
 
-def _diag(g: Tensor) -> Tensor:
-    return g.diagonal(dim1=1, dim2=2).clamp_min(0)  # (B, T, T) -> (B, T): squared row norms
-
-
 # Float32 ghost norms (a sum of T² products of Gram entries) can lose their digits to cancellation
 # when large token terms nearly cancel, which an example can be crafted to do (activations ≈ 1e4
 # with opposing output gradients: a norm of 7.5 computed as 0), while the clipped sum is computed
@@ -369,15 +366,34 @@ def _diag(g: Tensor) -> Tensor:
 KAPPA_MAX_PER_T = 16
 
 
-def _cancellation_guard(sq: Tensor, uses: List[Use], bounds: Dict[int, Tensor], acc: torch.dtype) -> Tensor:
-    if acc == torch.float64 or not uses or any(id(u) not in bounds for u in uses):
-        return sq
-    b = bounds[id(uses[0])]
-    for u in uses[1:]:
-        b = b + bounds[id(u)]  # Σ over uses: ‖Σ_u G_u,i‖ ≤ Σ_u Σ_t ‖L_t‖‖R_t‖
-    T = sum(getattr(u, "T", 1) for u in uses)  # tokens over all uses
-    b2 = b * b
-    return torch.where(sq * (KAPPA_MAX_PER_T * T) < b2, b2, sq)
+class _Guard:
+    """The cancellation guard above, for all ghost-route parameters of a batch at once: their
+    squared norms are collected (``add``) and guarded in a few stacked ops per (dtype, device, T)
+    group (``done``), instead of ~5 small ops per parameter (launches, on a GPU)."""
+
+    def __init__(self):
+        self.groups: Dict[Tuple, List[Tuple[str, Tensor, Optional[Tensor]]]] = {}
+
+    def add(self, n: str, tot: Tensor, uses: List[Use], bounds: Dict[int, Tensor], acc: torch.dtype) -> None:
+        b = None
+        if acc != torch.float64 and uses and all(id(u) in bounds for u in uses):
+            b = bounds[id(uses[0])]
+            for u in uses[1:]:
+                b = b + bounds[id(u)]  # Σ over uses: ‖Σ_u G_u,i‖ ≤ Σ_u Σ_t ‖L_t‖‖R_t‖
+        T = sum(getattr(u, "T", 1) for u in uses) if b is not None else 0  # tokens over all uses
+        self.groups.setdefault((tot.dtype, tot.device, T), []).append((n, tot, b))
+
+    def done(self, sq: Dict[str, Tensor]) -> None:
+        for (_, _, T), items in self.groups.items():
+            # a sum of squares; rounding may dip below 0 only when ~0
+            S = torch.stack([t for _, t, _ in items], 1).clamp_min_(0)  # m x (B,) -> (B, m)
+            if T:  # T = 0: no bounds (float64, or a use without one): the norms as they are
+                b = torch.stack([b for _, _, b in items], 1)
+                b2 = b * b
+                S = torch.where(S * (KAPPA_MAX_PER_T * T) < b2, b2, S)
+            for j, (n, _, _) in enumerate(items):
+                sq[n] = S[:, j]
+        self.groups.clear()
 
 
 def _zero_rows(x: Tensor, keep: Tensor) -> Tensor:
@@ -1050,6 +1066,7 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
     active: Dict[int, Tensor] = {}  # id(dense use) -> its non-zero factor rows (when few enough)
     rows = active if device.type in ACTIVE_ROWS_DEVICES else None
     stackable: Dict[Tuple, List[Tuple[str, Tensor]]] = {}  # (numel, dtype, device) -> small explicit G's
+    guard = _Guard()  # ghost-route norms, clamped and cancellation-guarded together
     for n, r in routes.items():
         if r == "vmap":
             continue
@@ -1088,9 +1105,9 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
                     t = _inner(u, uses[j], p.shape, acc, grams, rows, bounds)
                     t = t if i == j else 2 * t
                     tot = t if tot is None else tot + t
-            # a sum of squares; rounding may dip below 0 only when ~0 (and see _cancellation_guard)
-            sq[n] = _cancellation_guard(tot.clamp_min(0), uses, bounds, acc)
+            guard.add(n, tot, uses, bounds, acc)  # sq[n]: clamped at 0 and guarded below
     del grams
+    guard.done(sq)
     stacks = _stack_small(stackable, B, sq, kept_G)
     fb = [n for n, r in routes.items() if r == "vmap"]
     fb_grads: Dict[str, Tensor] = {}
