@@ -1009,7 +1009,7 @@ def _empty(params: Params, b: int, device: torch.device):
 # Small explicit per-example gradients (norm-layer weights, biases: (B, k) with k at most this) of
 # equal size are stacked, (B, m, k), and their norms and clipped sums taken in a few launches for
 # all m instead of several per parameter (GPT-2 small: 98 such parameters in 3 sizes). At most one
-# block of ``sq_norm_per_example``, so the reduction is the same kind and precision.
+# sum block of ``sq_norm_per_example``, so the reduction is the same kind and precision.
 STACK_MAX_ELEMS = SQ_NORM_BLOCK
 
 
@@ -1025,7 +1025,7 @@ def _stack_small(stackable: Dict[Tuple, List[Tuple[str, Tensor]]], B: int, sq: D
             kept_G[n] = G
             continue
         S = torch.stack([G.reshape(B, -1) for _, G in items], dim=1)  # m x (B, k) -> (B, m, k)
-        s2 = torch.linalg.vector_norm(S, dim=2).square()  # (B, m, k) -> (B, m): one row per example and parameter
+        s2 = S.pow(2).sum(2)  # (B, m, k) -> (B, m): one row sum per example and parameter
         for j, (n, _) in enumerate(items):
             sq[n] = s2[:, j]
         out.append(([n for n, _ in items], S))

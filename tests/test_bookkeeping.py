@@ -548,6 +548,39 @@ def test_float32_norms_of_large_layers_are_accurate(method, route):
     assert ((got - ref).abs() / ref).max() < 1e-6
 
 
+class _Raw(nn.Module):
+    """loss_i = ⟨p, x_i⟩: example i's gradient is exactly x_i (a raw parameter: vmap route)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        return (self.p * x).sum(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_norms_of_rows_crafted_against_lane_accumulation_stay_accurate(dtype, strided):
+    """A row of 1.0 every 4096 coordinates and tiny values between: a reduction that accumulates
+    along SIMD lanes (linalg.vector_norm, even over 4096-blocks) loses the tiny squares (measured
+    -1.5e-5 relative, -1.2e-4 strided or bf16) and the clipped contribution then exceeds C by that
+    much; tree summation keeps ~1e-7."""
+    from pdpsgd.per_sample import sq_norm_per_example
+
+    n = 4096 * 8
+    x = torch.full((2, n * (2 if strided else 1)), math.sqrt(2.0 ** -25) * 0.999)
+    x[:, :: 4096 * (2 if strided else 1)] = 1.0
+    x = (x[:, ::2] if strided else x).to(dtype)
+    true = x.double().pow(2).sum(1)
+    assert float(((sq_norm_per_example(x).double() - true) / true).abs().max()) < 1e-6
+    C = 0.5
+    model = _Raw(n).to(dtype)
+    step = make_dp_step(model, lambda m, b: m(b["x"]), max_grad_norm=C, noise_multiplier=0.0, method="auto")
+    part = step.clipped_sum(trainable_params(model), {"x": x[:1]})
+    assert float(part.sums["p"].double().norm()) <= C * (1 + 1e-6)
+
+
 class _NormStack(nn.Module):
     """Several LayerNorms and biased Linears of one width (their explicit per-example gradients
     are stacked by size), one bias of another width, a bias-free LayerNorm. (Widths ≥ 3: a width-1
