@@ -43,6 +43,7 @@ CONFIGS = {
 FUSED = False
 AMP = False  # bf16 torch.autocast around every variant's model call (--amp)
 COMPILE = False
+NOISE_RNG = "torch"  # pdpsgd variants' noise source (--noise-rng)
 BACK_TO_BACK = True
 VARIANTS = ["nonprivate", "bk", "auto", "vmap", "opacus", "opacus_ghost"]
 
@@ -125,7 +126,8 @@ def make_step(variant, cfg_name, device, compile_noise=False):
         params = pdpsgd.trainable_params(model)
         opt = torch.optim.Adam(params.values(), lr=1e-4)
         dp = pdpsgd.make_dp_step(model, loss_fn, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=B,
-                                 method=variant, generator=torch.Generator(device=device).manual_seed(0))
+                                 method=variant, generator=torch.Generator(device=device).manual_seed(0),
+                                 noise_rng=NOISE_RNG)
         info = {}
         dtypes = {n: p.dtype for n, p in params.items()}
         gen = torch.Generator(device=device).manual_seed(1)
@@ -135,7 +137,8 @@ def make_step(variant, cfg_name, device, compile_noise=False):
                 from pdpsgd import fused
 
                 part = dp.clipped_sum(params, batch)
-                grads = fused.noise_and_scale(part.sums, dp.noise_std, gen, float(B), dtypes, compile=COMPILE)
+                grads = fused.noise_and_scale(part.sums, dp.noise_std, gen, float(B), dtypes, compile=COMPILE,
+                                              rng=NOISE_RNG)
                 routes = part.routes
             else:
                 out = dp(params, batch)
@@ -274,11 +277,14 @@ def main():
     ap.add_argument("--compile", action="store_true", help="with --fused: torch.compile the fused function")
     ap.add_argument("--amp", action="store_true", help="bf16 torch.autocast around the model call (all variants)")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--noise-rng", default="torch", choices=("torch", "mkl"),
+                    help="pdpsgd variants' CPU noise source (mkl: pip install mkl)")
     ap.add_argument("--no-back-to-back", action="store_true",
                     help="time each variant right after the previous variant's step (old behaviour)")
     a = ap.parse_args()
-    global FUSED, COMPILE, BACK_TO_BACK, AMP
+    global FUSED, COMPILE, BACK_TO_BACK, AMP, NOISE_RNG
     FUSED, COMPILE, BACK_TO_BACK, AMP = a.fused, a.compile, not a.no_back_to_back, a.amp
+    NOISE_RNG = a.noise_rng
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
@@ -297,6 +303,7 @@ def main():
                 if str(notes.get(v, "")).startswith("error"):
                     continue
                 extra = (["--fused"] if a.fused else []) + (["--amp"] if a.amp else [])  # no --compile: same memory
+                extra += ["--noise-rng", a.noise_rng]
                 r = subprocess.run([sys.executable, __file__, "--memory-only", v, cfg, "--device", a.device] + extra,
                                    capture_output=True, text=True)
                 try:

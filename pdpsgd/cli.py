@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
     g.add_argument("--method", default=DEFAULTS["method"], choices=("auto", "bk", "vmap"),
                    help="per-example clipping engine")
+    g.add_argument("--noise-rng", default="torch", choices=("torch", "mkl"),
+                   help="CPU Gaussian noise source: torch's normal_, or oneMKL's Philox (~2.8x faster; pip install mkl)")
     g.add_argument("--dropout", action="store_true",
                    help="keep the model's dropout on while training (default: off, i.e. eval-mode forward)")
     g.add_argument("--seed", type=int, help="seed for init, sampling, noise, dropout (default: fresh OS entropy)")
@@ -299,7 +301,7 @@ def run_train(a: argparse.Namespace) -> int:
     trainer = DPTrainer(model, classification_loss, train_data, optimizer=optimizer, plan=plan,
                         max_grad_norm=a.clip, max_physical_batch=a.max_physical_batch, method=method, dp=not a.no_dp,
                         seed=a.seed, ledger_path=None if a.no_dp else ledger_path, telemetry=telemetry, device=device,
-                        clipping=clipping, clip_budget=budget, train_mode=a.dropout)
+                        clipping=clipping, clip_budget=budget, train_mode=a.dropout, noise_rng=a.noise_rng)
     fingerprint = {
         "model": model_fingerprint(model), "train_params": a.train_params.lower(), "num_train": N,
         "num_labels": len(train_ds.label_names), "data": train_ds.fingerprint(), "seq_len": a.seq_len,

@@ -71,24 +71,54 @@ def noise_chunk(gdev: torch.device) -> Optional[int]:
     return NOISE_CHUNK if gdev.type == "cpu" else None
 
 
+RNGS = ("torch", "mkl")
+
+
+def _check_rng(rng: str, gdev: torch.device) -> None:
+    if rng not in RNGS:
+        raise ValueError(f"noise_rng={rng!r} is unknown: use one of {RNGS}")
+    if rng == "mkl" and gdev.type != "cpu":
+        raise ValueError(f"noise_rng='mkl' draws on the CPU, but the noise is drawn on {gdev.type}: "
+                         "use noise_rng='torch' there")
+
+
+def _open(rng: str, generator: Optional[torch.Generator]):
+    """The chunk filler: ``fill(buffer, std)`` and its closer (torch: ``normal_``; mkl: one
+    Philox stream keyed from ``generator``, see ``pdpsgd.mkl_rng``)."""
+    if rng == "mkl":
+        from .mkl_rng import MKLStream
+
+        stream = MKLStream(generator)
+        return stream.fill_, stream.close
+    return (lambda buf, std: buf.normal_(0.0, std, generator=generator)), (lambda: None)
+
+
 def draw_noise(shapes: Mapping[str, torch.Size], generator: Optional[torch.Generator], dtype: torch.dtype,
-               device: torch.device, std: float = 1.0) -> Dict[str, Tensor]:
+               device: torch.device, std: float = 1.0, rng: str = "torch") -> Dict[str, Tensor]:
     """Normals N(0, std²) for each shape, in the order given, drawn exactly as ``noise_and_scale``
-    draws them (``noise_chunk`` of the generator's device; it passes std/denom): the reference for
-    its stream."""
+    draws them (``noise_chunk`` of the generator's device; it passes std/denom; ``rng`` the noise
+    source, "torch" or "mkl"): the reference for its stream."""
     gdev = generator.device if generator is not None else device
+    _check_rng(rng, gdev)
     out = {}
+    fill, close = _open(rng, generator)
     if noise_chunk(gdev) is None:  # one draw for all, cut into views in order
         sizes = [int(math.prod(shape)) for shape in shapes.values()]
-        flat = torch.empty(sum(sizes), dtype=dtype, device=gdev).normal_(0.0, std, generator=generator)
+        try:
+            flat = fill(torch.empty(sum(sizes), dtype=dtype, device=gdev), std)
+        finally:
+            close()
         for (n, shape), z in zip(shapes.items(), flat.split(sizes)):
             out[n] = z.to(device).view(shape)
         return out
-    for n, shape in shapes.items():
-        z = torch.empty(int(math.prod(shape)), dtype=dtype, device=gdev)
-        for a, b in _chunks(z.numel()):
-            z[a:b].normal_(0.0, std, generator=generator)
-        out[n] = z.to(device).view(shape)
+    try:
+        for n, shape in shapes.items():
+            z = torch.empty(int(math.prod(shape)), dtype=dtype, device=gdev)
+            for a, b in _chunks(z.numel()):
+                fill(z[a:b], std)
+            out[n] = z.to(device).view(shape)
+    finally:
+        close()
     return out
 
 
@@ -101,11 +131,14 @@ def noise_and_scale(
     *,
     compile: Optional[bool] = None,
     consume: bool = False,
+    rng: str = "torch",
 ) -> Dict[str, Tensor]:
     """``{n: (sums[n] / denom + N(0, (std/denom)²)).to(dtypes[n])}``, noise in float32 or wider.
 
     ``consume=True``: the caller hands the sums over (they are not used again), so a float32 (or
-    wider) sum is overwritten in place and returned instead of copied.
+    wider) sum is overwritten in place and returned instead of copied. ``rng``: the noise source
+    for a CPU generator, "torch" (``normal_``) or "mkl" (oneMKL's Philox4x32-10 keyed from
+    ``generator``; see ``pdpsgd.mkl_rng``).
     """
     if not sums:
         return {}
@@ -122,20 +155,30 @@ def noise_and_scale(
         return {n: (s * inv).to(dtypes[n]) for n, s in sums.items()}
     ndt = max(acc.values(), key=lambda d: torch.finfo(d).bits)
     zstd = float(std) * inv  # the noise is drawn already divided by denom
+    gdev = generator.device if generator is not None else first.device
+    _check_rng(rng, gdev)
     if compile:
-        zs = draw_noise({n: s.shape for n, s in sums.items()}, generator, ndt, first.device, zstd)
+        zs = draw_noise({n: s.shape for n, s in sums.items()}, generator, ndt, first.device, zstd, rng)
         sums = {n: s.to(acc[n]) for n, s in sums.items()}
         zs = {n: z.to(device=sums[n].device, dtype=acc[n]) for n, z in zs.items()}  # each on its sum's device
         return _compiled()(sums, zs, inv, dict(dtypes))
-    gdev = generator.device if generator is not None else first.device
     ptrs = [s.untyped_storage().data_ptr() for s in sums.values()]
     uses = Counter(ptrs)
     # one draw for all off the CPU; per-chunk draws into a cache-sized scratch buffer on CPU
     whole = noise_chunk(gdev) is None
-    zs = draw_noise({n: s.shape for n, s in sums.items()}, generator, ndt, first.device, zstd) if whole else None
+    zs = draw_noise({n: s.shape for n, s in sums.items()}, generator, ndt, first.device, zstd, rng) if whole else None
     scratch = None if whole else torch.empty(min(NOISE_CHUNK, max(s.numel() for s in sums.values())),
                                               dtype=ndt, device=gdev)
     out: Dict[str, Tensor] = {}
+    fill, close = (None, lambda: None) if whole else _open(rng, generator)
+    try:
+        _noise_loop(sums, ptrs, uses, acc, consume, whole, zs, scratch, fill, zstd, inv, dtypes, out)
+    finally:
+        close()
+    return out
+
+
+def _noise_loop(sums, ptrs, uses, acc, consume, whole, zs, scratch, fill, zstd, inv, dtypes, out) -> None:
     for (n, s), ptr in zip(sums.items(), ptrs):
         # overwrite only a sum that is the sole user of its storage (never one shared by two names)
         owned = consume and s.dtype == acc[n] and s.is_contiguous() and uses[ptr] == 1
@@ -146,7 +189,7 @@ def noise_and_scale(
             continue
         flat = o.view(-1)
         for a, b in _chunks(flat.numel()):
-            z = scratch[: b - a].normal_(0.0, zstd, generator=generator)  # (b - a,) N(0, (std/denom)²), in cache
+            z = fill(scratch[: b - a], zstd)  # (b - a,) N(0, (std/denom)²), in cache
             # z + s/denom on this chunk while it is in cache, one pass (same ops and order as unchunked)
             torch.add(z.to(device=flat.device, dtype=flat.dtype), flat[a:b], alpha=inv, out=flat[a:b])
         out[n] = o.to(dtypes[n])

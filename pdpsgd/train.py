@@ -154,6 +154,8 @@ class DPTrainer:
             model in train mode (dropout on) while training; False = eval mode. ``dp=False`` trains non-privately on the
             same sampled batches (mean loss over q·N, no clipping, no noise) as a baseline.
         seed: None (fresh OS entropy for every stream) or an int (reproducible runs).
+        noise_rng: "torch" or "mkl" (``make_dp_step``: oneMKL's faster CPU Gaussian, keyed from
+            the noise generator; needs ``pip install mkl``).
         ledger_path: a JSON file rewritten atomically after each ``accountant.step`` and before
             the update is applied.
         accountant: default ``PRVAccountant()``. ``telemetry``: default ``Telemetry()``.
@@ -164,7 +166,7 @@ class DPTrainer:
                  dp: bool = True, seed: Optional[int] = None, ledger_path: Optional[os.PathLike] = None,
                  accountant: Any = None, telemetry: Any = None, device: Any = None, chunk_size: Optional[int] = None,
                  epsilon_every: int = 1, clipping: Any = "flat", clip_budget: Optional[Sequence[float]] = None,
-                 train_mode: bool = True):
+                 train_mode: bool = True, noise_rng: str = "torch"):
         from .step import make_dp_step
         from .telemetry import Telemetry
 
@@ -200,7 +202,7 @@ class DPTrainer:
                                     noise_multiplier=plan.noise_multiplier if dp else 0.0,
                                     expected_batch_size=plan.expected_batch_size, method=method,
                                     chunk_size=chunk_size, generator=self.noise_generator, clipping=clipping,
-                                    clip_budget=clip_budget)
+                                    clip_budget=clip_budget, noise_rng=noise_rng)
         self.step_count = 0
         self.released = 0  # steps on the ledger (== step_count except after a crash)
         self.last_epsilon: Optional[float] = None

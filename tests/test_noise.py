@@ -17,29 +17,40 @@ def add_noise(sums, std, generator):
     return noise_and_scale(sums, std, generator, 1.0, dtypes, compile=False)
 
 
-def _noise_from_step(sigma, C, seed):
+def _noise_from_step(sigma, C, seed, noise_rng="torch"):
     torch.manual_seed(0)
     m = nn.Linear(2000, 1000)  # ~2M coordinates
     b = {"x": torch.randn(3, 2000), "y": torch.randint(0, 1000, (3,))}
     loss = lambda mod, bb: nn.functional.cross_entropy(mod(bb["x"]), bb["y"], reduction="none")
     params = pdpsgd.trainable_params(m)
     step = pdpsgd.make_dp_step(m, loss, max_grad_norm=C, noise_multiplier=sigma, expected_batch_size=1,
-                               generator=torch.Generator().manual_seed(seed))
+                               generator=torch.Generator().manual_seed(seed), noise_rng=noise_rng)
     part = step.clipped_sum(params, b)
     out = step.finalize(part)
     return torch.cat([(out.grads[n] - part.sums[n]).flatten() for n in params]).double().numpy()
 
 
-@pytest.mark.parametrize("policy", ["cpu_chunks", "one_draw"])
-def test_step_noise_is_gaussian_with_std_sigma_C(policy, monkeypatch):
+def _mkl_available():
+    from pdpsgd import mkl_rng
+
+    return mkl_rng.available()
+
+
+needs_mkl = pytest.mark.skipif(not _mkl_available(), reason="oneMKL runtime not installed (pip install mkl)")
+
+
+@pytest.mark.parametrize("policy,rng", [("cpu_chunks", "torch"), ("one_draw", "torch"),
+                                        pytest.param("cpu_chunks", "mkl", marks=needs_mkl),
+                                        pytest.param("one_draw", "mkl", marks=needs_mkl)])
+def test_step_noise_is_gaussian_with_std_sigma_C(policy, rng, monkeypatch):
     """KS test of the step's noise on both streams: CPU chunks, and the accelerators' single draw
-    (forced here on CPU)."""
+    (forced here on CPU); from torch's generator and from oneMKL's Philox stream."""
     if policy == "one_draw":
         from pdpsgd import fused
 
         monkeypatch.setattr(fused, "noise_chunk", lambda gdev: None)
     sigma, C = 1.3, 0.7
-    z = _noise_from_step(sigma, C, seed=11)
+    z = _noise_from_step(sigma, C, seed=11, noise_rng=rng)
     assert z.size >= 1_000_000
     res = stats.kstest(z, "norm", args=(0.0, sigma * C))
     assert res.pvalue > 1e-3, res
@@ -152,3 +163,67 @@ def test_noise_policy_by_generator_device_and_consume_on_the_one_draw_path(monke
                           {"w": torch.float32, "h": torch.bfloat16}, compile=False, consume=True)
     assert got["w"].data_ptr() == own["w"].data_ptr()  # a float32 sum handed over is updated in place
     assert got["h"].dtype == torch.bfloat16
+
+
+@needs_mkl
+def test_mkl_noise_is_keyed_by_the_generator_and_follows_draw_noise():
+    """Same generator seed: same noise (reproducible, resumable from the generator's state);
+    another seed or the next call: different noise; ``draw_noise`` reproduces the stream; float64
+    sums get float64 draws; consecutive calls are uncorrelated."""
+    from pdpsgd.fused import NOISE_CHUNK, draw_noise
+
+    shapes = {"big": (NOISE_CHUNK * 2 + 17,), "m": (7, 5), "tiny": (3,)}
+    sums = {n: torch.randn(s) for n, s in shapes.items()}
+    dtypes = {n: torch.float32 for n in sums}
+
+    def run(seed, **kw):
+        return noise_and_scale(sums, 0.3, torch.Generator().manual_seed(seed), 4.0, dtypes, compile=False, rng="mkl", **kw)
+
+    a, b, c = run(5), run(5), run(6)
+    z = draw_noise(shapes, torch.Generator().manual_seed(5), torch.float32, torch.device("cpu"), 0.3 / 4.0, "mkl")
+    for n in sums:
+        assert torch.equal(a[n], b[n]) and not torch.equal(a[n], c[n])
+        torch.testing.assert_close(a[n], sums[n] / 4.0 + z[n])
+    g = torch.Generator().manual_seed(3)
+    x = noise_and_scale({"w": torch.zeros(200_000)}, 1.0, g, 1.0, {"w": torch.float32}, compile=False, rng="mkl")["w"]
+    y = noise_and_scale({"w": torch.zeros(200_000)}, 1.0, g, 1.0, {"w": torch.float32}, compile=False, rng="mkl")["w"]
+    assert abs(np.corrcoef(x.double().numpy(), y.double().numpy())[0, 1]) < 0.02
+    d = noise_and_scale({"w": torch.zeros(100_000, dtype=torch.float64)}, 1.0, g, 1.0, {"w": torch.float64},
+                        compile=False, rng="mkl")["w"]
+    assert d.dtype == torch.float64 and abs(float(d.std()) - 1) < 0.02
+    # the torch stream is a different one
+    t = noise_and_scale(sums, 0.3, torch.Generator().manual_seed(5), 4.0, dtypes, compile=False)
+    assert not torch.equal(t["big"], a["big"])
+
+
+@needs_mkl
+def test_mkl_noise_compiled_equals_eager():
+    sums = {"a": torch.randn(1000), "b": torch.randn(30, 7)}
+    dtypes = {n: torch.float32 for n in sums}
+    e = noise_and_scale(sums, 0.5, torch.Generator().manual_seed(2), 3.0, dtypes, compile=False, rng="mkl")
+    c = noise_and_scale(sums, 0.5, torch.Generator().manual_seed(2), 3.0, dtypes, compile=True, rng="mkl")
+    for n in sums:
+        torch.testing.assert_close(c[n], e[n], rtol=1e-6, atol=1e-7)
+
+
+def test_noise_rng_is_checked():
+    m = nn.Linear(2, 2)
+    loss = lambda mod, bb: mod(bb["x"]).sum(1)
+    with pytest.raises(ValueError, match="noise_rng"):
+        pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=1.0, noise_rng="numpy")
+    with pytest.raises(ValueError, match="noise_rng"):
+        noise_and_scale({"w": torch.zeros(3)}, 1.0, None, 1.0, {"w": torch.float32}, compile=False, rng="nope")
+
+
+def test_missing_mkl_runtime_gives_a_clear_error(monkeypatch):
+    from pdpsgd import mkl_rng
+
+    monkeypatch.setattr(mkl_rng, "_LIB", None)
+    monkeypatch.setattr(mkl_rng, "_ERR", "libmkl_rt not found")
+    m = nn.Linear(2, 2)
+    loss = lambda mod, bb: mod(bb["x"]).sum(1)
+    with pytest.raises(RuntimeError, match="pip install mkl"):
+        pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=1.0, noise_rng="mkl")
+    with pytest.raises(RuntimeError, match="pip install mkl"):
+        noise_and_scale({"w": torch.zeros(3)}, 1.0, torch.Generator(), 1.0, {"w": torch.float32}, compile=False,
+                        rng="mkl")

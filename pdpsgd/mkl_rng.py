@@ -1,0 +1,149 @@
+"""Optional CPU noise source: Intel oneMKL's vector statistics (VS) Gaussian generator.
+
+On CPU the noise draw is a fixed cost of every DP step (one Gaussian per trained coordinate) and
+torch's ``normal_`` (one mt19937 stream, scalar, then a vectorised Box–Muller) is its floor: 2.4 ns
+per coordinate, 13 ms for a 5.4 M-parameter model, ~0.1× of a small model's non-private step.
+oneMKL's ``vsRngGaussian`` with the Philox4x32-10 counter-based generator and the Box–Muller
+(``BOXMULLER2``) transform draws the same distribution 2.8× faster (measured, one thread, 5.4 M
+float32 draws in 64k chunks: 4.9 ms against torch's 13.8 ms). Philox4x32-10 is the generator
+torch itself uses on CUDA; like torch's mt19937 it is a statistical, not a cryptographic, PRNG.
+
+Use: ``make_dp_step(..., noise_rng="mkl")`` with ``pip install mkl`` (the ``fast-noise`` extra; x86-64
+Linux/Windows wheels ship ``libmkl_rt``). Keying: every call to ``noise_and_scale`` opens a new
+Philox stream whose 64-bit key is drawn from the step's ``torch.Generator`` (two 32-bit words), so
+the generator stays the one source of entropy and of reproducibility (same generator state, same
+noise), and checkpoints that save the generator resume the same noise.
+
+Formal guarantee: each coordinate is an independent N(0, std²) draw (float32 Box–Muller on
+Philox4x32-10 output, or float64 when the sums are float64), exactly the distribution torch's
+generator gives; the Gaussian mechanism's analysis is unchanged.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import site
+import sys
+import threading
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["available", "MKLStream", "load_error"]
+
+_VSL_BRNG_PHILOX4X32X10 = 16 << 20
+_VSL_RNG_METHOD_GAUSSIAN_BOXMULLER2 = 1
+_MKL_THREADING_SEQUENTIAL = 1
+
+_LIB: Optional[ctypes.CDLL] = None
+_ERR: Optional[str] = None
+_LOCK = threading.Lock()
+
+
+def _candidates():
+    names = ["libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so", "mkl_rt.3.dll", "mkl_rt.2.dll", "mkl_rt.dll",
+             "libmkl_rt.3.dylib", "libmkl_rt.dylib"]
+    dirs = [os.path.join(sys.prefix, "lib"), os.path.join(sys.prefix, "Library", "bin")]
+    for sp in site.getsitepackages() + [site.getusersitepackages()]:
+        dirs.append(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(sp))), "lib"))  # <prefix>/lib
+    for d in dirs:
+        for n in names:
+            yield os.path.join(d, n)
+    for d in dirs:
+        yield from sorted(glob.glob(os.path.join(d, "libmkl_rt.so*")))
+    found = ctypes.util.find_library("mkl_rt")
+    if found:
+        yield found
+
+
+def _load() -> Optional[ctypes.CDLL]:
+    global _LIB, _ERR
+    with _LOCK:
+        if _LIB is not None or _ERR is not None:
+            return _LIB
+        tried = []
+        for path in _candidates():
+            if os.path.sep in path and not os.path.exists(path):
+                continue
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError as err:
+                tried.append(f"{path}: {err}")
+                continue
+            try:
+                lib.MKL_Set_Threading_Layer.argtypes = [ctypes.c_int]
+                lib.MKL_Set_Threading_Layer(_MKL_THREADING_SEQUENTIAL)  # our own copy of MKL, one thread
+                lib.vslNewStreamEx.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int,
+                                               ctypes.POINTER(ctypes.c_uint32)]
+                lib.vslNewStreamEx.restype = ctypes.c_int
+                lib.vslDeleteStream.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+                lib.vslDeleteStream.restype = ctypes.c_int
+                for fn, ft in (("vsRngGaussian", ctypes.c_float), ("vdRngGaussian", ctypes.c_double)):
+                    f = getattr(lib, fn)
+                    f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ft, ft]
+                    f.restype = ctypes.c_int
+            except AttributeError as err:
+                tried.append(f"{path}: {err}")
+                continue
+            _LIB = lib
+            return lib
+        _ERR = "; ".join(tried[-3:]) or "libmkl_rt not found"
+        return None
+
+
+def available() -> bool:
+    """True when oneMKL's runtime library (``libmkl_rt``) can be loaded."""
+    return _load() is not None
+
+
+def load_error() -> str:
+    _load()
+    return _ERR or ""
+
+
+class MKLStream:
+    """One Philox4x32-10 stream keyed by 64 bits drawn from ``generator``; ``fill_`` writes
+    N(0, std²) into a contiguous float32/float64 CPU tensor. Use as a context manager (the stream
+    is freed on exit)."""
+
+    def __init__(self, generator: Optional[torch.Generator]):
+        lib = _load()
+        if lib is None:
+            raise RuntimeError(
+                "noise_rng='mkl' needs Intel oneMKL's runtime (libmkl_rt): `pip install mkl` (x86-64), "
+                f"or use noise_rng='torch'. ({_ERR})"
+            )
+        self.lib = lib
+        key = torch.randint(0, 1 << 32, (2,), generator=generator, dtype=torch.int64)  # the 64-bit Philox key
+        seeds = (ctypes.c_uint32 * 2)(*(int(k) for k in key))
+        self.stream = ctypes.c_void_p()
+        status = lib.vslNewStreamEx(ctypes.byref(self.stream), _VSL_BRNG_PHILOX4X32X10, 2, seeds)
+        if status != 0:
+            raise RuntimeError(f"oneMKL vslNewStreamEx failed with status {status}")
+
+    def fill_(self, out: Tensor, std: float) -> Tensor:
+        if out.device.type != "cpu" or not out.is_contiguous() or out.dtype not in (torch.float32, torch.float64):
+            raise ValueError("MKLStream.fill_ needs a contiguous float32/float64 CPU tensor")
+        f = self.lib.vsRngGaussian if out.dtype == torch.float32 else self.lib.vdRngGaussian
+        n, p, size = out.numel(), out.data_ptr(), out.element_size()
+        step = 1 << 30  # the length argument is a C int
+        for a in range(0, n, step):
+            k = min(step, n - a)
+            status = f(_VSL_RNG_METHOD_GAUSSIAN_BOXMULLER2, self.stream, k, p + a * size, 0.0, std)
+            if status != 0:
+                raise RuntimeError(f"oneMKL v?RngGaussian failed with status {status}")
+        return out
+
+    def close(self) -> None:
+        if self.stream:
+            self.lib.vslDeleteStream(ctypes.byref(self.stream))
+            self.stream = ctypes.c_void_p()
+
+    def __enter__(self) -> "MKLStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
