@@ -14,9 +14,19 @@ Philox stream whose 64-bit key is drawn from the step's ``torch.Generator`` (two
 the generator stays the one source of entropy and of reproducibility (same generator state, same
 noise), and checkpoints that save the generator resume the same noise.
 
-Formal guarantee: each coordinate is an independent N(0, std²) draw (float32 Box–Muller on
-Philox4x32-10 output, or float64 when the sums are float64), exactly the distribution torch's
-generator gives; the Gaussian mechanism's analysis is unchanged.
+Threads: the first load sets this copy of MKL's threading layer to sequential (one thread,
+no OpenMP runtime loaded). If ``libmkl_rt`` is already loaded in the process (numpy/scipy built
+on MKL, as in conda), its threading settings are left as they are. (If such a library loads MKL
+only *after* the first draw, it inherits the sequential layer: import and use it first, or keep
+noise_rng="torch". ``mkl_set_num_threads_local`` is not used: it crashed this MKL build, 2026.2,
+under its default threading layer.)
+
+Formal guarantee: each coordinate is an independent N(0, std²) draw: Box–Muller on uniforms made
+from one 32-bit Philox4x32-10 word each, in float32, or in float64 when the sums are float64 (the
+same 32-bit uniforms, so float64 draws have 2⁻³² resolution and tails to ~6.7σ, where torch's
+float64 ``normal_`` uses 53-bit uniforms; its float32 ``normal_`` uses 24-bit uniforms, tails to
+~5.8σ). The Gaussian mechanism's analysis is unchanged, with the same floating-point caveats as
+torch's own draws.
 """
 from __future__ import annotations
 
@@ -41,6 +51,17 @@ _MKL_THREADING_SEQUENTIAL = 1
 _LIB: Optional[ctypes.CDLL] = None
 _ERR: Optional[str] = None
 _LOCK = threading.Lock()
+
+
+def _loaded_already(path: str) -> bool:
+    mode = getattr(os, "RTLD_NOLOAD", None)
+    if mode is None or os.path.sep not in path:
+        return False
+    try:
+        ctypes.CDLL(path, mode=mode | getattr(os, "RTLD_LAZY", 1))
+        return True
+    except OSError:
+        return False
 
 
 def _candidates():
@@ -68,14 +89,16 @@ def _load() -> Optional[ctypes.CDLL]:
         for path in _candidates():
             if os.path.sep in path and not os.path.exists(path):
                 continue
+            shared = _loaded_already(path)
             try:
                 lib = ctypes.CDLL(path)
             except OSError as err:
                 tried.append(f"{path}: {err}")
                 continue
             try:
-                lib.MKL_Set_Threading_Layer.argtypes = [ctypes.c_int]
-                lib.MKL_Set_Threading_Layer(_MKL_THREADING_SEQUENTIAL)  # our own copy of MKL, one thread
+                if not shared:  # our own copy of MKL: sequential, no OpenMP runtime (else: left alone)
+                    lib.MKL_Set_Threading_Layer.argtypes = [ctypes.c_int]
+                    lib.MKL_Set_Threading_Layer(_MKL_THREADING_SEQUENTIAL)
                 lib.vslNewStreamEx.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int,
                                                ctypes.POINTER(ctypes.c_uint32)]
                 lib.vslNewStreamEx.restype = ctypes.c_int
@@ -127,6 +150,8 @@ class MKLStream:
     def fill_(self, out: Tensor, std: float) -> Tensor:
         if out.device.type != "cpu" or not out.is_contiguous() or out.dtype not in (torch.float32, torch.float64):
             raise ValueError("MKLStream.fill_ needs a contiguous float32/float64 CPU tensor")
+        if not std > 0:
+            raise ValueError(f"MKLStream.fill_: std must be > 0, got {std}")
         f = self.lib.vsRngGaussian if out.dtype == torch.float32 else self.lib.vdRngGaussian
         n, p, size = out.numel(), out.data_ptr(), out.element_size()
         step = 1 << 30  # the length argument is a C int
@@ -134,7 +159,7 @@ class MKLStream:
             k = min(step, n - a)
             status = f(_VSL_RNG_METHOD_GAUSSIAN_BOXMULLER2, self.stream, k, p + a * size, 0.0, std)
             if status != 0:
-                raise RuntimeError(f"oneMKL v?RngGaussian failed with status {status}")
+                raise RuntimeError(f"oneMKL v?RngGaussian failed with status {status} (std={std})")
         return out
 
     def close(self) -> None:

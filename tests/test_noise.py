@@ -1,5 +1,6 @@
 """Noise std = σC within statistical tolerance (KS test on ≥ 10^6 draws), and the test has power."""
 import math
+import os
 
 import numpy as np
 import pytest
@@ -227,3 +228,29 @@ def test_missing_mkl_runtime_gives_a_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match="pip install mkl"):
         noise_and_scale({"w": torch.zeros(3)}, 1.0, torch.Generator(), 1.0, {"w": torch.float32}, compile=False,
                         rng="mkl")
+
+
+@needs_mkl
+def test_mkl_noise_when_the_process_already_loaded_mkl():
+    """numpy/scipy on MKL (conda) load libmkl_rt before pdpsgd does: the stream must still work, with
+    the same values, and that MKL's threading layer is left alone (fresh processes)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import ctypes, os, sys\n"
+        "{pre}"
+        "import torch, pdpsgd.mkl_rng as m\n"
+        "assert m.available()\n"
+        "with m.MKLStream(torch.Generator().manual_seed(4)) as s:\n"
+        "    print(repr(s.fill_(torch.empty(9), 1.0).tolist()))\n"
+    )
+    from pdpsgd import mkl_rng
+
+    path = next(p for p in mkl_rng._candidates() if os.path.exists(p))
+    pre = f"ctypes.CDLL({path!r})\n"
+    outs = [subprocess.run([sys.executable, "-c", code.format(pre=p)], capture_output=True, text=True, timeout=120)
+            for p in ("", pre)]
+    for r in outs:
+        assert r.returncode == 0, r.stderr[-500:]
+    assert outs[0].stdout == outs[1].stdout and len(eval(outs[0].stdout)) == 9
