@@ -24,7 +24,12 @@ def _unit_affine(shape, dtype: torch.dtype, device: torch.device) -> Tuple[Tenso
     hit = _UNIT.get(key)
     if hit is None:
         ones = torch.ones(shape, dtype=dtype, device=device)
-        hit = _UNIT[key] = (ones, torch.zeros_like(ones))
+        hit = (ones, torch.zeros_like(ones))
+        # cache only plain tensors made in normal mode (not fake/meta tracing tensors, inference-mode
+        # tensors, or a CUDA graph capture, whose fills would not run)
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if type(ones) is Tensor and not torch.is_inference_mode_enabled() and not capturing:
+            _UNIT[key] = hit
     return hit
 
 
