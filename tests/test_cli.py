@@ -312,6 +312,23 @@ def test_default_method_auto_runs(tiny, tmp_path, capsys):
     assert json.loads((out / "report.json").read_text())["method"] in ("auto", "vmap")
 
 
+def test_noise_rng_mkl_runs_and_is_reproducible(tiny, tmp_path, capsys):
+    """--noise-rng mkl: the run trains, the same --seed gives the same noise (same final loss), and
+    torch's stream gives another."""
+    from pdpsgd import mkl_rng
+
+    if not mkl_rng.available():
+        pytest.skip("oneMKL runtime not installed (pip install mkl)")
+    losses = []
+    for k, rng in enumerate(("mkl", "mkl", "torch")):
+        out = tmp_path / f"run{k}"
+        args = tiny_args(tiny, out, "--epochs", "0.5", "--train-params", "top-1", "--seed", "3") + ["--noise-rng", rng]
+        rc, _, err = run_cli(args, capsys)
+        assert rc == 0, err
+        losses.append(json.loads((out / "report.json").read_text())["history"][-1]["loss"])
+    assert losses[0] == losses[1] and losses[2] != losses[0]  # the noise source is really used
+
+
 def test_auto_falls_back_to_vmap_without_bookkeeping(monkeypatch):
     import importlib.util
 
