@@ -9,7 +9,8 @@ compiled version fuses them.
 
 Noise stream (``draw_noise`` is its reference; compiled and eager use the very same z and agree to
 float rounding). With a CPU generator: per parameter, in order, in chunks of ``NOISE_CHUNK``
-coordinates, each chunk one ``normal_`` call (the kernel ``torch.randn`` runs); eager (the CPU
+coordinates, each chunk one ``normal_`` call (the kernel ``torch.randn`` runs; with ``rng="mkl"``
+one oneMKL ``vsRngGaussian`` call on a Philox stream keyed from the generator, ``pdpsgd.mkl_rng``); eager (the CPU
 default) draws each chunk into a small scratch buffer that stays in cache and writes
 scratch + sum/denom into its output slice in one pass (no buffer of all parameters' size, whose
 page faults cost as much as the draw); the inputs are copied first unless the caller hands them over (``consume=True``,
@@ -172,25 +173,20 @@ def noise_and_scale(
     out: Dict[str, Tensor] = {}
     fill, close = (None, lambda: None) if whole else _open(rng, generator)
     try:
-        _noise_loop(sums, ptrs, uses, acc, consume, whole, zs, scratch, fill, zstd, inv, dtypes, out)
+        for (n, s), ptr in zip(sums.items(), ptrs):
+            # overwrite only a sum that is the sole user of its storage (never one shared by two names)
+            owned = consume and s.dtype == acc[n] and s.is_contiguous() and uses[ptr] == 1
+            o = s if owned else s.to(acc[n], memory_format=torch.contiguous_format, copy=True)
+            if whole:
+                torch.add(zs[n].to(device=o.device, dtype=o.dtype), o, alpha=inv, out=o)  # z + s/denom, in place
+                out[n] = o.to(dtypes[n])
+                continue
+            flat = o.view(-1)
+            for a, b in _chunks(flat.numel()):
+                z = fill(scratch[: b - a], zstd)  # (b - a,) N(0, (std/denom)²), in cache
+                # z + s/denom on this chunk while it is in cache, one pass (same ops and order as unchunked)
+                torch.add(z.to(device=flat.device, dtype=flat.dtype), flat[a:b], alpha=inv, out=flat[a:b])
+            out[n] = o.to(dtypes[n])
     finally:
         close()
-    return out
-
-
-def _noise_loop(sums, ptrs, uses, acc, consume, whole, zs, scratch, fill, zstd, inv, dtypes, out) -> None:
-    for (n, s), ptr in zip(sums.items(), ptrs):
-        # overwrite only a sum that is the sole user of its storage (never one shared by two names)
-        owned = consume and s.dtype == acc[n] and s.is_contiguous() and uses[ptr] == 1
-        o = s if owned else s.to(acc[n], memory_format=torch.contiguous_format, copy=True)
-        if whole:
-            torch.add(zs[n].to(device=o.device, dtype=o.dtype), o, alpha=inv, out=o)  # z + s/denom, in place
-            out[n] = o.to(dtypes[n])
-            continue
-        flat = o.view(-1)
-        for a, b in _chunks(flat.numel()):
-            z = fill(scratch[: b - a], zstd)  # (b - a,) N(0, (std/denom)²), in cache
-            # z + s/denom on this chunk while it is in cache, one pass (same ops and order as unchunked)
-            torch.add(z.to(device=flat.device, dtype=flat.dtype), flat[a:b], alpha=inv, out=flat[a:b])
-        out[n] = o.to(dtypes[n])
     return out

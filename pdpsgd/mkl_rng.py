@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["available", "MKLStream", "load_error"]
+__all__ = ["available", "require", "MKLStream"]
 
 _VSL_BRNG_PHILOX4X32X10 = 16 << 20
 _VSL_RNG_METHOD_GAUSSIAN_BOXMULLER2 = 1
@@ -117,14 +117,20 @@ def _load() -> Optional[ctypes.CDLL]:
         return None
 
 
+def require() -> ctypes.CDLL:
+    """The loaded library, or a RuntimeError that names the fix."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(
+            "noise_rng='mkl' needs Intel oneMKL's runtime (libmkl_rt): `pip install mkl` (x86-64; the "
+            f"'fast-noise' extra), or use noise_rng='torch' (the default). ({_ERR})"
+        )
+    return lib
+
+
 def available() -> bool:
     """True when oneMKL's runtime library (``libmkl_rt``) can be loaded."""
     return _load() is not None
-
-
-def load_error() -> str:
-    _load()
-    return _ERR or ""
 
 
 class MKLStream:
@@ -133,12 +139,7 @@ class MKLStream:
     is freed on exit)."""
 
     def __init__(self, generator: Optional[torch.Generator]):
-        lib = _load()
-        if lib is None:
-            raise RuntimeError(
-                "noise_rng='mkl' needs Intel oneMKL's runtime (libmkl_rt): `pip install mkl` (x86-64), "
-                f"or use noise_rng='torch'. ({_ERR})"
-            )
+        lib = require()
         self.lib = lib
         key = torch.randint(0, 1 << 32, (2,), generator=generator, dtype=torch.int64)  # the 64-bit Philox key
         seeds = (ctypes.c_uint32 * 2)(*(int(k) for k in key))

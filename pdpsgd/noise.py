@@ -1,7 +1,9 @@
 """Where the noise comes from: an explicit ``torch.Generator``, or one seeded from OS entropy.
 
-The noise itself (one flat N(0, 1) draw in float32 or wider, scaled by σC, added to the clipped
-sums and divided by the expected batch size) is ``pdpsgd.fused.noise_and_scale``.
+The noise itself (N(0, (σC/B)²) per coordinate in float32 or wider, added to the clipped sums
+divided by the expected batch size B) is ``pdpsgd.fused.noise_and_scale``; on CPU its draws come
+from the generator through torch's ``normal_``, or through oneMKL's faster Philox stream keyed from
+it (``noise_rng="mkl"``, ``pdpsgd.mkl_rng``).
 """
 from __future__ import annotations
 

@@ -110,11 +110,7 @@ class DPStep:
         if noise_rng == "mkl":
             from . import mkl_rng
 
-            if not mkl_rng.available():
-                raise RuntimeError(
-                    "noise_rng='mkl' needs Intel oneMKL's runtime (libmkl_rt): `pip install mkl` (x86-64; "
-                    f"the 'fast-noise' extra), or use noise_rng='torch' (the default). ({mkl_rng.load_error()})"
-                )
+            mkl_rng.require()  # a clear error now, not at the first step
             if generator is not None and generator.device.type != "cpu":
                 raise ValueError("noise_rng='mkl' draws on the CPU: pass a CPU torch.Generator (its draws key "
                                  "the MKL stream), or use noise_rng='torch'")
