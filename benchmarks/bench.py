@@ -107,8 +107,14 @@ def _make_loss(fam, explicit_pos=False):
 
 
 def make_step(variant, cfg_name, device, compile_noise=False):
-    """Returns a zero-arg function doing one full training step, and a description."""
+    """Returns a zero-arg function doing one full training step (``.model``: its model), and a description."""
     fam, model, batch = build(cfg_name, device, untied=(variant == "opacus_ghost"))
+    step, note = _make_step(variant, fam, model, batch, device)
+    step.model = model
+    return step, note
+
+
+def _make_step(variant, fam, model, batch, device):
     B = batch["input_ids"].shape[0]
     loss_fn = make_loss(fam)
     if variant == "nonprivate":
@@ -146,6 +152,7 @@ def make_step(variant, cfg_name, device, compile_noise=False):
             for n, p in params.items():
                 p.grad = grads[n]
             opt.step()
+            opt.zero_grad(set_to_none=True)  # as DPTrainer: the grads do not live on into the next step
             info["routes"] = routes
 
         from collections import Counter
@@ -232,7 +239,26 @@ def memory_run(variant, cfg_name, device, steps=2):
         f.write("5")
     for _ in range(steps):
         step()
-    return {"base": base, "peak": hwm_mb()}
+    return {"base": base, "peak": hwm_mb(), "alloc": alloc_peak_mb(step)}
+
+
+def alloc_peak_mb(step):
+    """Peak of the bytes torch's CPU allocator holds during one step, over what it held before the
+    step with no gradients alive (the profiler's allocation/free events): deterministic, unlike RSS,
+    which also counts what glibc keeps or returns to the OS (bimodal on bert-128)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for p in step.model.parameters():
+        p.grad = None
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    mem = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                 if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    cur = peak = 0
+    for _, b in mem:
+        cur += b
+        peak = max(peak, cur)
+    return peak / 2**20
 
 
 def timing_run(cfg_name, variants, device, reps, warmup=1):
@@ -323,8 +349,9 @@ def print_table(cfg, r, variants):
     c0 = r["cpu_time"].get("nonprivate")
     m0 = r["mem"].get("nonprivate", {})
     print(f"\n## {cfg}: {fam} {L} layers, width {d}, vocab {V}, T={T}, B={B}")
-    print("| variant | step ms (wall) | wall × non-private | CPU-time × non-private | peak step mem MB | mem × non-private | notes |")
-    print("|---|---|---|---|---|---|---|")
+    print("| variant | step ms (wall) | wall × non-private | CPU-time × non-private | peak step mem MB | mem × non-private "
+          "| allocated peak MB | alloc × non-private | notes |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for v in variants:
         t = r["time"].get(v, float("nan"))
         m = r["mem"].get(v, {})
@@ -333,8 +360,10 @@ def print_table(cfg, r, variants):
         tm = m.get("peak", float("nan"))
         tm0 = m0.get("peak", float("nan"))
         c = r["cpu_time"].get(v, float("nan"))
+        al, al0 = m.get("alloc", float("nan")), m0.get("alloc", float("nan"))
         print(f"| {v} | {t * 1e3:.1f} | {t / t0 if t0 else float('nan'):.2f} | {c / c0 if c0 else float('nan'):.2f} | {dm:.0f} (total {tm:.0f}) | "
               f"{dm / dm0 if dm0 == dm0 and dm0 else float('nan'):.2f} (total {tm / tm0 if tm0 == tm0 and tm0 else float('nan'):.2f}) | "
+              f"{al:.1f} | {al / al0 if al0 == al0 and al0 else float('nan'):.2f} | "
               f"{r['notes'].get(v, '')} |")
     sys.stdout.flush()
 

@@ -288,6 +288,9 @@ ACTIVE_ROWS_DEVICES = ("cpu",)
 SYNC_DEVICES = ("cpu",)  # elsewhere: one host read per step (see _KeepMemo)
 
 
+CONFIRM_BLOCK = 1 << 18  # elements copied at a time to confirm zero rows (memory: ~1 MiB in float32)
+
+
 def _active_rows(u: Dense, gl: Tensor, gr: Tensor) -> Optional[Tensor]:
     """Indices into the B·T rows of u's factors where neither L[t] nor R[t] is exactly zero, or
     None if that keeps more than ``ACTIVE_ROWS_FRACTION``. The self-Gram diagonals ‖L_t‖², ‖R_t‖²
@@ -303,8 +306,12 @@ def _active_rows(u: Dense, gl: Tensor, gr: Tensor) -> Optional[Tensor]:
         if not bool(cand.any()):
             continue
         idx = cand.nonzero().squeeze(1)
-        exact = X.reshape(n, -1).index_select(0, idx).abs().amax(1) == 0  # confirm each row exactly
-        zero[idx[exact]] = True
+        X = X.reshape(n, -1)
+        step = max(1, CONFIRM_BLOCK // max(1, X.shape[1]))  # rows per block: a bounded temporary
+        for i in range(0, idx.numel(), step):
+            j = idx[i:i + step]
+            exact = X.index_select(0, j).abs_().amax(1) == 0  # confirm each row exactly
+            zero[j[exact]] = True
     if int(zero.sum()) < need:
         return None
     return (~zero).nonzero().squeeze(1)
@@ -784,17 +791,27 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             # recomputation of it, which runs in the same grad mode, is left as it is too)
             return None
         if torch.is_grad_enabled() and not output.requires_grad:
-            # e.g. the first embedding: make g reachable. The clone (not the leaf itself) is handed on,
-            # so an in-place edit downstream is allowed (and detected by the version check below).
-            output = output.detach().requires_grad_(True).clone()
+            # e.g. the first embedding: make g reachable. output − 0 (exactly output, signed zeros
+            # included) through a scalar leaf: one new tensor with a gradient edge, and the no-grad
+            # output is freed (a leaf alias and its clone would keep both); an in-place edit
+            # downstream is allowed.
+            output = torch.sub(output, torch.zeros((), dtype=output.dtype, device=output.device, requires_grad=True))
         if getattr(rule, "broadcast_batch", False) and output.dim() >= 1 and output.shape[0] == 1 and B > 1:
             # e.g. GPT-2's position embedding of (1, T) ids, broadcast over the batch downstream:
             # expanding it to B rows (same values) lets the backward keep each example's gradient.
             output = output.expand(B, *output.shape[1:])
         if not replay[0]:
             vers = tuple(x._version for x in args if isinstance(x, Tensor))
-            calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers,
-                               k=len(real_dims[mname]) - 1))
+            k = len(real_dims[mname]) - 1
+            if _gradient_edge is not None and output.requires_grad and not getattr(rule, "needs_output", True):
+                # keep only the output's gradient edge, from now on: an output nobody else saves (the
+                # logits before the loss slices them, an attention projection before the residual add)
+                # is freed as the forward goes on, not held until its end. The edge's gradient is
+                # that of the output as this layer produced it, even if it is later edited in place.
+                calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, edge=_gradient_edge(output),
+                                   k=k))
+            else:
+                calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers, k=k))
         return output
 
     leaf_names = [n for n in ruled_names]
@@ -1126,9 +1143,22 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
         _stacked_sums(names, S, w, params, sums)
         stacked.update(names)
     del stacks
-    for n, r in routes.items():
-        if n in stacked:
-            continue
+
+    def net_alloc(n: str) -> int:  # elements this parameter's sum allocates minus those its release frees
+        if routes[n] == "vmap":
+            held = fb_grads[n].numel()
+        elif n in kept_G:
+            held = kept_G[n].numel()
+        else:
+            held = sum(t.numel() for u in col.uses.get(n, []) for t in (getattr(u, "L", None), getattr(u, "R", None),
+                                                                        getattr(u, "G", None)) if t is not None)
+        return params[n].numel() - held
+
+    # sums that free more than they allocate first (e.g. GPT-2's tied head: its (B, T, V) logits
+    # gradient), those that mostly allocate last (an embedding's (V, d) table from (B, T, d)
+    # factors): the peak stays at the factors' size instead of factors + a table
+    for n in sorted((n for n in routes if n not in stacked), key=net_alloc):
+        r = routes[n]
         p = params[n]
         acc = _acc(p.dtype)
         # each parameter's factors / per-example gradients are dropped once its sum is taken, so the
@@ -1146,6 +1176,7 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
                 s = _weighted_use_sum(u, w[n], keep, p.shape, acc, active.get(id(u)), out=s)
             sums[n] = s if s is not None else torch.zeros(p.shape, dtype=acc, device=p.device)
             del uses
+    sums = {n: sums[n] for n in routes}
     return losses, sq, w, sums, routes
 
 
