@@ -484,12 +484,37 @@ class _Call:
     capture: Any = None  # custom-forward rules: what ``rule.forward`` returned beside the output
     edge: Any = None  # the output's gradient edge, once ``output`` is released (see ``_release_outputs``)
     k: int = -1  # this call's index among its module's calls (for the batch-dimension probe)
+    gshape: Optional[torch.Size] = None  # the output's shape, when ``edge`` is its base's (gradient reshaped)
 
     @property
     def targets(self) -> List[Any]:
         if self.capture is not None:
             return list(self.capture.targets)
         return [self.edge if self.edge is not None else self.output]
+
+
+def _edge_source(output: Tensor, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[Tensor]:
+    """The tensor whose gradient edge stands for ``output``'s, or None (keep the output itself).
+
+    A non-view output: itself. A view output (``F.linear`` / HF ``Conv1D`` on 3-D inputs return
+    ``addmm(...).view(B, T, p)``): its base, when the view is the whole base in the same element
+    order (the gradient is then the base's, reshaped) and the base was made by this layer (shares
+    no storage with an input). The view's own edge would be wrong: an in-place edit of a view
+    reroutes the backward from the base's node past the view's node (``CopySlices``), so that
+    edge would receive none or part of the gradient. Any other view: None."""
+    if _gradient_edge is None or not output.requires_grad:
+        return None
+    if not output._is_view():
+        return output
+    base = output._base
+    if base is None or not base.requires_grad or base.numel() != output.numel() or base.dtype != output.dtype \
+            or not (base.is_contiguous() and output.is_contiguous()) or base.storage_offset() != output.storage_offset():
+        return None
+    ptr = base.untyped_storage().data_ptr()
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, Tensor) and x.untyped_storage().data_ptr() == ptr:
+            return None
+    return base
 
 
 def _release_outputs(calls: List[_Call]) -> None:
@@ -646,6 +671,8 @@ def _eager_hook(st: _Early, B: int):
 
     def hook(grad_outputs):
         g = grad_outputs[nr]
+        if g is not None and c.gshape is not None:
+            g = g.view(c.gshape)
         if g is not None:
             args = tuple(x.detach() if isinstance(x, Tensor) else x for x in c.args)
             kwargs = {k: (x.detach() if isinstance(x, Tensor) else x) for k, x in c.kwargs.items()}
@@ -803,13 +830,15 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         if not replay[0]:
             vers = tuple(x._version for x in args if isinstance(x, Tensor))
             k = len(real_dims[mname]) - 1
-            if _gradient_edge is not None and output.requires_grad and not getattr(rule, "needs_output", True):
-                # keep only the output's gradient edge, from now on: an output nobody else saves (the
-                # logits before the loss slices them, an attention projection before the residual add)
-                # is freed as the forward goes on, not held until its end. The edge's gradient is
-                # that of the output as this layer produced it, even if it is later edited in place.
-                calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, edge=_gradient_edge(output),
-                                   k=k))
+            src = _edge_source(output, args, kwargs) if not getattr(rule, "needs_output", True) else None
+            if src is not None:
+                # keep only the gradient edge of the output (or of the base it reshapes), from now on:
+                # an output nobody else saves (the logits before the loss slices them, an attention
+                # projection before the residual add) is freed as the forward goes on, not held until
+                # its end. That edge's gradient is the output's as this layer produced it, even if the
+                # output is later edited in place.
+                calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, edge=_gradient_edge(src),
+                                   k=k, gshape=output.shape if src is not output else None))
             else:
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers, k=k))
         return output
@@ -856,7 +885,9 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
     try:
         for m, (_, rule, _) in ruled.items():
             handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            handles.append(m.register_forward_hook(post_hook, with_kwargs=True))
+            # first among the module's forward hooks: it sees the output the layer computed, before
+            # any user hook replaces it (g must be the gradient of *that* output)
+            handles.append(m.register_forward_hook(post_hook, with_kwargs=True, prepend=True))
             if getattr(rule, "custom_forward", False):
                 # the rule computes the layer itself (to keep internal activations), only while capturing
                 patched[m] = m.__dict__.get("forward", _NO_FORWARD)
@@ -902,7 +933,8 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         else:
             args = tuple(x.detach() if isinstance(x, Tensor) else x for x in c.args)
             kwargs = {k2: (x.detach() if isinstance(x, Tensor) else x) for k2, x in c.kwargs.items()}
-            got = rule.uses(c.module, args, kwargs, None if c.output is None else c.output.detach(), gs[0], B)
+            g0 = gs[0] if c.gshape is None or gs[0] is None else gs[0].view(c.gshape)
+            got = rule.uses(c.module, args, kwargs, None if c.output is None else c.output.detach(), g0, B)
         if got is None:
             for n in local.values():
                 fallback.setdefault(n, f"{rule.name} rule declined this call of {mname}")

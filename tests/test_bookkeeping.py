@@ -299,29 +299,36 @@ def test_fused_compiled_equals_eager():
 
 
 class InPlaceAfter(nn.Module):
-    """Ruled layers' outputs edited in place afterwards (scaled, a residual added, a slice zeroed,
-    an embedding output scaled): the captured gradient edge is that of the output as each layer
-    produced it, so the layers stay on a book-keeping route and stay exact. (An edited *input*
-    would make a stale: the version check sends that layer to the fallback, where autograd itself
-    refuses it, as it does without DP.)"""
+    """Ruled layers' outputs edited in place afterwards: an embedding output scaled, 3-D Linear and
+    HF Conv1D outputs (views of their matmul's result) put through an in-place ReLU, a residual
+    added, a slice zeroed, one of them also read *before* its edit. The captured gradient is that
+    of each output as its layer produced it (the base's edge for a view: an in-place edit of a view
+    reroutes the backward past the view's own node), so the layers stay on a book-keeping route
+    and stay exact. (An edited *input* would make a stale: the version check sends that layer to
+    the fallback, where autograd itself refuses it, as it does without DP.)"""
 
     def __init__(self):
         super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
         self.emb = nn.Embedding(11, 5)
         self.lin = nn.Linear(5, 4)
         self.mid = nn.Linear(4, 4)
+        self.conv = Conv1D(4, 4)
         self.out = nn.Linear(4, 3)
 
     def forward(self, ids):
         e = self.emb(ids)  # (B, T, 5)
         e.mul_(0.5)
-        x = e.sum(1)  # (B, 5)
-        y = self.lin(x)
-        y.mul_(2.0)
-        z = self.mid(torch.tanh(y))
+        y = self.lin(e)  # (B, T, 4), a view of addmm's (B·T, 4)
+        early = torch.tanh(y)  # read before the edit
+        F.relu(y, inplace=True)
+        z = self.mid(early)
         z.add_(y)
-        z[:, :1].zero_()
-        return self.out(torch.tanh(z))
+        z[:, :, :1].zero_()
+        c = self.conv(z)
+        c += z
+        return self.out(torch.tanh(c)).sum(1)
 
 
 def test_inplace_modified_output_stays_exact():
@@ -330,6 +337,19 @@ def test_inplace_modified_output_stays_exact():
     loss = lambda m, b: F.cross_entropy(m(b["ids"]), b["y"], reduction="none")  # noqa: E731
     for method in ("bk", "auto"):
         r = assert_exact(InPlaceAfter(), loss, b, method=method, max_grad_norm=0.1)
+        assert "vmap" not in r.routes.values(), r.routes
+
+
+def test_user_forward_hook_replacing_the_output():
+    """A user's forward hook that replaces a layer's output (registered before the step's): the
+    layer's g is the gradient of what the layer computed, not of the hook's result."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3))
+    model[0].register_forward_hook(lambda m, a, o: o * 2.0 + 1.0)
+    b = {"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))}
+    loss = lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none")  # noqa: E731
+    for method in ("bk", "auto"):
+        r = assert_exact(model, loss, b, method=method, max_grad_norm=0.1)
         assert "vmap" not in r.routes.values(), r.routes
 
 
