@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import types
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
@@ -541,7 +542,7 @@ class _Collected:
 
 
 def _model_layout(model: nn.Module, params: Params, registry: RuleRegistry, overrides: Mapping[str, str]):
-    """Which modules get hooks, with their (local name -> canonical name) trained params.
+    """Which modules get their forward wrapped, with their (local name -> canonical name) trained params.
 
     One walk over the modules: a parameter's canonical name is the first name it is met under,
     as in ``ParamIndex`` (named_modules visits modules in the same order with or without
@@ -749,7 +750,7 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
 
 def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
              registry: RuleRegistry, overrides: Mapping[str, str], probe_memo: Optional[Dict] = None) -> _Collected:
-    """Forward with temporary hooks, backward to the captured outputs; uses per ruled parameter."""
+    """Forward with the ruled layers' forwards wrapped, backward to the captured outputs; uses per ruled parameter."""
     model = loss_module.model
     B = batch_size(batch)
     ruled, fallback, owner = _model_layout(model, params, registry, overrides)
@@ -761,15 +762,14 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
               for n in params}
     detached = {n: leaves[n].detach() for n in ruled_names}
     calls: List[_Call] = []
-    handles = []
-    # After the forward, the hooks stay on through the backward: a layer that runs again then is a
+    # After the forward, the wrapped forwards stay on through the backward: a layer that runs again then is a
     # checkpoint recomputation (torch.utils.checkpoint, use_reentrant=False; HF's default), which
     # must see the same parameters and produce the same graph as in the forward, and is not recorded.
     replay = [False]
     swapped: Dict[nn.Module, List[Dict[str, Tensor]]] = {}
     real_dims: Dict[str, List[Optional[int]]] = {}  # module name -> first dim of each call's input
 
-    def pre_hook(module, args, kwargs):
+    def swap_in(module):
         mname, rule, local = ruled[module]
         prev = {}
         for pn, c in local.items():
@@ -777,32 +777,49 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
                 prev[pn] = module._parameters[pn]
                 module._parameters[pn] = detached[c]
         swapped.setdefault(module, []).append(prev)
-        return None
 
-    pending: Dict[nn.Module, List[Any]] = {}  # custom-forward captures, until their post hook
-
-    def custom_forward(module, rule):
-        def forward(*args, **kwargs):
-            res = rule.forward(module, args, kwargs)
-            if res is None:  # the rule declines this call: original forward, exact fallback
-                mname, _, local = ruled[module]
-                for c in local.values():
-                    fallback.setdefault(c, f"{rule.name} rule declined a call of {mname or '<root>'}")
-                pending.setdefault(module, []).append(None)
-                return type(module).forward(module, *args, **kwargs)
-            output, capture = res
-            pending.setdefault(module, []).append(capture)
-            return output
-
-        return forward
-
-    def post_hook(module, args, kwargs, output):
-        mname, rule, local = ruled[module]
-        if not replay[0]:
-            real_dims.setdefault(mname, []).append(_first_dim(args, kwargs))
+    def swap_out(module):
         stack = swapped.get(module)
         for pn, t in (stack.pop() if stack else {}).items():
             module._parameters[pn] = t
+
+    pending: Dict[nn.Module, List[Any]] = {}  # custom-forward captures, until ``on_output``
+
+    def wrapped_forward(module, rule, inner):
+        # The layer's own forward, wrapped (an instance attribute, only while capturing): parameters
+        # swapped in around it, and the output captured as the layer computed it, before any
+        # forward hook (global or the module's) runs and could replace or edit it.
+        custom = getattr(rule, "custom_forward", False)
+
+        def forward(*args, **kwargs):
+            swap_in(module)
+            try:
+                if not custom:
+                    output = inner(*args, **kwargs)
+                else:
+                    res = rule.forward(module, args, kwargs)
+                    if res is None:  # the rule declines this call: original forward, exact fallback
+                        mname, _, local = ruled[module]
+                        for c in local.values():
+                            fallback.setdefault(c, f"{rule.name} rule declined a call of {mname or '<root>'}")
+                        pending.setdefault(module, []).append(None)
+                        output = inner(*args, **kwargs)
+                    else:
+                        output, capture = res
+                        pending.setdefault(module, []).append(capture)
+            except BaseException:
+                swap_out(module)  # (a model that catches the error must not go on with the aliases)
+                raise
+            new = on_output(module, args, kwargs, output)
+            return output if new is None else new
+
+        return forward
+
+    def on_output(module, args, kwargs, output):
+        mname, rule, local = ruled[module]
+        if not replay[0]:
+            real_dims.setdefault(mname, []).append(_first_dim(args, kwargs))
+        swap_out(module)
         if getattr(rule, "custom_forward", False):
             capture = pending[module].pop()
             if capture is not None and not replay[0] and torch.is_grad_enabled():
@@ -884,27 +901,22 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
     patched: Dict[nn.Module, Any] = {}  # module -> its own instance-level forward (or a sentinel)
     try:
         for m, (_, rule, _) in ruled.items():
-            handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            # first among the module's forward hooks: it sees the output the layer computed, before
-            # any user hook replaces it (g must be the gradient of *that* output)
-            handles.append(m.register_forward_hook(post_hook, with_kwargs=True, prepend=True))
-            if getattr(rule, "custom_forward", False):
-                # the rule computes the layer itself (to keep internal activations), only while capturing
-                patched[m] = m.__dict__.get("forward", _NO_FORWARD)
-                m.forward = custom_forward(m, rule)
+            # g must be the gradient of the output the layer computed: captured inside the forward
+            # (custom-forward rules compute the layer themselves, to keep internal activations)
+            own = m.__dict__.get("forward", _NO_FORWARD)
+            patched[m] = own
+            m.forward = wrapped_forward(m, rule, own if own is not _NO_FORWARD else types.MethodType(type(m).forward, m))
         # forward and backward inside one functional_call: the parameters stay swapped in for a
         # checkpointed layer that the backward recomputes
         scope = _Scope(loss_module)
-        # a checkpoint recomputation runs its whole segment (no early stop), so every pre-hook's
-        # parameter swap is undone by its post-hook before anything else is recomputed
+        # a checkpoint recomputation runs its whole segment (no early stop), so every layer's
+        # parameter swap is undone as its forward returns before anything else is recomputed
         # (preserve_module_state: also undoes a parameter swap a failing forward left half done)
         with _no_checkpoint_early_stop(), preserve_module_state(model):
             losses, grads, early, call_targets = functional_call(
                 scope, {"m." + k: v for k, v in LossModule.prefixed({**constants, **leaves}).items()},
                 (forward_backward,))
     finally:
-        for h in handles:
-            h.remove()
         for m, f in patched.items():
             if f is _NO_FORWARD:
                 del m.forward

@@ -340,17 +340,49 @@ def test_inplace_modified_output_stays_exact():
         assert "vmap" not in r.routes.values(), r.routes
 
 
-def test_user_forward_hook_replacing_the_output():
-    """A user's forward hook that replaces a layer's output (registered before the step's): the
-    layer's g is the gradient of what the layer computed, not of the hook's result."""
+class _KeepsFeature(nn.Module):
+    """Adds a feature that a forward hook kept (the first layer's output, as ``a.kept``) to its logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 4)
+        self.o = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.o(torch.tanh(h)) + self.a.__dict__.pop("kept")[:, :3]
+
+
+@pytest.mark.parametrize("where", ["module", "global"])
+def test_user_forward_hooks_replacing_or_keeping_outputs(where):
+    """Users' forward hooks, the module's own (registered before the step's) or global ones: one
+    replaces a layer's output (the layer's g is the gradient of what the layer computed, not of the
+    hook's result), one keeps the first layer's output for the loss (its gradient must reach g)."""
+    from torch.nn.modules.module import register_module_forward_hook
+
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3))
-    model[0].register_forward_hook(lambda m, a, o: o * 2.0 + 1.0)
     b = {"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))}
     loss = lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none")  # noqa: E731
-    for method in ("bk", "auto"):
-        r = assert_exact(model, loss, b, method=method, max_grad_norm=0.1)
-        assert "vmap" not in r.routes.values(), r.routes
+    replace = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3))
+    keeps = _KeepsFeature()
+
+    def scale(m, a, o):  # (models are copied for the check: match by shape, not identity)
+        return o * 2.0 + 1.0 if isinstance(m, nn.Linear) and m.out_features == 5 else None
+
+    def keep(m, a, o):
+        if isinstance(m, nn.Linear) and m.in_features == 5 and m.out_features == 4:
+            m.__dict__["kept"] = o
+
+    handles = ([register_module_forward_hook(scale), register_module_forward_hook(keep)] if where == "global" else
+               [replace[0].register_forward_hook(scale), keeps.a.register_forward_hook(keep)])
+    try:
+        for model in (replace, keeps):
+            for method in ("bk", "auto"):
+                r = assert_exact(model, loss, b, method=method, max_grad_norm=0.1)
+                assert "vmap" not in r.routes.values(), r.routes
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _count_factor_sums(monkeypatch):
