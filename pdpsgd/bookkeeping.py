@@ -566,6 +566,10 @@ def _model_layout(model: nn.Module, params: Params, registry: RuleRegistry, over
         reason = None
         if rule is None:
             reason = f"no rule for {type(m).__name__} ({mname or '<root>'})"
+        elif "forward" in m.__dict__:
+            # e.g. accelerate's hooks, functools.partial: it may change the layer's input or output,
+            # which the rule, computing the layer's own forward, would not know about
+            reason = f"{type(m).__name__} ({mname}) has its own instance-level forward (not its class's)"
         else:
             reason = rule.supports(m)
             if reason is not None:
@@ -617,6 +621,29 @@ class _Scope(nn.Module):
 
 
 _NOT_REACHED = object()
+
+
+class _Wrapped:
+    """A ruled layer's forward while the engine captures (an instance attribute of the layer). A
+    deep copy of the layer made meanwhile (e.g. a frozen target network built lazily in the forward)
+    gets its class's forward back, bound to the copy, not this capture's wrapper of the original."""
+
+    __slots__ = ("fn", "module")
+
+    def __init__(self, fn, module: nn.Module):
+        self.fn, self.module = fn, module
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        new = memo.get(id(self.module))
+        if new is None:  # copied on its own, not as part of its module: the same capture
+            return self
+        return types.MethodType(type(new).forward, new)
+
+    def __reduce__(self):
+        raise TypeError("a layer cannot be pickled while pdpsgd's book-keeping step is capturing its forward")
 
 
 @dataclass
@@ -791,7 +818,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         # forward hook (global or the module's) runs and could replace or edit it.
         custom = getattr(rule, "custom_forward", False)
 
-        def forward(*args, **kwargs):
+        def forward(*args, **kwargs):  # (wrapped in _Wrapped below)
             swap_in(module)
             try:
                 if not custom:
@@ -813,7 +840,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             new = on_output(module, args, kwargs, output)
             return output if new is None else new
 
-        return forward
+        return _Wrapped(forward, module)
 
     def on_output(module, args, kwargs, output):
         mname, rule, local = ruled[module]
@@ -850,10 +877,10 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             src = _edge_source(output, args, kwargs) if not getattr(rule, "needs_output", True) else None
             if src is not None:
                 # keep only the gradient edge of the output (or of the base it reshapes), from now on:
-                # an output nobody else saves (the logits before the loss slices them, an attention
-                # projection before the residual add) is freed as the forward goes on, not held until
-                # its end. That edge's gradient is the output's as this layer produced it, even if the
-                # output is later edited in place.
+                # an output nobody else saves (an attention or MLP output projection before its
+                # residual add) is freed as the forward goes on, not held until its end. That edge's
+                # gradient is the output's as this layer produced it, even if the output is later
+                # edited in place.
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, edge=_gradient_edge(src),
                                    k=k, gshape=output.shape if src is not output else None))
             else:
@@ -903,9 +930,8 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         for m, (_, rule, _) in ruled.items():
             # g must be the gradient of the output the layer computed: captured inside the forward
             # (custom-forward rules compute the layer themselves, to keep internal activations)
-            own = m.__dict__.get("forward", _NO_FORWARD)
-            patched[m] = own
-            m.forward = wrapped_forward(m, rule, own if own is not _NO_FORWARD else types.MethodType(type(m).forward, m))
+            patched[m] = m.__dict__.get("forward", _NO_FORWARD)  # (none: a module with its own is a fallback)
+            m.forward = wrapped_forward(m, rule, types.MethodType(type(m).forward, m))
         # forward and backward inside one functional_call: the parameters stay swapped in for a
         # checkpointed layer that the backward recomputes
         scope = _Scope(loss_module)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, Iterable, Iterator, Mapping
 
+import torch
 from torch import Tensor, nn
 
 from ._types import Batch, LossFn, Params
@@ -145,6 +146,10 @@ def preserve_module_state(model: nn.Module) -> Iterator[None]:
     module is registered under two names and one of its parameters is tied to another module: the
     substituted tensor is then left in the model and the tie is broken, so every later step would
     train a different, untied model. This puts back whatever it left behind."""
+    for name, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule):
+            raise TypeError(f"{name or 'the model'} is a TorchScript module ({type(m).__name__}), which the DP step "
+                            "cannot run functionally; pass the eager nn.Module (before torch.jit.script)")
     saved = [(d, k, v) for m in model.modules() for d in (m._parameters, m._buffers) for k, v in d.items()]
     try:
         yield

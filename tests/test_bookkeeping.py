@@ -1,4 +1,6 @@
 """Exactness of the book-keeping engine (method="bk" / "auto") against the naive float64 oracle."""
+import copy
+import functools
 import math
 import warnings
 
@@ -956,3 +958,93 @@ def test_cancellation_guard_leaves_ordinary_float32_norms_alone():
         got = make_dp_step(model, models.hf_lm_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk",
                            bk_options={"cost_model": cm}).clipped_sum(params, b).per_sample_norms
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=0)
+
+
+class _LazyTarget(nn.Module):
+    """Builds a frozen copy of a layer in its first forward (a lazily made target network)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.o = nn.Linear(5, 5), nn.Linear(5, 3)
+        self.t = None
+
+    def forward(self, x):
+        if self.t is None:
+            self.t = copy.deepcopy(self.a).requires_grad_(False)
+        return self.o(torch.tanh(self.a(x)) + self.t(x))
+
+
+def test_layer_deep_copied_during_the_step_is_its_own():
+    """A copy of a ruled layer made inside the captured forward computes with its own weights
+    afterwards (not through the capture's wrapper of the original layer)."""
+    torch.manual_seed(0)
+    model = _LazyTarget()
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    b = {"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))}
+    step = make_dp_step(model, models.mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    step(params, b)
+    assert "forward" not in model.a.__dict__
+    with torch.no_grad():
+        model.a.weight.add_(1.0)
+        torch.testing.assert_close(model.t(b["x"]), F.linear(b["x"], model.t.weight, model.t.bias))
+
+
+def test_layer_with_its_own_instance_forward_is_exact_by_fallback():
+    """A layer whose forward was replaced on the instance (accelerate-style hooks, a partial) may
+    change its input or output: its parameters take the exact fallback."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3))
+    model[0].forward = functools.partial(lambda m, x: type(m).forward(m, x * 0.5) * 2.0 + 1.0, model[0])
+    b = {"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))}
+    loss = lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none")  # noqa: E731
+    for method in ("bk", "auto"):
+        r = assert_exact(model, loss, b, method=method, max_grad_norm=0.1)
+        assert r.routes["0.weight"] == "vmap" and r.routes["2.weight"] != "vmap", r.routes
+
+
+def test_torchscript_submodule_is_refused_clearly():
+    model = nn.Sequential(torch.jit.script(nn.Linear(5, 5)), nn.Tanh(), nn.Linear(5, 3))
+    params = {n: p for n, p in model.named_parameters()}
+    b = {"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))}
+    loss = lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none")  # noqa: E731
+    for method in METHODS:
+        step = make_dp_step(model, loss, max_grad_norm=1.0, noise_multiplier=0.0, method=method)
+        with pytest.raises(TypeError, match="TorchScript"):
+            step(params, b)
+
+
+def test_gpt2_hf_gradient_checkpointing_in_train_mode_exact(monkeypatch):
+    """As above, in train mode, where Hugging Face actually checkpoints (``assert_exact`` compares
+    in eval mode); dropout is 0, so train mode is deterministic. Oracle: the naive loop on the same
+    model without checkpointing."""
+    import torch.utils.checkpoint as ckpt
+
+    from pdpsgd.testing import naive_clipped_sum
+
+    calls = []
+    orig = ckpt.checkpoint
+
+    def spy(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+
+    monkeypatch.setattr(ckpt, "checkpoint", spy)
+    plain = to_float64(models.tiny_gpt2()).train()
+    batch = to_float64(_gpt2_batch())
+    params = {n: p.detach() for n, p in plain.named_parameters()}
+    norms, sums = naive_clipped_sum(plain, models.hf_lm_loss, batch, max_grad_norm=0.5, params=params)
+    model = copy.deepcopy(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    for method in ("bk", "auto"):
+        calls.clear()
+        step = make_dp_step(model, models.hf_lm_loss, max_grad_norm=0.5, noise_multiplier=0.0,
+                            expected_batch_size=1.0, method=method)
+        part = step.clipped_sum({n: p.detach() for n, p in model.named_parameters()}, batch)
+        assert calls, "Hugging Face did not checkpoint"
+        assert "vmap" not in part.routes.values(), part.routes
+        torch.testing.assert_close(part.per_sample_norms, norms, rtol=1e-9, atol=0)
+        for n in sums:
+            torch.testing.assert_close(part.sums[n], sums[n], rtol=1e-9, atol=1e-12)
