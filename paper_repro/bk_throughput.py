@@ -134,6 +134,7 @@ def make_runner(method: str, size: str, vocab: int, T: int, B: int):
         for n, p in params.items():
             p.grad = out.grads[n]
         opt.step()
+        opt.zero_grad(set_to_none=True)  # the others drop theirs at the step's start: same peak
     return run
 
 

@@ -471,6 +471,7 @@ def train(task_or_model, loss_fn, data, *, epochs: int, batch_size: int, lr: flo
                 for name, p in params.items():
                     p.grad = out.grads[name]
                 opt.step()
+                opt.zero_grad(set_to_none=True)
                 steps_done += 1
                 if on_step:
                     on_step(steps_done, out)
