@@ -72,7 +72,7 @@ from .per_sample import (SQ_NORM_BLOCK, _device_of, acc_dtype, batch_size, cat_c
 from .rules import DEFAULT_REGISTRY, RuleRegistry
 from .rules.base import Dense, Explicit, Index, Rule, Use
 
-__all__ = ["bk_engine", "plan", "cost", "choose_route", "COST_MODELS", "BK_OPTIONS"]
+__all__ = ["bk_engine", "plan", "fallback_reasons", "cost", "choose_route", "COST_MODELS", "BK_OPTIONS"]
 
 COST_MODELS = ("time", "fastdp", "ghost", "explicit")
 BK_OPTIONS = ("registry", "routes", "cost_model", "explicit_max_elems", "elementwise_cost", "explicit_keep_elems")
@@ -1086,6 +1086,18 @@ def plan(model: nn.Module, loss_fn, params: Mapping[str, Tensor], batch: Batch, 
     col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides)
     dev = next(iter(params.values())).device
     return _routes(col, params, batch_size(batch), cm, overrides, bk_options, dev)
+
+
+def fallback_reasons(model: nn.Module, loss_fn, params: Mapping[str, Tensor], batch: Batch, *,
+                     method: str = "auto", **bk_options: Any) -> Dict[str, str]:
+    """Why each trained parameter that takes the exact vmap fallback (route "vmap") takes it:
+    {name: reason}, e.g. "no rule for MultiheadAttention (attn)", "also used outside its layer's
+    forward". Runs one forward and backward, as ``plan``."""
+    registry, overrides, _ = _options(method, bk_options)
+    params = {n: p.detach() for n, p in params.items()}
+    constants = model_constants(model, params)
+    col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides)
+    return {n: col.fallback[n] for n in params if n in col.fallback}
 
 
 def _empty(params: Params, b: int, device: torch.device):

@@ -170,6 +170,16 @@ class DPStep:
 
         return bk_plan(self.model, self.loss_fn, params, batch, method=self.method, **self.bk_options)
 
+    def fallback_reasons(self, batch: Batch, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, str]:
+        """{parameter name: why it takes the exact vmap fallback} for the parameters whose route in
+        ``plan(batch)`` is "vmap" (method="vmap": all of them)."""
+        params = self._index.resolve(params if params is not None else dict(self.model.named_parameters()))
+        if self.method == "vmap":
+            return {n: "method='vmap'" for n in params}
+        from .bookkeeping import fallback_reasons
+
+        return fallback_reasons(self.model, self.loss_fn, params, batch, method=self.method, **self.bk_options)
+
     # -- the step ---------------------------------------------------------------------------
     def clipped_sum(self, params: Mapping[str, Tensor], batch: Batch, mask: Optional[Tensor] = None) -> ClippedSum:
         """The noise-free clipped sum of one physical batch (for logical-batch accumulation)."""

@@ -1049,3 +1049,20 @@ def test_gpt2_hf_gradient_checkpointing_in_train_mode_exact():
         torch.testing.assert_close(part.per_sample_norms, norms, rtol=1e-9, atol=0)
         for n in sums:
             torch.testing.assert_close(part.sums[n], sums[n], rtol=1e-9, atol=1e-12)
+
+
+def test_fallback_reasons_name_the_cause():
+    """``dp_step.fallback_reasons(batch)``: exactly the parameters ``plan`` routes to "vmap", each
+    with its cause."""
+    torch.manual_seed(0)
+    b = {"x": torch.randn(4, 6), "y": torch.randint(0, 3, (4,))}
+    model = models.SharedTwice()
+    model.out.forward = functools.partial(lambda m, x: type(m).forward(m, x), model.out)
+    for method in ("bk", "auto"):
+        step = make_dp_step(model, models.mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0, method=method)
+        why = step.fallback_reasons(b)
+        assert set(why) == {n for n, r in step.plan(b).items() if r == "vmap"} == {"scale", "out.weight", "out.bias"}
+        assert "no rule for SharedTwice" in why["scale"]
+        assert "instance-level forward" in why["out.weight"]
+    step = make_dp_step(model, models.mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="vmap")
+    assert set(step.fallback_reasons(b)) == set(dict(model.named_parameters()))
