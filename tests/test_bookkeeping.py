@@ -3,6 +3,7 @@ import copy
 import functools
 import math
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -1066,3 +1067,34 @@ def test_fallback_reasons_name_the_cause():
         assert "instance-level forward" in why["out.weight"]
     step = make_dp_step(model, models.mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="vmap")
     assert set(step.fallback_reasons(b)) == set(dict(model.named_parameters()))
+
+
+class _Frees(nn.Module):
+    """Records whether a ruled layer's output (its matmul result, for a 3-D view output) is still
+    alive once the model itself has let it go (nothing else saves it: an add saves no operand)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = nn.Linear(5, 5), nn.Linear(5, 3)
+        self.alive = []
+
+    def forward(self, x):
+        y = self.lin(x)
+        ref = weakref.ref(y if y._base is None else y._base)
+        h = y + 1.0
+        del y
+        self.alive.append(ref() is not None)
+        return self.out(torch.tanh(h)).reshape(x.shape[0], -1, 3).sum(1)
+
+
+@pytest.mark.parametrize("shape", [(4, 5), (4, 3, 5)])
+def test_captured_outputs_are_not_held_through_the_forward(shape):
+    """Memory: the capture keeps a layer's gradient edge, not its output, so an output nobody
+    else saves is freed during the forward (as without DP), not at its end."""
+    torch.manual_seed(0)
+    model = _Frees()
+    b = {"x": torch.randn(*shape), "y": torch.randint(0, 3, (4,))}
+    step = make_dp_step(model, models.mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    r = step(trainable_params(model), b)
+    assert "vmap" not in r.routes.values(), r.routes
+    assert model.alive and not any(model.alive), model.alive
