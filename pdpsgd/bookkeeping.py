@@ -318,14 +318,73 @@ def _active_rows(u: Dense, gl: Tensor, gr: Tensor) -> Optional[Tensor]:
     return (~zero).nonzero().squeeze(1)
 
 
+# Ghost norms over the rows (tokens) that are not exactly zero, compacted per example to the batch's
+# largest count K, when K ≤ this fraction of T (padded positions, or a classifier's last layer where
+# only the first token's output gradient is non-zero): Grams of (B, K, ·) instead of (B, T, ·).
+COMPACT_MAX_FRACTION = 0.75
+COMPACT_MIN_T = 64  # below this the Grams are cheap and the check would not pay
+
+
+@dataclass
+class _Compact:
+    idx: Tensor  # (B, K) positions of each example's non-zero rows first (the rest: zero rows)
+    rows: Tensor  # flat indices into the B·T rows of the non-zero ones (for the clipped sum)
+
+
+def _compaction(u: Dense, finite: Dict) -> Optional[_Compact]:
+    """Where a dense use's rows t with one factor exactly zero (the output gradient's, e.g. at
+    padded positions: L in the Linear rule, R in HF Conv1D's) are many, the positions of the
+    others, per example; None otherwise. Such a row adds exactly 0 to G_i = Σ_t L[t] ⊗ R[t] when
+    the other factor is finite (checked, else None: 0·inf is not 0; a non-finite row of the zero
+    factor is not zero, so it is kept), so the norm and the sum over the others are exact. A look at two positions (T/2 and T − 1) decides whether the exact per-row
+    check runs, and on which factor. ``finite``: this batch's memo of the other factors' checks
+    (q/k/v share their input)."""
+    L, R = u.L, u.R
+    B, T = L.shape[0], L.shape[1]
+    if R is None or L.dim() != 3 or R.dim() != 3 or T < COMPACT_MIN_T or B == 0:
+        return None
+    step = T - 1 - T // 2
+    zero = next((X for X in (L, R) if bool((X[:, T // 2::step] == 0).all())), None)  # positions T/2, T − 1
+    if zero is None:
+        return None
+    other = R if zero is L else L
+    hi, lo = zero.amax(2), zero.amin(2)  # (B, T): both 0 exactly for a zero row (NaN / ±inf: not 0, kept)
+    k = _key(other)  # (held alive by col.uses for the whole batch: the address is not reused meanwhile)
+    if k not in finite:
+        finite[k] = bool(torch.isfinite(other.sum()))  # (an overflow to inf only declines: safe)
+    if not finite[k]:
+        return None
+    active = (hi != 0) | (lo != 0)
+    K = int(active.sum(1).max())
+    if K > COMPACT_MAX_FRACTION * T:
+        return None
+    order = torch.argsort((~active).to(torch.int8), dim=1, stable=True)  # active positions first, in order
+    return _Compact(order[:, :max(K, 1)], active.reshape(-1).nonzero().squeeze(1))
+
+
+def _take_rows(X: Tensor, idx: Tensor) -> Tensor:
+    return X.gather(1, idx.unsqueeze(2).expand(-1, -1, X.shape[2]))  # (B, T, P) at (B, K) -> (B, K, P)
+
+
 def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[_GramMemo] = None,
-           rows: Optional[Dict[int, Tensor]] = None, bounds: Optional[Dict[int, Tensor]] = None) -> Tensor:
+           rows: Optional[Dict[int, Tensor]] = None, bounds: Optional[Dict[int, Tensor]] = None,
+           compact: Optional[Dict[int, _Compact]] = None) -> Tensor:
     """Per-example ⟨G_u, G_v⟩ (B,) without materialising G when a ghost formula exists (``cache``:
     this batch's ``_GramMemo``; ``rows``: filled with ``_active_rows`` of self pairs, by id(use);
     ``bounds``: filled, for self pairs of Gram formulas, with Σ_t ‖L_t‖‖R_t‖ ≥ ‖G_u,i‖ (B,), read
-    off the Gram diagonals, by id(use))."""
+    off the Gram diagonals, by id(use); ``compact``: ``_compaction`` of self pairs, by id(use))."""
     if isinstance(u, Index) and isinstance(v, Dense):
         u, v = v, u
+    comp = compact.get(id(u)) if compact is not None and u is v else None
+    if comp is not None:  # only the rows that are not exactly zero (see ``_compaction``)
+        Lc, Rc = _take_rows(u.L, comp.idx).to(acc), _take_rows(u.R, comp.idx).to(acc)  # (B, K, P0), (B, K, P1)
+        gl = torch.bmm(Lc, Lc.transpose(1, 2))  # (B, K, K)
+        gr = torch.bmm(Rc, Rc.transpose(1, 2))  # (B, K, K)
+        if bounds is not None:
+            bounds[id(u)] = (gl.diagonal(dim1=1, dim2=2) * gr.diagonal(dim1=1, dim2=2)).sqrt().sum(1)
+        if rows is not None:
+            rows[id(u)] = comp.rows
+        return (gl * gr).sum((1, 2))  # (B, K, K) -> (B,)
     if isinstance(u, Dense) and isinstance(v, Dense) and u.R is not None and v.R is not None \
             and u.L.shape[-1] == v.L.shape[-1] and u.R.shape[-1] == v.R.shape[-1]:
         gl = _gram(u.L, v.L, acc, cache)  # (B, T, P0) x (B, S, P0) -> (B, T, S)
@@ -1153,11 +1212,20 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
     kept_G: Dict[str, Tensor] = {}
     keep_budget = int(opts.get("explicit_keep_elems") or EXPLICIT_KEEP_ELEMS)
     kept = 0
+    compact: Dict[int, _Compact] = {}  # id(use) -> its non-zero rows, where they are few (CPU: host reads)
+    if device.type in ACTIVE_ROWS_DEVICES:
+        finite: Dict = {}
+        for n, r in routes.items():
+            us = col.uses.get(n, [])
+            if r == "ghost" and len(us) == 1 and isinstance(us[0], Dense):
+                c = _compaction(us[0], finite)
+                if c is not None:
+                    compact[id(us[0])] = c
     counts: Dict = {}  # self-Gram operands of ghost-route dense uses, to share e.g. q/k/v's input Gram
     for n, r in routes.items():
         if r == "ghost":
             for u in col.uses.get(n, []):
-                if isinstance(u, Dense) and u.R is not None:
+                if isinstance(u, Dense) and u.R is not None and id(u) not in compact:
                     for X in (u.L, u.R):
                         k = (_key(X), _acc(params[n].dtype))
                         counts[k] = counts.get(k, 0) + 1
@@ -1201,11 +1269,11 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
             bounds: Dict[int, Tensor] = {}
             for i, u in enumerate(uses):
                 for j in range(i, len(uses)):
-                    t = _inner(u, uses[j], p.shape, acc, grams, rows, bounds)
+                    t = _inner(u, uses[j], p.shape, acc, grams, rows, bounds, compact)
                     t = t if i == j else 2 * t
                     tot = t if tot is None else tot + t
             guard.add(n, tot, uses, bounds, acc)  # sq[n]: clamped at 0 and guarded below
-    del grams
+    del grams, compact
     guard.done(sq)
     stacks = _stack_small(stackable, B, sq, kept_G)
     fb = [n for n, r in routes.items() if r == "vmap"]

@@ -1098,3 +1098,98 @@ def test_captured_outputs_are_not_held_through_the_forward(shape):
     r = step(trainable_params(model), b)
     assert "vmap" not in r.routes.values(), r.routes
     assert model.alive and not any(model.alive), model.alive
+
+
+class _Masked(nn.Module):
+    """Token model whose padded positions get exactly zero output gradients (``torch.where``), as
+    padding does in attention models; per-example loss over the real positions."""
+
+    def __init__(self, vocab=20, d=6, classes=3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.a, self.b, self.out = nn.Linear(d, 2 * d), nn.Linear(2 * d, d), nn.Linear(d, classes)
+
+    def forward(self, ids, mask, x=None):
+        h = self.emb(ids) if x is None else x  # (B, T, d)
+        h = torch.where(mask.unsqueeze(2), torch.tanh(self.a(h)), 0.0)
+        h = torch.where(mask.unsqueeze(2), self.b(h), 0.0)
+        return self.out(h).sum(1)  # (B, classes)
+
+
+def _masked_loss(m, b):
+    return F.cross_entropy(m(b["ids"], b["mask"], b.get("x")), b["y"], reduction="none")
+
+
+def _spy_compaction(mp):
+    import pdpsgd.bookkeeping as bk
+
+    got = []
+    orig = bk._compaction
+
+    def spy(u, *a):
+        c = orig(u, *a)
+        got.append(c is not None)
+        return c
+
+    mp.setattr(bk, "_compaction", spy)
+    mp.setattr(bk, "COMPACT_MIN_T", 4)  # tiny models: let it act at small T
+    return got
+
+
+@settings(max_examples=25, deadline=None)
+@given(B=st.integers(1, 5), T=st.integers(8, 20), seed=st.integers(0, 10**6), C=st.sampled_from([0.05, 1.0, 50.0]),
+       cost_model=st.sampled_from(["ghost", "time"]))
+def test_ghost_norms_over_nonzero_rows_exact(B, T, seed, C, cost_model):
+    """Ghost norms and clipped sums over each example's rows with a non-zero output gradient
+    (``_compaction``: padded positions skipped), against the naive oracle; compaction happens when
+    every example is at most half as long as T."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T // 2 + 1, (B,), generator=g)
+    lengths[0] = int(torch.randint(1, T + 1, (1,), generator=g)) if seed % 3 == 0 else lengths[0]  # sometimes long
+    mask = torch.arange(T)[None] < lengths[:, None]
+    b = {"ids": torch.randint(0, 20, (B, T), generator=g), "mask": mask, "y": torch.randint(0, 3, (B,), generator=g)}
+    torch.manual_seed(seed)
+    with pytest.MonkeyPatch.context() as mp:
+        got = _spy_compaction(mp)
+        r = assert_exact(_Masked(), _masked_loss, b, method="bk", max_grad_norm=C, bk_options={"cost_model": cost_model})
+    if cost_model == "ghost" and int(lengths.max()) <= T // 2:
+        assert any(got), (lengths, r.routes)
+
+
+def test_ghost_norms_over_nonzero_rows_hf_models():
+    """Padded HF BERT (classification: also the last layer, where only the first token's gradient
+    is non-zero) and GPT-2 (masked LM loss) with short examples: compacted and exact."""
+    bert, gpt2 = models.tiny_bert(), models.tiny_gpt2()
+    b = _tokens(B=4, T=24, vocab=40)
+    b["attention_mask"][:, 10:] = 0
+    b["lm_labels"] = b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)
+    for model, loss, batch in ((bert, models.hf_cls_loss, b), (gpt2, models.hf_lm_loss, _lm_batch(b))):
+        for method, opts in (("bk", {"cost_model": "ghost"}), ("auto", {})):
+            with pytest.MonkeyPatch.context() as mp:
+                got = _spy_compaction(mp)
+                r = assert_exact(model, loss, batch, method=method, max_grad_norm=0.5, bk_options=opts)
+            assert "vmap" not in r.routes.values()
+            if method == "bk":
+                assert any(got), type(model).__name__
+
+
+def test_nonfinite_value_at_a_skipped_row_is_not_hidden():
+    """An activation that is inf at a padded position (whose output gradient is exactly 0): the
+    true per-example gradient has 0·inf = NaN there, so the example must be dropped as without the
+    compaction, not kept with the padded row skipped."""
+    torch.manual_seed(0)
+    B, T = 4, 12
+    mask = torch.arange(T)[None] < torch.tensor([3, 5, 2, 6])[:, None]
+    x = torch.randn(B, T, 6)
+    x[1, 9, 2] = float("inf")  # example 1, a padded position
+    b = {"ids": torch.zeros(B, T, dtype=torch.long), "mask": mask, "y": torch.randint(0, 3, (B,)), "x": x}
+    model = _Masked()
+    params = {n: p for n, p in model.named_parameters() if not n.startswith("emb")}
+    with pytest.MonkeyPatch.context() as mp:
+        _spy_compaction(mp)
+        step = make_dp_step(model, _masked_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk",
+                            bk_options={"cost_model": "ghost"})
+        part = step.clipped_sum(params, b)
+    assert not bool(torch.isfinite(part.per_sample_norms[1])), part.per_sample_norms
+    assert bool(torch.isfinite(part.per_sample_norms[[0, 2, 3]]).all())
+    assert all(bool(torch.isfinite(s).all()) for s in part.sums.values())
