@@ -15,7 +15,10 @@ a cost model picks
 A self-Gram X Xᵀ whose operand several ghost-route layers share (BERT's query/key/value input) is
 computed once per batch; a ghost use's clipped-sum matmul runs over the factor rows that are not
 exactly zero (e.g. padded tokens, whose output gradients are exactly 0) when at least 10 % are, the
-candidates read off the Gram diagonals and each confirmed exactly.
+candidates read off the Gram diagonals and each confirmed exactly. On the CPU, a ghost use whose
+output-gradient factor is exactly zero at most positions (padding; a classifier's last layer,
+where only the first token's gradient is non-zero) has its Grams computed over each example's
+non-zero rows only, gathered to the batch's largest count K ≤ ¾T (``_compaction``).
 
 Uses of the same parameter (tied weights such as GPT-2's wte/lm_head, a layer called twice) are
 summed *before* the norm, so cross terms are included exactly (Embedding × Linear cross terms
@@ -344,7 +347,7 @@ def _compaction(u: Dense, finite: Dict) -> Optional[_Compact]:
     if R is None or L.dim() != 3 or R.dim() != 3 or T < COMPACT_MIN_T or B == 0:
         return None
     step = T - 1 - T // 2
-    zero = next((X for X in (L, R) if bool((X[:, T // 2::step] == 0).all())), None)  # positions T/2, T − 1
+    zero = next((X for X in (L, R) if bool((X[:, T // 2::max(1, step)] == 0).all())), None)  # positions T/2, T − 1
     if zero is None:
         return None
     other = R if zero is L else L
@@ -441,13 +444,15 @@ class _Guard:
     def __init__(self):
         self.groups: Dict[Tuple, List[Tuple[str, Tensor, Optional[Tensor]]]] = {}
 
-    def add(self, n: str, tot: Tensor, uses: List[Use], bounds: Dict[int, Tensor], acc: torch.dtype) -> None:
+    def add(self, n: str, tot: Tensor, uses: List[Use], bounds: Dict[int, Tensor], acc: torch.dtype,
+            tokens: Optional[Dict[int, int]] = None) -> None:
         b = None
         if acc != torch.float64 and uses and all(id(u) in bounds for u in uses):
             b = bounds[id(uses[0])]
             for u in uses[1:]:
                 b = b + bounds[id(u)]  # Σ over uses: ‖Σ_u G_u,i‖ ≤ Σ_u Σ_t ‖L_t‖‖R_t‖
-        T = sum(getattr(u, "T", 1) for u in uses) if b is not None else 0  # tokens over all uses
+        # tokens over all uses (``tokens``: a compacted use's K, its rows that are not zero: a tighter threshold)
+        T = sum((tokens or {}).get(id(u), getattr(u, "T", 1)) for u in uses) if b is not None else 0
         self.groups.setdefault((tot.dtype, tot.device, T), []).append((n, tot, b))
 
     def done(self, sq: Dict[str, Tensor]) -> None:
@@ -1221,6 +1226,7 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
                 c = _compaction(us[0], finite)
                 if c is not None:
                     compact[id(us[0])] = c
+    tokens = {i: int(c.idx.shape[1]) for i, c in compact.items()}  # compacted uses' K (for the guard)
     counts: Dict = {}  # self-Gram operands of ghost-route dense uses, to share e.g. q/k/v's input Gram
     for n, r in routes.items():
         if r == "ghost":
@@ -1272,7 +1278,7 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
                     t = _inner(u, uses[j], p.shape, acc, grams, rows, bounds, compact)
                     t = t if i == j else 2 * t
                     tot = t if tot is None else tot + t
-            guard.add(n, tot, uses, bounds, acc)  # sq[n]: clamped at 0 and guarded below
+            guard.add(n, tot, uses, bounds, acc, tokens)  # sq[n]: clamped at 0 and guarded below
     del grams, compact
     guard.done(sq)
     stacks = _stack_small(stackable, B, sq, kept_G)

@@ -1193,3 +1193,40 @@ def test_nonfinite_value_at_a_skipped_row_is_not_hidden():
     assert not bool(torch.isfinite(part.per_sample_norms[1])), part.per_sample_norms
     assert bool(torch.isfinite(part.per_sample_norms[[0, 2, 3]]).all())
     assert all(bool(torch.isfinite(s).all()) for s in part.sums.values())
+
+
+def test_float32_guard_counts_only_the_compacted_tokens():
+    """A crafted float32 example that nearly cancels (31 tokens ≈ one base input, alternating ±v
+    output gradients) and 33 padded positions, so its ghost norm is compacted: the cancellation
+    guard's threshold counts its 31 non-zero tokens, not T = 64, so it fires and the example's
+    clipped contribution stays ≤ C (with T it did not fire and the contribution exceeded C by
+    1.4e-5 relative; a review finding, this is its reproducer)."""
+    import random
+
+    rng = random.Random(52)
+    torch.manual_seed(52)
+    T = rng.choice([8, 64, 70])
+    rng.choice([0, 1])
+    k = rng.randint(1, T // 2)
+    v = torch.randn(3, dtype=torch.float64)
+    base = torch.randn(4, dtype=torch.float64) * 10 ** rng.randint(0, 4)
+    x = torch.randn(1, T, 4, dtype=torch.float64) * 10 ** rng.randint(0, 3)
+    G = torch.zeros(1, T, 3, dtype=torch.float64)
+    for t in range(k):
+        x[0, t] = base + torch.randn(4, dtype=torch.float64) * 10 ** (-rng.randint(0, 3))
+        G[0, t] = v * (1 if t % 2 == 0 else -1) * (1 + 1e-3 * rng.random())
+    assert (T, k) == (64, 31)
+    x, G = x.float(), G.float()
+    C = 1e-3
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3, bias=False)
+    with pytest.MonkeyPatch.context() as mp:
+        got = _spy_compaction(mp)
+        mp.setattr(pdpsgd.bookkeeping, "COMPACT_MIN_T", 64)
+        step = make_dp_step(lin, lambda m, b: (m(b["x"]) * b["G"]).sum((1, 2)), max_grad_norm=C, noise_multiplier=0.0,
+                            method="bk", bk_options={"cost_model": "ghost"})
+        p = step.clipped_sum(dict(lin.named_parameters()), {"x": x, "G": G})
+    assert any(got)
+    true = torch.einsum("btp,btq->pq", G.double(), x.double()).norm()
+    assert float(p.per_sample_norms[0]) >= float(true) * (1 - 1e-6)  # never under (the bound, as the guard fired)
+    assert float(p.sums["weight"].double().norm()) <= C * (1 + 1e-6)
