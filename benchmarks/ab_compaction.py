@@ -17,21 +17,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402
+from phases import ACC, _wrap  # noqa: E402  (CPU-time counters around a module's function)
 
 import pdpsgd.bookkeeping as bk  # noqa: E402
-
-ACC = {"inner": 0.0, "check": 0.0}
-
-
-def _timed(name, f):
-    def g(*a, **k):
-        t = time.process_time()
-        try:
-            return f(*a, **k)
-        finally:
-            ACC[name] += time.process_time() - t
-    return g
-
 
 def main():
     ap = argparse.ArgumentParser()
@@ -40,8 +28,8 @@ def main():
     ap.add_argument("--lengths", default=None, help="LO,HI: padded lengths of the BERT examples")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    bk._inner = _timed("inner", bk._inner)
-    bk._compaction = _timed("check", bk._compaction)
+    _wrap(bk, "_inner")
+    _wrap(bk, "_compaction")
     if a.lengths:
         lo, hi = map(int, a.lengths.split(","))
         build = bench.build
@@ -64,10 +52,10 @@ def main():
         for _ in range(a.reps):
             for on in (True, False):
                 bk.COMPACT_MIN_T = on_t if on else 1 << 30
-                ACC["inner"] = ACC["check"] = 0.0
+                ACC.clear()
                 t = time.process_time()
                 step()
-                res[on].append(((time.process_time() - t) * 1e3, ACC["inner"] * 1e3, ACC["check"] * 1e3))
+                res[on].append(((time.process_time() - t) * 1e3, ACC["_inner"] * 1e3, ACC["_compaction"] * 1e3))
         bk.COMPACT_MIN_T = on_t
         for on in (True, False):
             med = [statistics.median(x[i] for x in res[on]) for i in range(3)]
