@@ -339,9 +339,9 @@ def _compaction(u: Dense, finite: Dict) -> Optional[_Compact]:
     padded positions: L in the Linear rule, R in HF Conv1D's) are many, the positions of the
     others, per example; None otherwise. Such a row adds exactly 0 to G_i = Σ_t L[t] ⊗ R[t] when
     the other factor is finite (checked, else None: 0·inf is not 0; a non-finite row of the zero
-    factor is not zero, so it is kept), so the norm and the sum over the others are exact. A look at two positions (T/2 and T − 1) decides whether the exact per-row
-    check runs, and on which factor. ``finite``: this batch's memo of the other factors' checks
-    (q/k/v share their input)."""
+    factor is not zero, so it is kept), so the norm and the sum over the others are exact. A look
+    at two positions (T/2 and T − 1) decides whether the exact per-row check runs, and on which
+    factor. ``finite``: this batch's memo of the other factors' checks (q/k/v share their input)."""
     L, R = u.L, u.R
     B, T = L.shape[0], L.shape[1]
     if R is None or L.dim() != 3 or R.dim() != 3 or T < COMPACT_MIN_T or B == 0:
