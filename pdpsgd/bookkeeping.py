@@ -534,7 +534,6 @@ def _weighted_use_sum(u: Use, w: Tensor, keep: Optional[Tensor], shape: torch.Si
 # ------------------------------------------------------------------------------------------------
 # capture: one forward, one backward through the activations
 # ------------------------------------------------------------------------------------------------
-_NO_FORWARD = object()
 
 
 @dataclass
@@ -989,12 +988,12 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
                 h.remove()
         return losses, grads, early, call_targets
 
-    patched: Dict[nn.Module, Any] = {}  # module -> its own instance-level forward (or a sentinel)
+    patched: List[nn.Module] = []  # (a ruled module has no instance-level forward: those are fallbacks)
     try:
         for m, (_, rule, _) in ruled.items():
             # g must be the gradient of the output the layer computed: captured inside the forward
             # (custom-forward rules compute the layer themselves, to keep internal activations)
-            patched[m] = m.__dict__.get("forward", _NO_FORWARD)  # (none: a module with its own is a fallback)
+            patched.append(m)
             m.forward = wrapped_forward(m, rule, types.MethodType(type(m).forward, m))
         # forward and backward inside one functional_call: the parameters stay swapped in for a
         # checkpointed layer that the backward recomputes
@@ -1007,11 +1006,8 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
                 scope, {"m." + k: v for k, v in LossModule.prefixed({**constants, **leaves}).items()},
                 (forward_backward,))
     finally:
-        for m, f in patched.items():
-            if f is _NO_FORWARD:
-                del m.forward
-            else:
-                m.forward = f
+        for m in patched:
+            m.__dict__.pop("forward", None)
     _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo)
     n_call = sum(len(t) for t in call_targets)
     for n, g in zip(leaf_names, grads[n_call:]):
