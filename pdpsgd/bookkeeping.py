@@ -933,7 +933,9 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         if getattr(rule, "broadcast_batch", False) and output.dim() >= 1 and output.shape[0] == 1 and B > 1:
             # e.g. GPT-2's position embedding of (1, T) ids, broadcast over the batch downstream:
             # expanding it to B rows (same values) lets the backward keep each example's gradient.
-            output = output.expand(B, *output.shape[1:])
+            # A copy, not a stride-0 view: the model may edit its output in place (p *= 2); the
+            # copy lives no longer than the original would (its own gradient edge is what is kept).
+            output = output.expand(B, *output.shape[1:]).contiguous()
         if not replay[0]:
             vers = tuple(x._version for x in args if isinstance(x, Tensor))
             k = len(real_dims[mname]) - 1

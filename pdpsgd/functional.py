@@ -110,13 +110,24 @@ _MIXING = (nn.modules.batchnorm._BatchNorm,)
 
 
 def check_no_batch_mixing(model: nn.Module) -> None:
-    """Raise if the model has a layer that mixes examples of a batch in training mode.
+    """Raise if the model has a layer that mixes examples of a batch in training mode, or one whose
+    forward edits its own weight from the batch (``Embedding(max_norm=...)``).
 
     A per-example gradient is only defined when each example's loss depends on that example
     alone. BatchNorm in training mode normalises with batch statistics, so example i's loss
     depends on every other example and no clipping bound holds.
     """
     for name, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
+            # F.embedding(max_norm=...) rescales, in place and without noise, the weight rows of the
+            # tokens the batch holds (torch.embedding_renorm_), in training and in eval mode alike
+            raise ValueError(
+                f"layer {name or '<root>'!r} ({type(module).__name__}(max_norm={module.max_norm})) rescales in "
+                "place, in every forward, the weight rows of the tokens that the batch holds: a change to the "
+                "model that depends on the private batch and gets no noise, outside the DP guarantee (and not "
+                "a per-example gradient). Construct it with max_norm=None; to bound the rows, renormalise "
+                "them after the optimizer step (a function of the noisy parameters only)."
+            )
         if not isinstance(module, _MIXING):
             continue
         # torch's own rule: batch statistics in training mode, and in eval mode too when the layer

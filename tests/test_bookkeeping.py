@@ -343,6 +343,29 @@ def test_inplace_modified_output_stays_exact():
         assert "vmap" not in r.routes.values(), r.routes
 
 
+class _EditsPositions(nn.Module):
+    """A broadcast (1, T) position embedding whose output the model edits in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe, self.out = nn.Embedding(11, 4), nn.Embedding(6, 4), nn.Linear(4, 3)
+
+    def forward(self, ids):
+        p = self.wpe(torch.arange(ids.shape[1])[None])  # (1, T, 4), expanded to B rows by the engine
+        p.mul_(2.0)
+        p[:, :1] += 1.0
+        return self.out(torch.tanh(self.wte(ids) + p)).sum(1)
+
+
+@pytest.mark.parametrize("method", ["bk", "auto"])
+def test_inplace_edit_of_broadcast_embedding_output(method):
+    torch.manual_seed(0)
+    b = {"ids": torch.randint(0, 11, (4, 5)), "y": torch.randint(0, 3, (4,))}
+    loss = lambda m, b: F.cross_entropy(m(b["ids"]), b["y"], reduction="none")  # noqa: E731
+    r = assert_exact(_EditsPositions(), loss, b, method=method, max_grad_norm=0.1)
+    assert "vmap" not in r.routes.values(), r.routes
+
+
 class _KeepsFeature(nn.Module):
     """Adds a feature that a forward hook kept (the first layer's output, as ``a.kept``) to its logits."""
 

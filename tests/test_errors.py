@@ -32,6 +32,26 @@ def test_batchnorm_without_running_stats_is_refused_in_eval_mode_too(method):
         pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)
 
 
+@pytest.mark.parametrize("method", ["vmap", "bk", "auto"])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_embedding_max_norm_is_refused(method, frozen):
+    """Embedding(max_norm=...) rescales the batch's weight rows in place in every forward (train and
+    eval): a noise-free, data-dependent edit of the model. Refused before it can happen, even frozen."""
+    emb = nn.Embedding(10, 4, max_norm=1.0)
+    m = nn.Sequential(emb, nn.Flatten(), nn.Linear(12, 3)).eval()
+    emb.weight.requires_grad_(not frozen)
+    w0 = emb.weight.detach().clone()
+    loss = lambda mod, b: F.cross_entropy(mod(b["x"]), b["y"], reduction="none")  # noqa: E731
+    with pytest.raises(ValueError, match=r"max_norm=1\.0.*in place.*max_norm=None"):
+        step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)
+    emb.max_norm = None
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)
+    emb.max_norm = 1.0  # set after construction: still caught at call time, before any forward
+    with pytest.raises(ValueError, match="max_norm"):
+        step(pdpsgd.trainable_params(m), {"x": torch.randint(0, 10, (4, 3)), "y": torch.randint(0, 3, (4,))})
+    assert torch.equal(emb.weight, w0)
+
+
 def test_scalar_loss_is_refused():
     m = mlp()
     step = pdpsgd.make_dp_step(m, lambda mod, b: F.cross_entropy(mod(b["x"]), b["y"]), max_grad_norm=1.0, noise_multiplier=1.0)
