@@ -1284,7 +1284,17 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
     fb_grads: Dict[str, Tensor] = {}
     if fb:
         others = {n: v.detach() for n, v in params.items() if n not in fb}
-        _, fb_grads = per_sample_grads(loss_module, {n: params[n] for n in fb}, {**constants, **others}, batch)
+        try:
+            _, fb_grads = per_sample_grads(loss_module, {n: params[n] for n in fb}, {**constants, **others}, batch)
+        except RuntimeError as err:
+            why = "; ".join(f"{n}: {col.fallback.get(n, 'route vmap requested')}" for n in fb[:3])
+            raise RuntimeError(
+                f"book-keeping computes {len(fb)} parameter(s) by the exact vmap fallback ({why}"
+                f"{'; ...' if len(fb) > 3 else ''}; all: dp_step.fallback_reasons(batch)), and torch.func.vmap "
+                f"cannot run this model: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
+                "Fix: freeze those parameters (requires_grad_(False), or leave them out of params), or register "
+                "a rule for their layer type (bk_options={'registry': ...}), or make the model's forward "
+                "vmap-compatible (no data-dependent shapes or .item() on the batch).") from err
         for n in fb:
             sq[n] = sq_norm_per_example(fb_grads[n])
     sq = {n: sq[n] for n in params}

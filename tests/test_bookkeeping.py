@@ -240,11 +240,12 @@ def test_plan_matches_routes():
         assert step.plan(b) == step(trainable_params(model), b).routes
 
 
-def test_llama_rmsnorm_and_gemma_fallback():
-    from test_rules import GemmaRMSNorm, LlamaRMSNorm
+def test_custom_rmsnorms_and_unknown_formula_fallback():
+    from test_rules import CenteredRMSNorm, GemmaRMSNorm, LlamaRMSNorm, T5LayerNorm
 
     torch.manual_seed(0)
-    for norm, route in ((LlamaRMSNorm, "explicit"), (GemmaRMSNorm, "vmap"), (nn.RMSNorm, "explicit")):
+    for norm, route in ((LlamaRMSNorm, "explicit"), (GemmaRMSNorm, "explicit"), (T5LayerNorm, "explicit"),
+                        (CenteredRMSNorm, "vmap"), (nn.RMSNorm, "explicit")):
         model = nn.Sequential(nn.Linear(5, 6), norm(6), nn.Linear(6, 3))
         b = {"x": torch.randn(4, 2, 5), "y": torch.randint(0, 3, (4, 2))}
         loss = lambda m, bb: F.cross_entropy(m(bb["x"]).transpose(1, 2), bb["y"], reduction="none").sum(1)

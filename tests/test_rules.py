@@ -96,15 +96,96 @@ class GemmaRMSNorm(LlamaRMSNorm):
         return (1.0 + self.weight) * h
 
 
+class T5LayerNorm(LlamaRMSNorm):
+    """T5's RMS norm: the variance in float32, x itself (not its float32 copy) scaled."""
+
+    def forward(self, hidden_states):
+        v = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(v + self.variance_epsilon))
+
+
+class CenteredRMSNorm(LlamaRMSNorm):
+    """Named like an RMS norm, but subtracts the mean (a LayerNorm without bias): not a formula the rule knows."""
+
+    def forward(self, hidden_states):
+        h = hidden_states - hidden_states.mean(-1, keepdim=True)
+        return self.weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
 def test_custom_rmsnorm_detected_and_verified():
     reg = default_registry()
-    m = LlamaRMSNorm(5)
-    assert reg.lookup(m) is not None
-    _check_rule(m, torch.randn(3, 4, 5))
-    g = GemmaRMSNorm(5)
+    for cls in (LlamaRMSNorm, GemmaRMSNorm, T5LayerNorm):
+        m = cls(5)
+        assert reg.lookup(m) is not None, cls
+        _check_rule(m, torch.randn(3, 4, 5))
+    c = CenteredRMSNorm(5)
     x = torch.randn(3, 4, 5)
-    y = g(x)
-    assert reg.lookup(g).uses(g, (x,), {}, y, torch.ones_like(y), 3) is None  # formula mismatch -> fallback
+    y = c(x)
+    assert reg.lookup(c).uses(c, (x,), {}, y, torch.ones_like(y), 3) is None  # formula mismatch -> fallback
+
+
+class ScaledWordEmbedding(nn.Embedding):
+    """As Hugging Face's Gemma/BART ``*ScaledWordEmbedding``: the gathered rows times embed_scale."""
+
+    def __init__(self, n, d, padding_idx=None, embed_scale=1.0, tensor=False, off=0.0):
+        super().__init__(n, d, padding_idx)
+        self.embed_scale = torch.tensor(embed_scale) if tensor else embed_scale
+        self.off = off
+
+    def forward(self, input_ids):
+        return super().forward(input_ids) * self.embed_scale + self.off
+
+
+class LearnedPositionalEmbedding(nn.Embedding):
+    """As OPT's / BART's: positions from the attention mask (or the shape), plus an offset of 2."""
+
+    def __init__(self, n, d, extra=False):
+        super().__init__(n + 2, d)
+        self.extra = extra
+
+    def forward(self, attention_mask, past=0):
+        pos = (torch.cumsum(attention_mask, 1) * attention_mask - 1).clamp_min(0)[:, past:]
+        out = super().forward(pos + 2)
+        return out + self.weight.mean() if self.extra else out  # extra: not a plain gather
+
+
+@pytest.mark.parametrize("tensor", [False, True])
+@pytest.mark.parametrize("padding_idx", [None, 1])
+def test_scaled_word_embedding(tensor, padding_idx):
+    reg = default_registry()
+    emb = ScaledWordEmbedding(7, 3, padding_idx=padding_idx, embed_scale=2.5, tensor=tensor)
+    rule = reg.lookup(emb)
+    assert rule is not None and rule.name == "scaled_embedding"
+    ids = torch.tensor([[1, 3, 3, 6], [0, 6, 1, 1], [5, 5, 5, 2]])
+    y = emb(ids)
+    gy = torch.randn_like(y)
+    ref = _per_example_grads(emb, ids, lambda yy, i: gy[i : i + 1])["weight"]
+    u = rule.uses(emb, (ids,), {}, y.detach(), gy, 3)["weight"]
+    torch.testing.assert_close(bk._materialise(u, emb.weight.shape, torch.float64), ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(bk._inner(u, u, emb.weight.shape, torch.float64), ref.flatten(1).pow(2).sum(1))
+    emb.off = 1e-3  # a forward that is not s·W[ids]: declined (exact vmap fallback)
+    assert rule.uses(emb, (ids,), {}, emb(ids).detach(), gy, 3) is None
+
+
+def test_learned_positional_embedding_ids_found_and_verified():
+    reg = default_registry()
+    emb = LearnedPositionalEmbedding(6, 3)
+    rule = reg.lookup(emb)
+    assert rule is not None and rule.name == "positional_embedding"
+    am = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [1, 1, 1, 0, 0]])  # left and right padding
+    y = emb(am)
+    gy = torch.randn_like(y)
+    ref = _per_example_grads(emb, am, lambda yy, i: gy[i : i + 1])["weight"]
+    u = rule.uses(emb, (am,), {}, y.detach(), gy, 3)["weight"]
+    torch.testing.assert_close(bk._materialise(u, emb.weight.shape, torch.float64), ref, rtol=1e-12, atol=1e-12)
+    y2 = emb(am, 2)  # a second positional argument (past length): positions 2.. only
+    u2 = rule.uses(emb, (am, 2), {}, y2.detach(), gy[:, 2:], 3)["weight"]
+    ref2 = torch.stack([torch.autograd.grad((emb(am[i : i + 1], 2) * gy[i : i + 1, 2:]).sum(), emb.weight)[0]
+                        for i in range(3)])
+    torch.testing.assert_close(bk._materialise(u2, emb.weight.shape, torch.float64), ref2, rtol=1e-12, atol=1e-12)
+    emb.extra = True  # the output is not a gather of the weight: declined
+    assert rule.uses(emb, (am,), {}, emb(am).detach(), gy, 3) is None
+    assert not default_registry().lookup(nn.Embedding(4, 2)).name.startswith("positional")
 
 
 @pytest.mark.parametrize("kw", [dict(padding=1), dict(stride=2, dilation=2), dict(padding="same"), dict(bias=False)])

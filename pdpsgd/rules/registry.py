@@ -73,7 +73,8 @@ class RuleRegistry:
 
 
 def _build() -> RuleRegistry:
-    from . import conv, embedding, hf_conv1d, layernorm, linear, rmsnorm, rnn
+    from . import (conv, embedding, hf_conv1d, layernorm, linear, positional_embedding, rmsnorm, rnn,
+                   scaled_embedding)
 
     reg = RuleRegistry()
     for t in linear.TYPES:
@@ -86,6 +87,10 @@ def _build() -> RuleRegistry:
         reg.register(t, rmsnorm.TorchRMSNormRule())
     reg.register_predicate("hf_conv1d", hf_conv1d.is_hf_conv1d, hf_conv1d.HFConv1DRule())
     reg.register_predicate("custom_rmsnorm", rmsnorm.is_custom_rmsnorm, rmsnorm.CustomRMSNormRule())
+    reg.register_predicate("scaled_embedding", scaled_embedding.is_scaled_embedding,
+                           scaled_embedding.ScaledEmbeddingRule())
+    reg.register_predicate("positional_embedding", positional_embedding.is_positional_embedding,
+                           positional_embedding.PositionalEmbeddingRule())
     for t in conv.TYPES:
         reg.register(t, conv.ConvRule())
     for t in rnn.TYPES:

@@ -1,9 +1,10 @@
-"""RMSNorm: torch ``nn.RMSNorm`` and LLaMA-style custom modules (x·rsqrt(mean(x²)+eps)·w).
+"""RMSNorm: torch ``nn.RMSNorm`` and LLaMA-, Gemma- and T5-style custom modules (x·rsqrt(mean(x²)+eps)·w).
 
-Custom modules are matched by class name containing "RMSNorm" with a ``.weight`` and a
+Custom modules are matched by class name containing "RMSNorm" (or ending in "T5LayerNorm") with a ``.weight`` and a
 ``variance_epsilon`` (or ``eps``) attribute, and *verified on every call*: the rule recomputes
-w ⊙ x̂ and compares it with the module's output; on mismatch (e.g. Gemma's (1 + w) scaling) it
-returns None and the engine falls back to exact vmap for that layer.
+the output by the formulas it knows, LLaMA's and T5's w ⊙ x̂ and Gemma's (1 + w) ⊙ x̂ (all: ∂out/∂w = x̂), and
+compares them with the module's output; on mismatch it returns None and the engine falls back to
+exact vmap for that layer.
 """
 from __future__ import annotations
 
@@ -43,10 +44,12 @@ class TorchRMSNormRule(Rule):
 
 
 def is_custom_rmsnorm(module: nn.Module) -> bool:
-    """Class name contains "RMSNorm", has a 1-d ``weight`` Parameter and an epsilon attribute."""
+    """Class name contains "RMSNorm" (or ends in "T5LayerNorm": T5's RMS norm), has a 1-d ``weight``
+    Parameter and an epsilon attribute. (A filter only: every call is verified against the output.)"""
     w = getattr(module, "weight", None)
+    name = type(module).__name__
     return (
-        "RMSNorm" in type(module).__name__
+        ("RMSNorm" in name or name.endswith("T5LayerNorm"))
         and isinstance(w, Tensor)
         and w.dim() == 1
         and set(module._parameters) <= {"weight"}
@@ -55,7 +58,10 @@ def is_custom_rmsnorm(module: nn.Module) -> bool:
 
 
 class CustomRMSNormRule(Rule):
-    """LLaMA-style: out = w ⊙ (x_f32 · rsqrt(mean(x_f32²)+eps)).to(x.dtype), checked against the output."""
+    """LLaMA-style: out = w ⊙ (x_f32 · rsqrt(mean(x_f32²)+eps)).to(x.dtype); Gemma-style:
+    out = ((x_f32 · rsqrt(mean(x_f32²)+eps)) ⊙ (1 + w)).to(x.dtype); T5-style: out = w ⊙ (x · rsqrt(mean(x_f32²)+eps));
+    checked against the output. Each way G_w,i = Σ_t g ⊙ x̂ (x̂ as the formula multiplies it: cast to x.dtype
+    for LLaMA, not for Gemma)."""
 
     name = "rmsnorm_custom"
 
@@ -66,24 +72,49 @@ class CustomRMSNormRule(Rule):
         eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", None)))
         w = module.weight.detach()
         out64 = output.detach().to(torch.float64)
-        xhats, errs = [], []
-        for compute in dict.fromkeys((torch.float32, _acc(x.dtype))):  # LLaMA: float32, cast back
-            h = x.to(compute)
-            xhat = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-            ref = w * xhat
-            if ref.shape != output.shape:
-                return None
-            xhats.append(xhat)
-            errs.append((ref.to(torch.float64) - out64).abs().max() if ref.numel() else out64.new_zeros(()))
         scale = out64.abs().max() if out64.numel() else out64.new_zeros(())
-        # one host read for the whole check (each read is a sync on a GPU)
-        *errs_h, scale_h = torch.stack([*errs, scale]).tolist()
-        tol = 8 * torch.finfo(output.dtype).eps * max(scale_h, 1.0)
-        ok = [(e, i) for i, e in enumerate(errs_h) if e <= tol]
-        if not ok:
-            return None  # not the formula we know: exact fallback
-        xhat = xhats[min(ok)[1]]
+        tol_unit = 8 * torch.finfo(output.dtype).eps
+        computes = tuple(dict.fromkeys((torch.float32, _acc(x.dtype))))  # in float32 (and x's dtype if wider)
+
+        def normed(compute):
+            h = x.to(compute)
+            return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+        def llama():  # w ⊙ x̂.to(x.dtype)
+            for compute in computes:
+                xhat = normed(compute).to(x.dtype)
+                yield xhat, w * xhat, None
+
+        def others():
+            for compute in computes:  # Gemma: its product (so autograd's weight gradient) is in `compute`
+                xc = normed(compute)
+                yield xc, (xc * (1.0 + w.to(compute))).to(x.dtype), compute
+            if x.dtype != torch.float32:  # T5: x itself scaled (for float32 x, the same as LLaMA's)
+                xt = x * torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+                if w.dtype in (torch.float16, torch.bfloat16):
+                    xt = xt.to(w.dtype)
+                yield xt, w * xt, None
+
+        # the common formula first: one host read (a sync on a GPU) for LLaMA-style layers, two otherwise
+        for stage in (llama, others):
+            xhats, errs = [], []
+            for xh, ref, prod in stage():
+                if ref.shape != output.shape:
+                    return None
+                xhats.append((xh, prod))
+                errs.append((ref.to(torch.float64) - out64).abs().max() if ref.numel() else out64.new_zeros(()))
+            *errs_h, scale_h = torch.stack([*errs, scale]).tolist()
+            ok = [(e, i) for i, e in enumerate(errs_h) if e <= tol_unit * max(scale_h, 1.0)]
+            if ok:
+                break
+        else:
+            return None  # not a formula we know: exact fallback
+        xhat, prod = xhats[min(ok)[1]]
         acc = _acc(x.dtype)
+        if prod is not None and prod != acc:  # Gemma in float32 inside a wider model: autograd's float32 sum
+            gw = grad_output.to(prod) * xhat  # (B, *, d)
+            red = tuple(range(1, gw.dim() - 1))
+            return {"weight": Explicit((gw.sum(red) if red else gw).to(w.dtype).to(acc))}
         gw = grad_output.to(acc) * xhat.to(acc)  # (B, *, d)
         red = tuple(range(1, gw.dim() - 1))
         return {"weight": Explicit(gw.sum(red) if red else gw)}

@@ -1,0 +1,122 @@
+"""Hugging Face model families beyond GPT-2/BERT, built from configs: book-keeping is exact against
+the naive loop, and their layers take the rules (pdpsgd.rules: scaled word embeddings, learned
+positional embeddings, Gemma- and T5-style RMS norms), with the fallbacks that remain named."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import pdpsgd
+from pdpsgd.testing import assert_exact, token_batches
+
+V = 40
+
+
+def _build(name):
+    import transformers as tf
+
+    small = dict(num_hidden_layers=2, num_attention_heads=4, vocab_size=V)
+    cfgs = {
+        "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM,
+                  dict(small, hidden_size=16, intermediate_size=32, num_key_value_heads=2, head_dim=4,
+                       max_position_embeddings=32, pad_token_id=0)),
+        "opt": (tf.OPTConfig, tf.OPTForCausalLM,
+                dict(small, hidden_size=16, ffn_dim=32, max_position_embeddings=32, word_embed_proj_dim=16,
+                     pad_token_id=1, dropout=0.0, attention_dropout=0.0)),
+        "biogpt": (tf.BioGptConfig, tf.BioGptForCausalLM,
+                   dict(small, hidden_size=16, intermediate_size=32, max_position_embeddings=32, scale_embedding=True,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+        "bart": (tf.BartConfig, tf.BartForConditionalGeneration,
+                 dict(vocab_size=V, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                      decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
+                      scale_embedding=True, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)),
+        "t5": (tf.T5Config, tf.T5ForConditionalGeneration,
+               dict(vocab_size=V, d_model=16, d_ff=32, d_kv=4, num_layers=1, num_decoder_layers=1, num_heads=4,
+                    relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)),
+    }
+    cc, mc, kw = cfgs[name]
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = cc(**kw)
+        cfg._attn_implementation = "eager"
+        m = mc(cfg)
+    return m.eval()
+
+
+def causal_loss(m, b):
+    lg = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+    lab = b["labels"][:, 1:]
+    return F.cross_entropy(lg.reshape(-1, V), lab.reshape(-1), reduction="none", ignore_index=-100).view(lab.shape).sum(1)
+
+
+def seq2seq_loss(m, b):
+    lg = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"], decoder_input_ids=b["input_ids"],
+           decoder_attention_mask=b["attention_mask"]).logits[:, :-1]
+    lab = b["labels"][:, 1:]
+    return F.cross_entropy(lg.reshape(-1, V), lab.reshape(-1), reduction="none", ignore_index=-100).view(lab.shape).sum(1)
+
+
+# parameters that still take the exact vmap fallback, and why (asserted, so a change is seen)
+EXPECTED_FALLBACK = {
+    "gemma": set(),
+    "biogpt": set(),
+    "bart": set(),
+    # OPT runs fc1/fc2 (and the last layer norm) on (B·T, d) rows: which rows are whose is not known
+    "opt": {"fc1", "fc2", "final_layer_norm"},
+    # T5's relative attention bias is an embedding of (T, T) buckets shared by the whole batch
+    "t5": {"relative_attention_bias"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_FALLBACK))
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(batch=token_batches(vocab_size=V, max_batch=4, max_len=7), C=st.sampled_from([0.05, 1.0, 100.0]),
+       method=st.sampled_from(["bk", "auto"]))
+def test_hf_family_exact_and_on_its_rules(name, batch, C, method):
+    m = _build(name)
+    loss = seq2seq_loss if name in ("bart", "t5") else causal_loss
+    r = assert_exact(m, loss, batch, method=method, max_grad_norm=C)
+    fell = {n for n, route in r.routes.items() if route == "vmap"}
+    assert {n for n in fell if not any(k in n for k in EXPECTED_FALLBACK[name])} == set(), fell
+    if name == "opt":
+        assert r.routes["model.decoder.embed_positions.weight"] != "vmap"  # learned positions: their rule
+
+
+def test_rules_taken_by_gemma_bart_t5():
+    """Which rule each new layer type takes (a rule that stopped matching would fall back silently)."""
+    from pdpsgd.rules import default_registry
+
+    reg = default_registry()
+    got = {}
+    for name in ("gemma", "bart", "t5", "opt"):
+        for mn, mod in _build(name).named_modules():
+            r = reg.lookup(mod)
+            if r is not None:
+                got.setdefault(type(mod).__name__, r.name)
+    assert got["GemmaTextScaledWordEmbedding"] == "scaled_embedding"
+    assert got["GemmaRMSNorm"] == "rmsnorm_custom"
+    assert got["BartScaledWordEmbedding"] == "scaled_embedding"
+    assert got["BartLearnedPositionalEmbedding"] == "positional_embedding"
+    assert got["OPTLearnedPositionalEmbedding"] == "positional_embedding"
+    assert got["T5LayerNorm"] == "rmsnorm_custom"
+
+
+def test_gemma_tied_scaled_embedding_clipped_contribution_bounded():
+    """Gemma ties its scaled input embedding to the LM head: every example's clipped contribution,
+    cross terms included, is at most C (the naive loop's norm of the summed gradient)."""
+    m = _build("gemma")
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (4, 6), generator=g)
+    b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, causal_loss, max_grad_norm=0.01, noise_multiplier=0.0, method="bk")
+    for i in range(4):
+        mask = torch.zeros(4, dtype=torch.bool)
+        mask[i] = True
+        s = step.clipped_sum(params, b, mask=mask).sums
+        total = torch.sqrt(sum(t.double().pow(2).sum() for t in s.values()))
+        assert total <= 0.01 * (1 + 1e-5), (i, float(total))
