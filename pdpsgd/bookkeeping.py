@@ -549,6 +549,8 @@ class _Call:
     edge: Any = None  # the output's gradient edge, once ``output`` is released (see ``_release_outputs``)
     k: int = -1  # this call's index among its module's calls (for the batch-dimension probe)
     gshape: Optional[torch.Size] = None  # the output's shape, when ``edge`` is its base's (gradient reshaped)
+    rows: int = 0  # > 0: the input is the batch flattened, (B·rows, ...), example-major (see ``_flat_rows``)
+    root: Optional[Tuple[str, int]] = None  # (module name, call index) of the call whose input showed the flattening
 
     @property
     def targets(self) -> List[Any]:
@@ -594,6 +596,74 @@ def _release_outputs(calls: List[_Call]) -> None:
                 and not getattr(c.rule, "needs_output", True):
             c.edge = _gradient_edge(c.output)
             c.output = None
+
+
+# Flattened batches. Some models run layers on the batch flattened to rows, e.g. OPT's
+# ``hidden_states.reshape(-1, d)`` before its feed-forward fc1/fc2: a (B·T, d) input. Its rows
+# are example-major (row r belongs to example r // T) when, and only when, it is traced to a view
+# that covers a contiguous (B, ...) tensor in its own element order (a "root"; that the root's first
+# dimension is the batch is confirmed by the batch-dimension probe, as for any (B, ...) input),
+# through row-wise steps only: ruled layers that act on each row alone (``Rule.rowwise``: Linear,
+# HF Conv1D, LayerNorm, RMS norms, Embedding) and elementwise ops with one input that has a gradient
+# (``_ROWWISE_NODES``, by their autograd node; the tensor at the end of such a chain must have the
+# shape of the layer output it started from, so no broadcast added a dimension in front of the rows).
+# Anything else (a permutation, a transpose, an op between two such tensors, a time-major
+# (T, B, d) base) breaks the chain and the layer takes the exact vmap fallback as before. Such a
+# call is given to its rule as (B, rows, ...): input, output and output gradient reshaped.
+_ROWWISE_NODES = frozenset({  # elementwise; binary ones only with a constant (no gradient) or a number
+    "GeluBackward0", "ReluBackward0", "TanhBackward0", "SigmoidBackward0", "SiluBackward0", "MishBackward0",
+    "LeakyReluBackward0", "EluBackward0", "HardtanhBackward0", "NativeDropoutBackward0", "CloneBackward0",
+    "ToCopyBackward0", "NegBackward0", "PowBackward0", "MulBackward0", "MulBackward1", "DivBackward0",
+    "DivBackward1", "AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "WhereBackward0",
+    "MaskedFillBackward0",
+})
+_FLAT_HOPS = 8  # elementwise ops between two row-wise layers that are followed
+
+
+def _whole_view_of(x: Tensor) -> Optional[Tensor]:
+    """x's base, when x is a contiguous view covering all of a contiguous base in the same order."""
+    base = x._base if x._is_view() else None
+    if base is None or base.dim() < 1 or not (base.is_contiguous() and x.is_contiguous()) \
+            or base.numel() != x.numel() or base.storage_offset() != x.storage_offset():
+        return None
+    return base
+
+
+def _flat_rows(x: Tensor, B: int, flat: Dict[Any, Tuple[int, Tuple[int, ...], Tuple[str, int]]],
+               here: Tuple[str, int]) -> Tuple[int, Optional[Tuple[str, int]]]:
+    """(rows per example, root call) if x (first dim N = B·rows, N ≠ B) is the batch flattened
+    example-major (see above), else (0, None). ``flat``: autograd node -> (rows, shape, root) of the
+    row-wise layer outputs seen so far in this forward."""
+    N = int(x.shape[0])
+    base = _whole_view_of(x)
+    if base is not None:
+        return (N // B, here) if int(base.shape[0]) == B else (0, None)
+    node = x.grad_fn
+    for _ in range(_FLAT_HOPS):
+        if node is None:
+            return 0, None
+        hit = flat.get(node)
+        if hit is not None:
+            return (hit[0], hit[2]) if hit[1] == tuple(x.shape) else (0, None)
+        if type(node).__name__ not in _ROWWISE_NODES:
+            return 0, None
+        nxt = [n for n, _ in node.next_functions if n is not None]
+        if len(nxt) != 1:
+            return 0, None
+        node = nxt[0]
+    return 0, None
+
+
+def _unflatten(c: "_Call", B: int, args, kwargs, output, g):
+    """A flattened call (``c.rows``) as its rule reads it: every (B·rows, ...) tensor as (B, rows, ...)."""
+    if not c.rows:
+        return args, kwargs, output, g
+    N = B * c.rows
+
+    def f(x):
+        return x.reshape(B, c.rows, *x.shape[1:]) if isinstance(x, Tensor) and x.dim() >= 1 and x.shape[0] == N else x
+
+    return tuple(f(x) for x in args), {k: f(x) for k, x in kwargs.items()}, f(output), f(g)
 
 
 @dataclass
@@ -767,7 +837,8 @@ def _eager_hook(st: _Early, B: int):
         if g is not None:
             args = tuple(x.detach() if isinstance(x, Tensor) else x for x in c.args)
             kwargs = {k: (x.detach() if isinstance(x, Tensor) else x) for k, x in c.kwargs.items()}
-            st.got = c.rule.uses(c.module, args, kwargs, None, g.detach(), B)
+            args, kwargs, _, g = _unflatten(c, B, args, kwargs, None, g.detach())
+            st.got = c.rule.uses(c.module, args, kwargs, None, g, B)
             del args, kwargs
         c.args, c.kwargs = (), {}  # the layer's input is no longer needed here
         return None
@@ -815,14 +886,17 @@ def _probe_key(batch: Batch, B: int, training: bool):
 
 def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
                       ruled: Dict[nn.Module, Tuple[str, Rule, Dict[str, str]]], B: int):
-    """(probe size, {module name: first dims of its calls, in order}), or (probe size, error text)."""
+    """(probe size, {module name: (first dim, its whole-view base's first dim) of its calls, in order}),
+    or (probe size, error text)."""
     Bp = PROBE_B if B != PROBE_B else PROBE_B + 1
     idx = torch.arange(Bp) % B  # examples 0, 1, ... (repeated when B is smaller)
     probe = tree_map(lambda x: x.index_select(0, idx.to(x.device)) if isinstance(x, Tensor) else x, batch)
-    seen: Dict[str, List[Optional[int]]] = {}
+    seen: Dict[str, List[Tuple[Optional[int], Optional[int]]]] = {}
 
-    def hook(module, args, kwargs, output):
-        seen.setdefault(ruled[module][0], []).append(_first_dim(args, kwargs))
+    def hook(module, args, kwargs, output):  # (first dim, first dim of the base it is a whole view of)
+        x = _first_tensor(args, kwargs)
+        base = _whole_view_of(x) if x is not None and x.dim() > 0 else None
+        seen.setdefault(ruled[module][0], []).append((_first_dim(args, kwargs), None if base is None else int(base.shape[0])))
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m, (_, rule, _) in ruled.items()
                if not getattr(rule, "custom_forward", False)]  # (custom-forward rules check their own layout)
@@ -856,6 +930,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
     # checkpoint recomputation (torch.utils.checkpoint, use_reentrant=False; HF's default), which
     # must see the same parameters and produce the same graph as in the forward, and is not recorded.
     replay = [False]
+    flat: Dict[Any, Tuple[int, Tuple[int, ...], Tuple[str, int]]] = {}  # row-wise outputs of flattened calls (``_flat_rows``)
     swapped: Dict[nn.Module, List[Dict[str, Tensor]]] = {}
     real_dims: Dict[str, List[Optional[int]]] = {}  # module name -> first dim of each call's input
 
@@ -939,6 +1014,16 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         if not replay[0]:
             vers = tuple(x._version for x in args if isinstance(x, Tensor))
             k = len(real_dims[mname]) - 1
+            rows, root = 0, None
+            x0 = _first_tensor(args, kwargs)
+            # (a 1-d float input is one vector, not rows; 1-d ids are rows of an embedding)
+            if getattr(rule, "rowwise", False) and B > 1 and x0 is not None \
+                    and (x0.dim() >= 2 or (x0.dim() == 1 and not x0.is_floating_point())) \
+                    and x0.dim() > len(getattr(module, "normalized_shape", ()) or ()) \
+                    and x0.shape[0] != B and x0.shape[0] % B == 0 and output.shape[0] == x0.shape[0]:
+                rows, root = _flat_rows(x0, B, flat, (mname, k))
+                if rows and output.grad_fn is not None:
+                    flat[output.grad_fn] = (rows, tuple(output.shape), root)
             src = _edge_source(output, args, kwargs) if not getattr(rule, "needs_output", True) else None
             if src is not None:
                 # keep only the gradient edge of the output (or of the base it reshapes), from now on:
@@ -947,9 +1032,10 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
                 # gradient is the output's as this layer produced it, even if the output is later
                 # edited in place.
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, edge=_gradient_edge(src),
-                                   k=k, gshape=output.shape if src is not output else None))
+                                   k=k, gshape=output.shape if src is not output else None, rows=rows, root=root))
             else:
-                calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers, k=k))
+                calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers, k=k,
+                                   rows=rows, root=root))
         return output
 
     leaf_names = [n for n in ruled_names]
@@ -1034,7 +1120,8 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             args = tuple(x.detach() if isinstance(x, Tensor) else x for x in c.args)
             kwargs = {k2: (x.detach() if isinstance(x, Tensor) else x) for k2, x in c.kwargs.items()}
             g0 = gs[0] if c.gshape is None or gs[0] is None else gs[0].view(c.gshape)
-            got = rule.uses(c.module, args, kwargs, None if c.output is None else c.output.detach(), g0, B)
+            args, kwargs, out0, g0 = _unflatten(c, B, args, kwargs, None if c.output is None else c.output.detach(), g0)
+            got = rule.uses(c.module, args, kwargs, out0, g0, B)
         if got is None:
             for n in local.values():
                 fallback.setdefault(n, f"{rule.name} rule declined this call of {mname}")
@@ -1051,7 +1138,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
 def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo):
     """Send to the vmap fallback every parameter of a call whose input's first dimension equals B
     but did not follow the probe's batch size (see ``PROBE_B``)."""
-    todo = [c for c in calls if c.capture is None and real_dims[c.mname][c.k] == B
+    todo = [c for c in calls if c.capture is None and (real_dims[c.mname][c.k] == B or c.rows)
             and not all(n in fallback for n in ruled[c.module][2].values())]
     if not todo:
         return
@@ -1067,8 +1154,16 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
     for c in todo:
         if isinstance(seen, str):
             reason = f"the batch-dimension probe failed ({seen})"
-        else:
+        elif c.rows:
             dims = seen.get(c.mname, [])
+            rdims = seen.get(c.root[0], []) if c.root is not None else []
+            if len(dims) == len(real_dims[c.mname]) and len(rdims) == len(real_dims[c.root[0]]) \
+                    and dims[c.k][0] == Bp * c.rows and rdims[c.root[1]] == (Bp * c.rows, Bp):
+                continue  # flattened (B·rows, ...) rows traced to a (B, ...) view whose first dim is the batch
+            reason = (f"its input has {B * c.rows} rows, the batch flattened, but a probe with {Bp} examples did "
+                      "not confirm that the flattened tensor's first dimension is the batch")
+        else:
+            dims = [d for d, _ in seen.get(c.mname, [])]
             if len(dims) == len(real_dims[c.mname]) and (
                     dims[c.k] == Bp or (dims[c.k] == 1 and getattr(c.rule, "broadcast_batch", False))):
                 continue  # the first dimension is the batch (or, B == 1, a broadcast one, e.g. positions)

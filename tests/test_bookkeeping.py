@@ -1254,3 +1254,68 @@ def test_float32_guard_counts_only_the_compacted_tokens():
     true = torch.einsum("btp,btq->pq", G.double(), x.double()).norm()
     assert float(p.per_sample_norms[0]) >= float(true) * (1 - 1e-6)  # never under (the bound, as the guard fired)
     assert float(p.sums["weight"].double().norm()) <= C * (1 + 1e-6)
+
+
+class _Flattens(nn.Module):
+    """A feed-forward block run on the batch flattened to (B·T, d) rows, as OPT's; ``how`` breaks it."""
+
+    def __init__(self, d, how="plain"):
+        super().__init__()
+        self.emb, self.ln = nn.Embedding(20, d), nn.LayerNorm(d)
+        self.fc1, self.fc2, self.out = nn.Linear(d, 2 * d), nn.Linear(2 * d, d), nn.Linear(d, 3)
+        self.how = how
+
+    def forward(self, ids):
+        h = self.emb(ids)  # (B, T, d)
+        B, T, d = h.shape
+        if self.how == "time_major":  # (T, B, d) flattened: row t·B + i is example i's
+            x = h.transpose(0, 1).contiguous().reshape(-1, d)
+        else:
+            x = h.reshape(-1, d)  # (B·T, d), example-major
+        if self.how == "flip":
+            x = x.flip(0)
+        y = F.gelu(self.fc1(self.ln(x)))
+        if self.how == "reverse":  # each example's positions reversed and added: an op on two traced tensors
+            y = y + y.view(B, T, -1).flip(1).reshape(B * T, -1)
+        y = F.dropout(y, 0.0, self.training) * 0.5
+        z = self.fc2(y) + x
+        if self.how == "time_major":
+            z = z.view(T, B, d).transpose(0, 1)
+        elif self.how == "flip":
+            z = z.flip(0).view(B, T, d)
+        else:
+            z = z.view(B, T, d)
+        return self.out(torch.tanh(z)).sum(1)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(B=st.integers(2, 4), T=st.integers(1, 5), d=st.integers(2, 5), C=st.sampled_from([0.01, 1.0, 100.0]),
+       method=st.sampled_from(["bk", "auto"]), seed=st.integers(0, 10**6))
+def test_flattened_batch_rows_traced_to_examples(B, T, d, C, method, seed):
+    """(B·T, d) rows from a view of the (B, T, d) hidden states, through a LayerNorm, Linear, GELU,
+    dropout and a scalar product: on the rules, exact."""
+    torch.manual_seed(seed)
+    b = {"ids": torch.randint(0, 20, (B, T)), "y": torch.randint(0, 3, (B,))}
+    loss = lambda m, bb: F.cross_entropy(m(bb["ids"]), bb["y"], reduction="none")  # noqa: E731
+    r = assert_exact(_Flattens(d), loss, b, method=method, max_grad_norm=C)
+    if T > 1:
+        assert {n for n, v in r.routes.items() if v == "vmap"} == set(), r.routes
+
+
+@pytest.mark.parametrize("how", ["time_major", "flip", "reverse"])
+def test_flattened_rows_not_traced_to_examples_fall_back(how):
+    """Rows that are not example-major blocks (time-major with T = B, so that even the base's first
+    dimension equals B; a permutation of all rows; a sum of two traced tensors) take the exact fallback."""
+    torch.manual_seed(0)
+    B = T = 3
+    b = {"ids": torch.randint(0, 20, (B, T)), "y": torch.randint(0, 3, (B,))}
+    loss = lambda m, bb: F.cross_entropy(m(bb["ids"]), bb["y"], reduction="none")  # noqa: E731
+    r = assert_exact(_Flattens(4, how), loss, b, method="bk", max_grad_norm=0.05)
+    assert r.routes["fc2.weight"] == "vmap", r.routes
+    if how != "reverse":
+        assert r.routes["fc1.weight"] == "vmap" and r.routes["ln.weight"] == "vmap", r.routes
+    m = _Flattens(4, how)
+    why = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk").fallback_reasons(b)
+    assert "fc2.weight" in why
+    if how == "time_major":
+        assert "probe" in why["fc1.weight"], why

@@ -96,6 +96,11 @@ class Rule:
     # it returns small explicit uses only (e.g. LayerNorm's (B, d)): the layer's input and output
     # gradient are then released at once. Requires ``needs_output = False``.
     eager = False
+    # Whether the layer acts on each row of its input alone (row r of the output from row r of the
+    # input; normalisation over trailing dims only): the engine may then give it a batch that the
+    # model flattened, (B·T, ...) as (B, T, ...), once it has traced the rows to their examples
+    # (``bookkeeping._flat_rows``), and follows the flattening through its output.
+    rowwise = False
 
     def supports(self, module: nn.Module) -> Optional[str]:
         """None if the layer's configuration is covered, else a short reason (-> vmap fallback)."""

@@ -14,6 +14,7 @@ class EmbeddingRule(Rule):
 
     name = "embedding"
     needs_output = False
+    rowwise = True
     broadcast_batch = True  # (1, T) ids (positions) are expanded to the batch by the engine
 
     def supports(self, module: nn.Module) -> Optional[str]:

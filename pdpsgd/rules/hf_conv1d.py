@@ -14,6 +14,7 @@ class HFConv1DRule(Rule):
 
     name = "hf_conv1d"
     needs_output = False
+    rowwise = True
 
     def uses(self, module, args, kwargs, output, grad_output, batch_size) -> Optional[Dict[str, Use]]:
         x = first_input(args, kwargs, "x")

@@ -38,6 +38,7 @@ class LayerNormRule(Rule):
 
     name = "layernorm"
     needs_output = False
+    rowwise = True
     eager = True
 
     def uses(self, module, args, kwargs, output, grad_output, batch_size) -> Optional[Dict[str, Use]]:

@@ -13,6 +13,7 @@ class LinearRule(Rule):
 
     name = "linear"
     needs_output = False
+    rowwise = True
 
     def uses(self, module, args, kwargs, output, grad_output, batch_size) -> Optional[Dict[str, Use]]:
         x = first_input(args, kwargs)

@@ -25,6 +25,7 @@ class TorchRMSNormRule(Rule):
 
     name = "rmsnorm"
     needs_output = False
+    rowwise = True
     eager = True
 
     def uses(self, module, args, kwargs, output, grad_output, batch_size) -> Optional[Dict[str, Use]]:
@@ -64,6 +65,7 @@ class CustomRMSNormRule(Rule):
     for LLaMA, not for Gemma)."""
 
     name = "rmsnorm_custom"
+    rowwise = True
 
     def uses(self, module, args, kwargs, output, grad_output, batch_size) -> Optional[Dict[str, Use]]:
         x = first_input(args, kwargs, "hidden_states")

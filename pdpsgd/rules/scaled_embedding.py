@@ -31,6 +31,7 @@ class ScaledEmbeddingRule(Rule):
 
     name = "scaled_embedding"
     needs_output = True  # the check compares with what the layer returned
+    rowwise = True
 
     def __init__(self) -> None:
         self._embedding = EmbeddingRule()
