@@ -34,6 +34,8 @@ CONFIGS = {
     "gpt2-128": ("gpt2", 4, 256, 4, 8192, 128, 8),
     "gpt2-512": ("gpt2", 4, 256, 4, 8192, 512, 8),
     "bert-128": ("bert", 4, 256, 4, 8192, 128, 8),
+    # OPT runs its feed-forward on the batch flattened to (B·T, d) rows (not an issue config)
+    "opt-128": ("opt", 4, 256, 4, 8192, 128, 8),
     "gpt2small-256": ("gpt2", 12, 768, 12, 50257, 256, 8),
     "tiny": ("gpt2", 2, 64, 2, 512, 16, 4),
     # GPT-2 small's depth at negligible compute: CPU time ~ host (launch / Python) overhead, the
@@ -58,6 +60,13 @@ def build(cfg_name, device, dtype=torch.float32, untied=False):
                          embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=not untied,
                          bos_token_id=0, eos_token_id=0)
         model = GPT2LMHeadModel(cfg)
+    elif fam == "opt":
+        from transformers import OPTConfig, OPTForCausalLM
+
+        cfg = OPTConfig(num_hidden_layers=L, hidden_size=d, num_attention_heads=h, ffn_dim=4 * d, vocab_size=V,
+                        max_position_embeddings=max(T, 32), word_embed_proj_dim=d, dropout=0.0,
+                        attention_dropout=0.0, tie_word_embeddings=not untied)
+        model = OPTForCausalLM(cfg)
     else:
         from transformers import BertConfig, BertForSequenceClassification
 
@@ -103,7 +112,7 @@ def _make_loss(fam, explicit_pos=False):
         logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"], **kw).logits
         return F.cross_entropy(logits.float(), b["labels"], reduction="none")
 
-    return gpt2_loss if fam == "gpt2" else bert_loss
+    return gpt2_loss if fam in ("gpt2", "opt") else bert_loss
 
 
 def make_step(variant, cfg_name, device, compile_noise=False):
@@ -194,7 +203,7 @@ def _make_step(variant, fam, model, batch, device):
                   "position_ids": batch["position_ids"]}
             with torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16, enabled=AMP):
                 logits = gsm(**kw).logits
-            if fam == "gpt2":
+            if fam in ("gpt2", "opt"):
                 lg = logits[:, :-1]
                 loss = crit(lg.reshape(-1, lg.shape[-1]), batch["input_ids"][:, 1:].reshape(-1), shape=lg.shape)
             else:
@@ -202,7 +211,7 @@ def _make_step(variant, fam, model, batch, device):
             loss.backward()
             opt.step()
 
-        return step, "ghost, untied copy" if fam == "gpt2" else "ghost"
+        return step, "ghost, untied copy" if fam in ("gpt2", "opt") else "ghost"
     raise ValueError(variant)
 
 
