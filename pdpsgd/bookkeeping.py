@@ -878,6 +878,13 @@ def _first_dim(args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[int
     return int(x.shape[0]) if x is not None and x.dim() > 0 else None
 
 
+_OOM = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if t)
+
+
+def _out_dim(output: Any) -> Optional[int]:
+    return int(output.shape[0]) if isinstance(output, Tensor) and output.dim() > 0 else None
+
+
 def _probe_key(batch: Batch, B: int, training: bool):
     leaves, spec = tree_flatten(batch)
     return (B, training, str(spec), tuple((tuple(x.shape), x.dtype, x.device.type) if isinstance(x, Tensor) else repr(x)
@@ -894,6 +901,9 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
     seen: Dict[str, List[Tuple[Optional[int], Optional[int]]]] = {}
 
     def hook(module, args, kwargs, output):  # (first dim, first dim of the base it is a whole view of)
+        if getattr(ruled[module][1], "batch_dim_of_output", False):
+            seen.setdefault(ruled[module][0], []).append((_out_dim(output), None))
+            return
         x = _first_tensor(args, kwargs)
         base = _whole_view_of(x) if x is not None and x.dim() > 0 else None
         seen.setdefault(ruled[module][0], []).append((_first_dim(args, kwargs), None if base is None else int(base.shape[0])))
@@ -983,7 +993,8 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
     def on_output(module, args, kwargs, output):
         mname, rule, local = ruled[module]
         if not replay[0]:
-            real_dims.setdefault(mname, []).append(_first_dim(args, kwargs))
+            real_dims.setdefault(mname, []).append(
+                _out_dim(output) if getattr(rule, "batch_dim_of_output", False) else _first_dim(args, kwargs))
         swap_out(module)
         if getattr(rule, "custom_forward", False):
             capture = pending[module].pop()
@@ -1005,9 +1016,11 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             # output is freed (a leaf alias and its clone would keep both); an in-place edit
             # downstream is allowed.
             output = torch.sub(output, torch.zeros((), dtype=output.dtype, device=output.device, requires_grad=True))
-        if getattr(rule, "broadcast_batch", False) and output.dim() >= 1 and output.shape[0] == 1 and B > 1:
+        if getattr(rule, "broadcast_batch", False) and output.dim() >= 3 and output.shape[0] == 1 and B > 1:
             # e.g. GPT-2's position embedding of (1, T) ids, broadcast over the batch downstream:
             # expanding it to B rows (same values) lets the backward keep each example's gradient.
+            # Only (1, T, ...) outputs: a (1, d) one (T = 1 positions, no batch dim) would broadcast
+            # against (B, 1, d) into (B, B, d).
             # A copy, not a stride-0 view: the model may edit its output in place (p *= 2); the
             # copy lives no longer than the original would (its own gradient edge is what is kept).
             output = output.expand(B, *output.shape[1:]).contiguous()
@@ -1121,7 +1134,11 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             kwargs = {k2: (x.detach() if isinstance(x, Tensor) else x) for k2, x in c.kwargs.items()}
             g0 = gs[0] if c.gshape is None or gs[0] is None else gs[0].view(c.gshape)
             args, kwargs, out0, g0 = _unflatten(c, B, args, kwargs, None if c.output is None else c.output.detach(), g0)
-            got = rule.uses(c.module, args, kwargs, out0, g0, B)
+            swap_in(c.module)  # the parameter values this step ran with (``params``), as the rule may read them
+            try:
+                got = rule.uses(c.module, args, kwargs, out0, g0, B)
+            finally:
+                swap_out(c.module)
         if got is None:
             for n in local.values():
                 fallback.setdefault(n, f"{rule.name} rule declined this call of {mname}")
@@ -1382,11 +1399,15 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
         try:
             _, fb_grads = per_sample_grads(loss_module, {n: params[n] for n in fb}, {**constants, **others}, batch)
         except RuntimeError as err:
+            if isinstance(err, _OOM):
+                raise
             why = "; ".join(f"{n}: {col.fallback.get(n, 'route vmap requested')}" for n in fb[:3])
+            first = str(err).splitlines()[0] if str(err) else ""
+            first = first.split(" Fixes:")[0]  # (per_sample's own advice suggests method='bk')
             raise RuntimeError(
                 f"book-keeping computes {len(fb)} parameter(s) by the exact vmap fallback ({why}"
                 f"{'; ...' if len(fb) > 3 else ''}; all: dp_step.fallback_reasons(batch)), and torch.func.vmap "
-                f"cannot run this model: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
+                f"cannot run this model: {type(err).__name__}: {first} "
                 "Fix: freeze those parameters (requires_grad_(False), or leave them out of params), or register "
                 "a rule for their layer type (bk_options={'registry': ...}), or make the model's forward "
                 "vmap-compatible (no data-dependent shapes or .item() on the batch).") from err

@@ -1319,3 +1319,26 @@ def test_flattened_rows_not_traced_to_examples_fall_back(how):
     assert "fc2.weight" in why
     if how == "time_major":
         assert "probe" in why["fc1.weight"], why
+
+
+class _TablePositions(nn.Module):
+    """nanoGPT-style positions: wpe(arange(T)) is (T, d), broadcast over the batch by the add."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.wpe, self.head = nn.Embedding(11, 4), nn.Embedding(8, 4), nn.Linear(4, 3)
+
+    def forward(self, ids):
+        x = self.tok(ids) + self.wpe(torch.arange(ids.shape[1]))
+        return self.head(torch.tanh(x).mean(1))
+
+
+@pytest.mark.parametrize("T", [1, 3, 4])
+def test_shared_position_table_exact_for_T_one_and_T_equal_B(T):
+    """A (T, d) table (no batch dim) is not expanded to the batch (T = 1 would broadcast (B, 1, d)
+    against (B, d) into (B, B, d)), and with T = B it is not taken for the batch (the probe)."""
+    torch.manual_seed(0)
+    b = {"ids": torch.randint(0, 11, (3, T)), "y": torch.tensor([0, 1, 2])}
+    loss = lambda m, bb: F.cross_entropy(m(bb["ids"]), bb["y"], reduction="none")  # noqa: E731
+    for method in ("bk", "auto"):
+        assert_exact(_TablePositions(), loss, b, method=method, max_grad_norm=0.1)

@@ -255,3 +255,53 @@ def test_cost_model_is_pure_and_sane():
     tied = [bk.UseShape("index", 128, 8192, 256), bk.UseShape("dense", 128, 8192, 256)]
     assert bk.choose_route(tied, 8, "time", elementwise_cost=24.0, explicit_max_elems=1 << 23) == "ghost"
     assert bk.choose_route([bk.UseShape("bias", 9, 5, 1)], 8, "time", **kw) == "explicit"
+
+
+class TablePositionalEmbedding(nn.Embedding):
+    """As Blenderbot's / LED's: a (T, d) table of positions 0..T-1, shared by the batch (no batch dim)."""
+
+    def forward(self, input_shape):
+        return super().forward(torch.arange(input_shape[1]))
+
+
+class DoubledPositionalEmbedding(nn.Embedding):
+    """Gathers, then doubles: on a zero table its output equals a plain gather at other ids."""
+
+    def forward(self, ids):
+        return super().forward(torch.arange(ids.shape[1]).expand(ids.shape[0], -1)) * 2.0
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_positional_rule_declines_a_shared_table_even_when_T_equals_B(T):
+    emb = TablePositionalEmbedding(8, 3)
+    rule = default_registry().lookup(emb)
+    y = emb(torch.Size([3, T]))  # (T, d): with T = 3 = B its first dim looks like the batch
+    assert rule.uses(emb, (torch.Size([3, T]),), {}, y, torch.ones_like(y), 3) is None
+
+
+def test_positional_rule_declines_a_scaling_forward_on_a_zero_table():
+    emb = DoubledPositionalEmbedding(8, 3)
+    nn.init.zeros_(emb.weight)
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    y = emb(ids)
+    assert torch.equal(y, torch.zeros_like(y))  # the value check alone cannot tell
+    assert default_registry().lookup(emb).uses(emb, (ids,), {}, y, torch.ones_like(y), 2) is None
+
+
+@pytest.mark.parametrize("dtype,d,wscale", [(torch.bfloat16, 256, 1.0), (torch.bfloat16, 16, 0.05),
+                                            (torch.float32, 16, 1e-7)])
+def test_custom_rmsnorm_check_is_relative_per_element(dtype, d, wscale):
+    """A formula the rule does not know (mean subtracted) is declined in low precision and with
+    small weights too, where an absolute tolerance (8 ulp of max|out|, at least 8 ulp) let it pass."""
+    torch.manual_seed(0)
+    c = CenteredRMSNorm(d).to(dtype)
+    with torch.no_grad():
+        c.weight.mul_(wscale)
+    x = torch.randn(3, 4, d, dtype=dtype)
+    y = c(x)
+    assert default_registry().lookup(c).uses(c, (x,), {}, y, torch.ones_like(y), 3) is None
+    m = LlamaRMSNorm(d).to(dtype)
+    with torch.no_grad():
+        m.weight.mul_(wscale)
+    y = m(x)
+    assert default_registry().lookup(m).uses(m, (x,), {}, y, torch.ones_like(y), 3) is not None

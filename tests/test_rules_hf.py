@@ -121,3 +121,15 @@ def test_gemma_tied_scaled_embedding_clipped_contribution_bounded():
         s = step.clipped_sum(params, b, mask=mask).sums
         total = torch.sqrt(sum(t.double().pow(2).sum() for t in s.values()))
         assert total <= 0.01 * (1 + 1e-5), (i, float(total))
+
+
+def test_params_other_than_the_models_own_tensors_keep_the_rules():
+    """The rules that check a layer's output read the parameter values the step ran with (``params``),
+    not the module's own tensors: copies of the parameters keep Gemma's norms and embedding on them."""
+    m = _build("gemma")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, V, (3, 5), generator=g)
+    b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    params = {n: (p.detach().clone() * 1.01) for n, p in m.named_parameters()}
+    r = assert_exact(m, causal_loss, b, method="bk", params=params, max_grad_norm=0.1)
+    assert {n for n, v in r.routes.items() if v == "vmap"} == set(), r.routes
