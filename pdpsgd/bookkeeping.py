@@ -551,6 +551,7 @@ class _Call:
     gshape: Optional[torch.Size] = None  # the output's shape, when ``edge`` is its base's (gradient reshaped)
     rows: int = 0  # > 0: the input is the batch flattened, (B·rows, ...), example-major (see ``_flat_rows``)
     root: Optional[Tuple[str, int]] = None  # (module name, call index) of the call whose input showed the flattening
+    bcast: bool = False  # its (1, T, ...) output was expanded to the batch (``Rule.broadcast_batch``)
 
     @property
     def targets(self) -> List[Any]:
@@ -923,7 +924,8 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
 
 
 def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
-             registry: RuleRegistry, overrides: Mapping[str, str], probe_memo: Optional[Dict] = None) -> _Collected:
+             registry: RuleRegistry, overrides: Mapping[str, str], probe_memo: Optional[Dict] = None,
+             check_broadcast: bool = True) -> _Collected:
     """Forward with the ruled layers' forwards wrapped, backward to the captured outputs; uses per ruled parameter."""
     model = loss_module.model
     B = batch_size(batch)
@@ -1010,6 +1012,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             # no gradient can flow from this call: it contributes exactly 0 (and a checkpoint
             # recomputation of it, which runs in the same grad mode, is left as it is too)
             return None
+        bcast = False
         if torch.is_grad_enabled() and not output.requires_grad:
             # e.g. the first embedding: make g reachable. output − 0 (exactly output, signed zeros
             # included) through a scalar leaf: one new tensor with a gradient edge, and the no-grad
@@ -1024,6 +1027,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             # A copy, not a stride-0 view: the model may edit its output in place (p *= 2); the
             # copy lives no longer than the original would (its own gradient edge is what is kept).
             output = output.expand(B, *output.shape[1:]).contiguous()
+            bcast = True
         if not replay[0]:
             vers = tuple(x._version for x in args if isinstance(x, Tensor))
             k = len(real_dims[mname]) - 1
@@ -1045,10 +1049,11 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
                 # gradient is the output's as this layer produced it, even if the output is later
                 # edited in place.
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, edge=_gradient_edge(src),
-                                   k=k, gshape=output.shape if src is not output else None, rows=rows, root=root))
+                                   k=k, gshape=output.shape if src is not output else None, rows=rows, root=root,
+                                   bcast=bcast))
             else:
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers, k=k,
-                                   rows=rows, root=root))
+                                   rows=rows, root=root, bcast=bcast))
         return output
 
     leaf_names = [n for n in ruled_names]
@@ -1149,7 +1154,75 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             elif c_name not in fallback:
                 fallback.setdefault(c_name, f"{rule.name} rule gave no factor for {mname}.{pn}")
     uses = {n: u for n, u in uses.items() if n not in fallback}
+    spread = {n for c in calls if c.bcast for n in ruled[c.module][2].values() if n in uses}
+    if check_broadcast and spread:
+        for n, why in _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, losses,
+                                           spread, probe_memo).items():
+            fallback.setdefault(n, why)
+            uses.pop(n, None)
     return _Collected(losses.detach(), uses, fallback, owner)
+
+
+# A (1, T, ...) output expanded to the batch (``Rule.broadcast_batch``, e.g. GPT-2's positions) gives
+# example i the gradient that reaches row i of the copy; that is example i's own only if the model
+# uses row i for example i alone, as a broadcast does (``tok + pos``). A model that reads the output
+# otherwise (``pos[0]``: every example's gradient reaches row 0) would have its examples' gradients
+# mixed. Checked once per batch shape on a batch of one example twice, [x_j, x_j]: exact per-example
+# gradients of two copies agree, a mixed attribution does not (row 0 gets both, row 1 nothing).
+DUPLICATE_RTOL = 1e-4
+
+
+def _use_rows(u: Use) -> List[Tensor]:
+    if isinstance(u, Explicit):
+        return [u.G]
+    if isinstance(u, Index):
+        return [u.R]
+    return [u.L] + ([u.R] if u.R is not None else [])
+
+
+def _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, losses, names, probe_memo):
+    B = batch_size(batch)
+    key = ("duplicates",) + _probe_key(batch, B, loss_module.model.training) if probe_memo is not None else None
+    if key is not None and key in probe_memo:
+        return {n: why for n, why in probe_memo[key].items() if n in names}
+    la = losses.detach().abs()
+    la = torch.where(torch.isfinite(la), la, torch.full_like(la, -1.0))
+    if not bool((la >= 0).any()):
+        return {}  # no finite example in this batch: nothing to learn here (the step drops them all)
+    j = int(la.argmax())  # a finite example whose loss is not a constant 0, if there is one
+    finite = True
+    idx = torch.tensor([j, j])
+    dup = tree_map(lambda x: x.index_select(0, idx.to(x.device)) if isinstance(x, Tensor) else x, batch)
+    why = ("its (1, T, ...) output, expanded to the batch, is not used row by row: two copies of one example "
+           "got different gradients (does the model index or reduce that output over its first dimension?)")
+    try:
+        sub = _collect(loss_module, params, constants, dup, registry, overrides, None, check_broadcast=False)
+    except Exception as err:  # a model that cannot run two copies: nothing is verified
+        bad = {n: f"the duplicated-example check of its expanded (1, T, ...) output failed ({type(err).__name__})"
+               for n in names}
+    else:
+        bad = {}
+        for n in names:
+            if n in sub.fallback:
+                bad[n] = why + f" (with two copies it fell back: {sub.fallback[n]})"
+                continue
+            for u in sub.uses.get(n, []):
+                for t in _use_rows(u):
+                    t = t.detach()
+                    if t.shape[0] != 2:
+                        continue
+                    if not t.numel():
+                        continue
+                    if not bool(torch.isfinite(t).all()):  # undecided: fall back this time, ask again next time
+                        bad[n], finite = why + " (non-finite values)", False
+                        continue
+                    if bool((t[0] - t[1]).abs().max() > DUPLICATE_RTOL * t.abs().max()):
+                        bad[n] = why
+    if key is not None and finite:
+        if len(probe_memo) >= PROBE_MEMO_MAX:
+            probe_memo.clear()
+        probe_memo[key] = bad
+    return bad
 
 
 def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo):

@@ -1342,3 +1342,43 @@ def test_shared_position_table_exact_for_T_one_and_T_equal_B(T):
     loss = lambda m, bb: F.cross_entropy(m(bb["ids"]), bb["y"], reduction="none")  # noqa: E731
     for method in ("bk", "auto"):
         assert_exact(_TablePositions(), loss, b, method=method, max_grad_norm=0.1)
+
+
+class _IndexesPositions(nn.Module):
+    """Reads its (1, T) position embedding as a (T, d) table ([0]) before the broadcast add: row 0 of
+    an expanded copy would receive every example's gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(11, 4), nn.Embedding(8, 4), nn.Linear(4, 11)
+
+    def forward(self, ids):
+        p = self.pos(torch.arange(ids.shape[1])[None])[0]  # (T, d)
+        return self.head(torch.tanh(self.tok(ids) + p))
+
+
+def _ids_lm_loss(m, b):
+    lg = m(b["ids"])
+    return F.cross_entropy(lg.reshape(-1, 11), b["ids"].reshape(-1), reduction="none").view(b["ids"].shape).sum(1)
+
+
+@pytest.mark.parametrize("C", [0.1, 100.0])
+def test_expanded_broadcast_output_read_otherwise_falls_back(C):
+    torch.manual_seed(0)
+    b = {"ids": torch.randint(0, 11, (3, 5))}
+    m = _IndexesPositions()
+    r = assert_exact(m, _ids_lm_loss, b, method="bk", max_grad_norm=C)
+    assert r.routes["pos.weight"] == "vmap"
+    why = pdpsgd.make_dp_step(m, _ids_lm_loss, max_grad_norm=C, noise_multiplier=0.0, method="bk").fallback_reasons(b)
+    assert "not used row by row" in why["pos.weight"], why
+
+
+def test_gpt2_positions_stay_on_their_rule_after_the_duplicate_check():
+    m = models.tiny_gpt2()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 40, (4, 6), generator=g)
+    b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    step = pdpsgd.make_dp_step(m, models.hf_lm_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    out = step(pdpsgd.trainable_params(m), b)
+    assert out.routes["transformer.wpe.weight"] != "vmap"
+    assert step.fallback_reasons(b) == {}
