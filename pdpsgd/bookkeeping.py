@@ -551,6 +551,7 @@ class _Call:
     gshape: Optional[torch.Size] = None  # the output's shape, when ``edge`` is its base's (gradient reshaped)
     rows: int = 0  # > 0: the input is the batch flattened, (B·rows, ...), example-major (see ``_flat_rows``)
     root: Optional[Tuple[str, int]] = None  # (module name, call index) of the call whose input showed the flattening
+    chain: Tuple[int, ...] = ()  # calls (indices) whose outputs the flattened input was traced through
     bcast: bool = False  # its (1, T, ...) output was expanded to the batch (``Rule.broadcast_batch``)
 
     @property
@@ -630,29 +631,43 @@ def _whole_view_of(x: Tensor) -> Optional[Tensor]:
     return base
 
 
-def _flat_rows(x: Tensor, B: int, flat: Dict[Any, Tuple[int, Tuple[int, ...], Tuple[str, int]]],
-               here: Tuple[str, int]) -> Tuple[int, Optional[Tuple[str, int]]]:
-    """(rows per example, root call) if x (first dim N = B·rows, N ≠ B) is the batch flattened
-    example-major (see above), else (0, None). ``flat``: autograd node -> (rows, shape, root) of the
-    row-wise layer outputs seen so far in this forward."""
+def _normalised_dims(module: nn.Module) -> int:
+    """How many trailing dims the layer normalises over (0: none; an int ``normalized_shape``: 1)."""
+    ns = getattr(module, "normalized_shape", None)
+    if isinstance(ns, int):
+        return 1
+    return len(ns) if isinstance(ns, (tuple, list, torch.Size)) else 0
+
+
+_Flat = Tuple[int, Tuple[int, ...], Tuple[str, int], Tuple[int, ...]]  # rows, shape, root call, chain
+
+
+def _flat_rows(x: Tensor, B: int, flat: Dict[Tuple[Any, int], _Flat],
+               here: Tuple[str, int]) -> Tuple[int, Optional[Tuple[str, int]], Tuple[int, ...]]:
+    """(rows per example, root call, chain) if x (first dim N = B·rows, N ≠ B) is the batch flattened
+    example-major (see above), else (0, None, ()). ``flat``: (autograd node, output nr) -> (rows,
+    shape, root, chain) of the flattened row-wise layer outputs seen so far in this forward; the
+    chain lists the calls (indices into the step's calls) traced through, each of which must have
+    its rule verify the call (``uses`` not None) for the trace to hold."""
     N = int(x.shape[0])
     base = _whole_view_of(x)
     if base is not None:
-        return (N // B, here) if int(base.shape[0]) == B else (0, None)
-    node = x.grad_fn
+        return (N // B, here, ()) if int(base.shape[0]) == B else (0, None, ())
+    edge = (x.grad_fn, x.output_nr)
     for _ in range(_FLAT_HOPS):
+        node, _nr = edge
         if node is None:
-            return 0, None
-        hit = flat.get(node)
+            return 0, None, ()
+        hit = flat.get(edge)
         if hit is not None:
-            return (hit[0], hit[2]) if hit[1] == tuple(x.shape) else (0, None)
+            return (hit[0], hit[2], hit[3]) if hit[1] == tuple(x.shape) else (0, None, ())
         if type(node).__name__ not in _ROWWISE_NODES:
-            return 0, None
-        nxt = [n for n, _ in node.next_functions if n is not None]
+            return 0, None, ()
+        nxt = [(n, i) for n, i in node.next_functions if n is not None]
         if len(nxt) != 1:
-            return 0, None
-        node = nxt[0]
-    return 0, None
+            return 0, None, ()
+        edge = nxt[0]
+    return 0, None, ()
 
 
 def _unflatten(c: "_Call", B: int, args, kwargs, output, g):
@@ -942,7 +957,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
     # checkpoint recomputation (torch.utils.checkpoint, use_reentrant=False; HF's default), which
     # must see the same parameters and produce the same graph as in the forward, and is not recorded.
     replay = [False]
-    flat: Dict[Any, Tuple[int, Tuple[int, ...], Tuple[str, int]]] = {}  # row-wise outputs of flattened calls (``_flat_rows``)
+    flat: Dict[Tuple[Any, int], _Flat] = {}  # row-wise outputs of flattened calls (``_flat_rows``)
     swapped: Dict[nn.Module, List[Dict[str, Tensor]]] = {}
     real_dims: Dict[str, List[Optional[int]]] = {}  # module name -> first dim of each call's input
 
@@ -1031,16 +1046,16 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         if not replay[0]:
             vers = tuple(x._version for x in args if isinstance(x, Tensor))
             k = len(real_dims[mname]) - 1
-            rows, root = 0, None
+            rows, root, chain = 0, None, ()
             x0 = _first_tensor(args, kwargs)
             # (a 1-d float input is one vector, not rows; 1-d ids are rows of an embedding)
             if getattr(rule, "rowwise", False) and B > 1 and x0 is not None \
                     and (x0.dim() >= 2 or (x0.dim() == 1 and not x0.is_floating_point())) \
-                    and x0.dim() > len(getattr(module, "normalized_shape", ()) or ()) \
+                    and x0.dim() > _normalised_dims(module) \
                     and x0.shape[0] != B and x0.shape[0] % B == 0 and output.shape[0] == x0.shape[0]:
-                rows, root = _flat_rows(x0, B, flat, (mname, k))
-                if rows and output.grad_fn is not None:
-                    flat[output.grad_fn] = (rows, tuple(output.shape), root)
+                rows, root, chain = _flat_rows(x0, B, flat, (mname, k))
+                if rows and output.grad_fn is not None:  # (this call's index: len(calls))
+                    flat[(output.grad_fn, output.output_nr)] = (rows, tuple(output.shape), root, chain + (len(calls),))
             src = _edge_source(output, args, kwargs) if not getattr(rule, "needs_output", True) else None
             if src is not None:
                 # keep only the gradient edge of the output (or of the base it reshapes), from now on:
@@ -1050,10 +1065,10 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
                 # edited in place.
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, edge=_gradient_edge(src),
                                    k=k, gshape=output.shape if src is not output else None, rows=rows, root=root,
-                                   bcast=bcast))
+                                   chain=chain, bcast=bcast))
             else:
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers, k=k,
-                                   rows=rows, root=root, bcast=bcast))
+                                   rows=rows, root=root, chain=chain, bcast=bcast))
         return output
 
     leaf_names = [n for n in ruled_names]
@@ -1062,6 +1077,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         with torch.enable_grad():
             losses = loss_module(batch)
         replay[0] = True
+        flat.clear()  # (the forward's nodes are not held beyond it)
         if not isinstance(losses, Tensor) or losses.shape != (B,):
             shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
             raise ValueError(
@@ -1120,6 +1136,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         if g is not None:
             fallback.setdefault(n, "also used outside its layer's forward")
     uses: Dict[str, List[Use]] = {}
+    verified: Set[int] = set()  # calls whose rule returned uses (checked the call, where it checks)
     k = 0
     for i, (c, ts) in enumerate(zip(calls, call_targets)):
         gs, k = list(grads[k:k + len(ts)]), k + len(ts)
@@ -1148,11 +1165,18 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             for n in local.values():
                 fallback.setdefault(n, f"{rule.name} rule declined this call of {mname}")
             continue
+        verified.add(i)
         for pn, c_name in local.items():
             if pn in got:
                 uses.setdefault(c_name, []).append(got[pn])
             elif c_name not in fallback:
                 fallback.setdefault(c_name, f"{rule.name} rule gave no factor for {mname}.{pn}")
+    for c in calls:  # a flattened input traced through a layer that no rule verified: not traced
+        unverified = [calls[j].mname for j in c.chain if j not in verified]
+        if c.rows and unverified:
+            for n in ruled[c.module][2].values():
+                fallback.setdefault(n, f"{type(c.module).__name__} ({c.mname}): its input, the batch flattened, "
+                                       f"was traced through {unverified[0]}, whose rule did not check that call")
     uses = {n: u for n, u in uses.items() if n not in fallback}
     spread = {n for c in calls if c.bcast for n in ruled[c.module][2].values() if n in uses}
     if check_broadcast and spread:

@@ -1382,3 +1382,56 @@ def test_gpt2_positions_stay_on_their_rule_after_the_duplicate_check():
     out = step(pdpsgd.trainable_params(m), b)
     assert out.routes["transformer.wpe.weight"] != "vmap"
     assert step.fallback_reasons(b) == {}
+
+
+class _ReversingRMSNorm(nn.Module):
+    """Named like an RMS norm (its rule matches by name, then checks each call): returns its rows reversed."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, hidden_states):
+        v = hidden_states.pow(2).mean(-1, keepdim=True)
+        return (self.weight * (hidden_states * torch.rsqrt(v + self.variance_epsilon))).flip(0)
+
+
+class _IntShapeRMSNorm(nn.Module):
+    """A custom RMS norm that keeps ``normalized_shape`` as an int."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+        self.eps, self.normalized_shape = 1e-6, d
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class _Chained(nn.Module):
+    def __init__(self, d, norm):
+        super().__init__()
+        self.pre, self.norm, self.fc = nn.Linear(d, d), norm(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        h = torch.tanh(self.pre(x))
+        y = self.fc(self.norm(h.reshape(-1, d)))
+        if isinstance(self.norm, _ReversingRMSNorm):
+            y = y.flip(0)  # undone: each example's loss is its own
+        return (y.view(B, T, d) + h).pow(2).sum((1, 2))
+
+
+@pytest.mark.parametrize("norm", [_ReversingRMSNorm, _IntShapeRMSNorm])
+def test_flattened_trace_holds_only_through_checked_layers(norm):
+    """A layer traced through must have had its call checked by its rule: a name-matched norm that
+    fails its check (here it reverses its rows) sends the next layer to the fallback as well; a
+    norm with an int ``normalized_shape`` is fine."""
+    torch.manual_seed(0)
+    b = {"x": torch.randn(3, 2, 4)}
+    r = assert_exact(_Chained(4, norm), lambda m, bb: m(bb["x"]), b, method="bk", max_grad_norm=0.1)
+    if norm is _ReversingRMSNorm:
+        assert r.routes["norm.weight"] == "vmap" and r.routes["fc.weight"] == "vmap", r.routes
+    else:
+        assert "vmap" not in r.routes.values(), r.routes
