@@ -940,11 +940,23 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
 
 def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
              registry: RuleRegistry, overrides: Mapping[str, str], probe_memo: Optional[Dict] = None,
-             check_broadcast: bool = True) -> _Collected:
+             check_broadcast: bool = True, loss_weights: Optional[Tensor] = None,
+             no_expand: Optional[Mapping[str, str]] = None) -> _Collected:
     """Forward with the ruled layers' forwards wrapped, backward to the captured outputs; uses per ruled parameter."""
     model = loss_module.model
     B = batch_size(batch)
     ruled, fallback, owner = _model_layout(model, params, registry, overrides)
+    # modules whose (1, T, ...) outputs are not expanded: the duplicated-example check (below) found
+    # them read otherwise (module name -> reason); known from an earlier step of this batch shape, or
+    # found in this one (then the capture runs again without them)
+    no_expand = dict(no_expand or {})
+    dkey = _duplicates_key(loss_module, batch, B)
+    if check_broadcast and probe_memo is not None and dkey in probe_memo:
+        no_expand.update(probe_memo[dkey])
+    for m, (mn, _, local) in ruled.items():
+        if mn in no_expand:
+            for c in local.values():
+                fallback.setdefault(c, f"{type(m).__name__} ({mn}): {no_expand[mn]}")
     ruled_names: Set[str] = {c for (_, _, local) in ruled.values() for c in local.values()} - set(fallback)
     # Ruled parameters enter as leaves that require grad: inside their own layer's forward they are
     # swapped for a detached alias, so autograd computes no weight gradient there; any *other* use
@@ -1034,7 +1046,8 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             # output is freed (a leaf alias and its clone would keep both); an in-place edit
             # downstream is allowed.
             output = torch.sub(output, torch.zeros((), dtype=output.dtype, device=output.device, requires_grad=True))
-        if getattr(rule, "broadcast_batch", False) and output.dim() >= 3 and output.shape[0] == 1 and B > 1:
+        if getattr(rule, "broadcast_batch", False) and output.dim() >= 3 and output.shape[0] == 1 and B > 1 \
+                and mname not in no_expand:
             # e.g. GPT-2's position embedding of (1, T) ids, broadcast over the batch downstream:
             # expanding it to B rows (same values) lets the backward keep each example's gradient.
             # Only (1, T, ...) outputs: a (1, d) one (T = 1 positions, no batch dim) would broadcast
@@ -1098,7 +1111,8 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         hooks = [_eager_hook(st, B) for st in early.values()]
         try:
             if losses.requires_grad and targets:
-                grads = torch.autograd.grad(losses.sum(), targets, allow_unused=True)
+                total = losses.sum() if loss_weights is None else (losses * loss_weights.to(losses)).sum()
+                grads = torch.autograd.grad(total, targets, allow_unused=True)
             else:
                 grads = (None,) * len(targets)
         except RuntimeError as err:
@@ -1178,71 +1192,83 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
                 fallback.setdefault(n, f"{type(c.module).__name__} ({c.mname}): its input, the batch flattened, "
                                        f"was traced through {unverified[0]}, whose rule did not check that call")
     uses = {n: u for n, u in uses.items() if n not in fallback}
-    spread = {n for c in calls if c.bcast for n in ruled[c.module][2].values() if n in uses}
-    if check_broadcast and spread:
-        for n, why in _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, losses,
-                                           spread, probe_memo).items():
-            fallback.setdefault(n, why)
-            uses.pop(n, None)
+    spread = {c.mname: [n for n in ruled[c.module][2].values() if n in uses] for c in calls if c.bcast}
+    spread = {mn: ns for mn, ns in spread.items() if ns}
+    if check_broadcast and spread and not (probe_memo is not None and dkey in probe_memo):
+        bad = _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, losses, spread,
+                                   probe_memo, dkey)
+        if bad:  # the forward itself ran with those outputs expanded (a sum(0) changes it): run again without
+            return _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
+                            check_broadcast=False, loss_weights=loss_weights, no_expand={**no_expand, **bad})
     return _Collected(losses.detach(), uses, fallback, owner)
 
 
 # A (1, T, ...) output expanded to the batch (``Rule.broadcast_batch``, e.g. GPT-2's positions) gives
 # example i the gradient that reaches row i of the copy; that is example i's own only if the model
 # uses row i for example i alone, as a broadcast does (``tok + pos``). A model that reads the output
-# otherwise (``pos[0]``: every example's gradient reaches row 0) would have its examples' gradients
-# mixed. Checked once per batch shape on a batch of one example twice, [x_j, x_j]: exact per-example
-# gradients of two copies agree, a mixed attribution does not (row 0 gets both, row 1 nothing).
+# otherwise (``pos[0]``: every example's gradient reaches row 0; ``pos.mean(0)``: every row gets the
+# batch's mean; ``pos.sum(0)``, which also changes the forward) would have its examples' gradients
+# mixed. Checked once per batch shape (in eval mode) on a batch of one example twice, [x_j, x_j],
+# with the losses weighted 1 and 2: the second copy's per-example gradient must be exactly twice the
+# first's (a power of two: exact in floating point, up to the kernels' row order; rtol below).
+# ``pos[0]`` gives (3g, 0), ``mean(0)`` / ``sum(0)`` give equal rows: both fail.
 DUPLICATE_RTOL = 1e-4
 
 
-def _use_rows(u: Use) -> List[Tensor]:
-    if isinstance(u, Explicit):
-        return [u.G]
-    if isinstance(u, Index):
-        return [u.R]
-    return [u.L] + ([u.R] if u.R is not None else [])
+def _duplicates_key(loss_module: LossModule, batch: Batch, B: int):
+    return ("duplicates",) + _probe_key(batch, B, loss_module.model.training)
 
 
-def _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, losses, names, probe_memo):
-    B = batch_size(batch)
-    key = ("duplicates",) + _probe_key(batch, B, loss_module.model.training) if probe_memo is not None else None
-    if key is not None and key in probe_memo:
-        return {n: why for n, why in probe_memo[key].items() if n in names}
+def _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, losses,
+                         spread: Mapping[str, List[str]], probe_memo, key) -> Dict[str, str]:
+    """{module name: reason} for the expanded modules of ``spread`` (module name -> its parameters
+    with uses) that the check above finds read otherwise; memoised per batch shape."""
+    why = ("its (1, T, ...) output, expanded to the batch, is not used row by row: of two copies of one example "
+           "with losses weighted 1 and 2, the second's gradient was not twice the first's (does the model index or "
+           "reduce that output over its first dimension?)")
     la = losses.detach().abs()
     la = torch.where(torch.isfinite(la), la, torch.full_like(la, -1.0))
     if not bool((la >= 0).any()):
         return {}  # no finite example in this batch: nothing to learn here (the step drops them all)
     j = int(la.argmax())  # a finite example whose loss is not a constant 0, if there is one
-    finite = True
     idx = torch.tensor([j, j])
     dup = tree_map(lambda x: x.index_select(0, idx.to(x.device)) if isinstance(x, Tensor) else x, batch)
-    why = ("its (1, T, ...) output, expanded to the batch, is not used row by row: two copies of one example "
-           "got different gradients (does the model index or reduce that output over its first dimension?)")
+    finite = True
+    # in eval mode: dropout would give the two copies different masks (and the check must not draw
+    # from the user's random streams); how the model reads the expanded output is the same
+    modes = [(m, m.training) for m in loss_module.model.modules()]
+    loss_module.model.eval()
     try:
-        sub = _collect(loss_module, params, constants, dup, registry, overrides, None, check_broadcast=False)
+        sub = _collect(loss_module, params, constants, dup, registry, overrides, None, check_broadcast=False,
+                       loss_weights=torch.tensor([1.0, 2.0]))
     except Exception as err:  # a model that cannot run two copies: nothing is verified
-        bad = {n: f"the duplicated-example check of its expanded (1, T, ...) output failed ({type(err).__name__})"
-               for n in names}
+        bad = {mn: f"the duplicated-example check of its expanded (1, T, ...) output failed ({type(err).__name__})"
+               for mn in spread}
     else:
         bad = {}
-        for n in names:
-            if n in sub.fallback:
-                bad[n] = why + f" (with two copies it fell back: {sub.fallback[n]})"
-                continue
-            for u in sub.uses.get(n, []):
-                for t in _use_rows(u):
-                    t = t.detach()
-                    if t.shape[0] != 2:
-                        continue
-                    if not t.numel():
-                        continue
-                    if not bool(torch.isfinite(t).all()):  # undecided: fall back this time, ask again next time
-                        bad[n], finite = why + " (non-finite values)", False
-                        continue
-                    if bool((t[0] - t[1]).abs().max() > DUPLICATE_RTOL * t.abs().max()):
-                        bad[n] = why
-    if key is not None and finite:
+        for mn, names in spread.items():
+            for n in names:
+                if n in sub.fallback:
+                    bad[mn] = why + f" (with two copies it fell back: {sub.fallback[n]})"
+                    break
+                us = sub.uses.get(n, [])
+                if not us:
+                    continue  # no gradient reached it for this example: nothing to compare
+                acc = _acc(params[n].dtype)
+                G: Optional[Tensor] = None
+                for u in us:
+                    Gu = _materialise(u, params[n].shape, acc)  # (2, *shape)
+                    G = Gu if G is None else G + Gu
+                if not bool(torch.isfinite(G).all()):  # undecided: fall back this time, ask again next time
+                    bad[mn], finite = why + " (non-finite values)", False
+                    break
+                if bool((G[1] - 2 * G[0]).abs().max() > DUPLICATE_RTOL * G[1].abs().max()):
+                    bad[mn] = why
+                    break
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    if probe_memo is not None and finite:
         if len(probe_memo) >= PROBE_MEMO_MAX:
             probe_memo.clear()
         probe_memo[key] = bad

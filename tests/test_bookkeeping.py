@@ -1345,15 +1345,18 @@ def test_shared_position_table_exact_for_T_one_and_T_equal_B(T):
 
 
 class _IndexesPositions(nn.Module):
-    """Reads its (1, T) position embedding as a (T, d) table ([0]) before the broadcast add: row 0 of
-    an expanded copy would receive every example's gradient."""
+    """Reads its (1, T) position embedding over its first dimension before the broadcast add ([0],
+    mean(0), sum(0): the same in the user's model): an expanded copy would mix the examples'
+    gradients (row 0 gets them all; every row gets their mean), and sum(0) would change the forward."""
 
-    def __init__(self):
+    def __init__(self, how="index"):
         super().__init__()
         self.tok, self.pos, self.head = nn.Embedding(11, 4), nn.Embedding(8, 4), nn.Linear(4, 11)
+        self.how = how
 
     def forward(self, ids):
-        p = self.pos(torch.arange(ids.shape[1])[None])[0]  # (T, d)
+        p = self.pos(torch.arange(ids.shape[1])[None])
+        p = {"index": lambda: p[0], "mean": lambda: p.mean(0), "sum": lambda: p.sum(0)}[self.how]()  # (T, d)
         return self.head(torch.tanh(self.tok(ids) + p))
 
 
@@ -1362,19 +1365,26 @@ def _ids_lm_loss(m, b):
     return F.cross_entropy(lg.reshape(-1, 11), b["ids"].reshape(-1), reduction="none").view(b["ids"].shape).sum(1)
 
 
+@pytest.mark.parametrize("how", ["index", "mean", "sum"])
 @pytest.mark.parametrize("C", [0.1, 100.0])
-def test_expanded_broadcast_output_read_otherwise_falls_back(C):
+def test_expanded_broadcast_output_read_otherwise_falls_back(C, how):
     torch.manual_seed(0)
     b = {"ids": torch.randint(0, 11, (3, 5))}
-    m = _IndexesPositions()
+    m = _IndexesPositions(how)
     r = assert_exact(m, _ids_lm_loss, b, method="bk", max_grad_norm=C)
     assert r.routes["pos.weight"] == "vmap"
     why = pdpsgd.make_dp_step(m, _ids_lm_loss, max_grad_norm=C, noise_multiplier=0.0, method="bk").fallback_reasons(b)
     assert "not used row by row" in why["pos.weight"], why
 
 
-def test_gpt2_positions_stay_on_their_rule_after_the_duplicate_check():
+@pytest.mark.parametrize("train", [False, True])
+def test_gpt2_positions_stay_on_their_rule_after_the_duplicate_check(train):
     m = models.tiny_gpt2()
+    if train:  # dropout on: the check runs in eval mode (two copies would get different masks)
+        for mod in m.modules():
+            if isinstance(mod, nn.Dropout):
+                mod.p = 0.1
+        m.train()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 40, (4, 6), generator=g)
     b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
