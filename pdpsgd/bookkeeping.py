@@ -941,7 +941,7 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
 def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
              registry: RuleRegistry, overrides: Mapping[str, str], probe_memo: Optional[Dict] = None,
              check_broadcast: bool = True, loss_weights: Optional[Tensor] = None,
-             no_expand: Optional[Mapping[str, str]] = None) -> _Collected:
+             no_expand: Optional[Mapping[str, str]] = None, check_order: bool = True) -> _Collected:
     """Forward with the ruled layers' forwards wrapped, backward to the captured outputs; uses per ruled parameter."""
     model = loss_module.model
     B = batch_size(batch)
@@ -952,7 +952,8 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
     no_expand = dict(no_expand or {})
     dkey = _duplicates_key(loss_module, batch, B)
     if check_broadcast and probe_memo is not None and dkey in probe_memo:
-        no_expand.update(probe_memo[dkey])
+        no_expand.update(probe_memo[dkey][1])
+    expanded: Set[str] = set()  # modules whose outputs this forward expanded
     for m, (mn, _, local) in ruled.items():
         if mn in no_expand:
             for c in local.values():
@@ -1056,6 +1057,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             # copy lives no longer than the original would (its own gradient edge is what is kept).
             output = output.expand(B, *output.shape[1:]).contiguous()
             bcast = True
+            expanded.add(mname)
         if not replay[0]:
             vers = tuple(x._version for x in args if isinstance(x, Tensor))
             k = len(real_dims[mname]) - 1
@@ -1141,9 +1143,25 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             losses, grads, early, call_targets = functional_call(
                 scope, {"m." + k: v for k, v in LossModule.prefixed({**constants, **leaves}).items()},
                 (forward_backward,))
+    except Exception as err:
+        if not expanded or isinstance(err, _OOM):
+            raise
+        failed = err  # an expanded output broke the forward (e.g. a model whose inner batch is B·C)
+    else:
+        failed = None
     finally:
         for m in patched:
             m.__dict__.pop("forward", None)
+    if failed is not None:  # run again without expanding them (their parameters: exact fallback)
+        why = f"expanding its (1, T, ...) output to the batch made the forward fail ({type(failed).__name__})"
+        bad = {mn: why for mn in expanded}
+        if probe_memo is not None:
+            if len(probe_memo) >= PROBE_MEMO_MAX:
+                probe_memo.clear()
+            old = probe_memo.get(dkey, (frozenset(), {}))
+            probe_memo[dkey] = (old[0] | frozenset(bad), {**old[1], **bad})
+        return _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
+                        loss_weights, {**no_expand, **bad}, check_order)
     _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo)
     n_call = sum(len(t) for t in call_targets)
     for n, g in zip(leaf_names, grads[n_call:]):
@@ -1186,7 +1204,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             elif c_name not in fallback:
                 fallback.setdefault(c_name, f"{rule.name} rule gave no factor for {mname}.{pn}")
     for c in calls:  # a flattened input traced through a layer that no rule verified: not traced
-        unverified = [calls[j].mname for j in c.chain if j not in verified]
+        unverified = [calls[j].mname for j in c.chain if j not in verified and getattr(calls[j].rule, "checks_call", False)]
         if c.rows and unverified:
             for n in ruled[c.module][2].values():
                 fallback.setdefault(n, f"{type(c.module).__name__} ({c.mname}): its input, the batch flattened, "
@@ -1194,12 +1212,19 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
     uses = {n: u for n, u in uses.items() if n not in fallback}
     spread = {c.mname: [n for n in ruled[c.module][2].values() if n in uses] for c in calls if c.bcast}
     spread = {mn: ns for mn, ns in spread.items() if ns}
-    if check_broadcast and spread and not (probe_memo is not None and dkey in probe_memo):
-        bad = _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, losses, spread,
+    checked = probe_memo[dkey][0] if probe_memo is not None and dkey in probe_memo else frozenset()
+    if check_broadcast and spread and not set(spread) <= checked:
+        bad = _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, uses, spread,
                                    probe_memo, dkey)
         if bad:  # the forward itself ran with those outputs expanded (a sum(0) changes it): run again without
             return _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
-                            check_broadcast=False, loss_weights=loss_weights, no_expand={**no_expand, **bad})
+                            check_broadcast=False, loss_weights=loss_weights, no_expand={**no_expand, **bad},
+                            check_order=check_order)
+    if check_order and B > 1 and uses:
+        for n, why in _order_disagree(loss_module, params, constants, batch, registry, overrides, losses,
+                                      sorted(uses), probe_memo, no_expand).items():
+            fallback.setdefault(n, why)
+            uses.pop(n, None)
     return _Collected(losses.detach(), uses, fallback, owner)
 
 
@@ -1219,18 +1244,27 @@ def _duplicates_key(loss_module: LossModule, batch: Batch, B: int):
     return ("duplicates",) + _probe_key(batch, B, loss_module.model.training)
 
 
-def _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, losses,
+def _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, uses: Mapping[str, List[Use]],
                          spread: Mapping[str, List[str]], probe_memo, key) -> Dict[str, str]:
     """{module name: reason} for the expanded modules of ``spread`` (module name -> its parameters
     with uses) that the check above finds read otherwise; memoised per batch shape."""
     why = ("its (1, T, ...) output, expanded to the batch, is not used row by row: of two copies of one example "
            "with losses weighted 1 and 2, the second's gradient was not twice the first's (does the model index or "
            "reduce that output over its first dimension?)")
-    la = losses.detach().abs()
-    la = torch.where(torch.isfinite(la), la, torch.full_like(la, -1.0))
-    if not bool((la >= 0).any()):
-        return {}  # no finite example in this batch: nothing to learn here (the step drops them all)
-    j = int(la.argmax())  # a finite example whose loss is not a constant 0, if there is one
+    # the example: the one whose gradient through these modules in this step is largest (finite)
+    score: Optional[Tensor] = None
+    for ns in spread.values():
+        for n in ns:
+            us = uses.get(n, [])
+            for u in us:
+                t = _inner(u, u, params[n].shape, _acc(params[n].dtype))
+                score = t if score is None else score + t
+    if score is None:
+        return {}
+    score = torch.where(torch.isfinite(score), score, torch.full_like(score, -1.0))
+    if not bool((score > 0).any()):
+        return {}  # no gradient reaches them in this step: their attribution does not matter now (asked again)
+    j = int(score.argmax())
     idx = torch.tensor([j, j])
     dup = tree_map(lambda x: x.index_select(0, idx.to(x.device)) if isinstance(x, Tensor) else x, batch)
     finite = True
@@ -1240,8 +1274,10 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
     loss_module.model.eval()
     try:
         sub = _collect(loss_module, params, constants, dup, registry, overrides, None, check_broadcast=False,
-                       loss_weights=torch.tensor([1.0, 2.0]))
+                       loss_weights=torch.tensor([1.0, 2.0]), check_order=False)
     except Exception as err:  # a model that cannot run two copies: nothing is verified
+        if isinstance(err, _OOM):
+            raise
         bad = {mn: f"the duplicated-example check of its expanded (1, T, ...) output failed ({type(err).__name__})"
                for mn in spread}
     else:
@@ -1252,19 +1288,106 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
                     bad[mn] = why + f" (with two copies it fell back: {sub.fallback[n]})"
                     break
                 us = sub.uses.get(n, [])
-                if not us:
-                    continue  # no gradient reached it for this example: nothing to compare
                 acc = _acc(params[n].dtype)
                 G: Optional[Tensor] = None
                 for u in us:
                     Gu = _materialise(u, params[n].shape, acc)  # (2, *shape)
                     G = Gu if G is None else G + Gu
-                if not bool(torch.isfinite(G).all()):  # undecided: fall back this time, ask again next time
-                    bad[mn], finite = why + " (non-finite values)", False
-                    break
-                if bool((G[1] - 2 * G[0]).abs().max() > DUPLICATE_RTOL * G[1].abs().max()):
+                # undecided (fall back this time, ask again next time): no gradient reached it for
+                # this example, or a non-finite one
+                if G is None or not bool((G != 0).any()):  # its own gradient, non-zero in the step, is gone
                     bad[mn] = why
                     break
+                if not bool(torch.isfinite(G).all()):
+                    bad[mn], finite = why + " (undecided: a non-finite gradient for the example tried)", False
+                    break
+                rtol = max(DUPLICATE_RTOL, 16 * torch.finfo(params[n].dtype).eps)
+                if bool((G[1] - 2 * G[0]).abs().max() > rtol * G[1].abs().max()):
+                    bad[mn] = why
+                    break
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    if probe_memo is not None and finite:
+        if len(probe_memo) >= PROBE_MEMO_MAX:
+            probe_memo.clear()
+        old = probe_memo.get(key, (frozenset(), {}))
+        probe_memo[key] = (old[0] | frozenset(spread), {**old[1], **bad})
+    return bad
+
+
+# Example order. Book-keeping reads row b of a layer's (B, ...) input (or block b of a flattened
+# one) as example b's. A model that reorders its batch inside the forward (sorts it by length,
+# flips it) and restores the order afterwards breaks that for the layers in between. Checked once
+# per shape of an example pair (memoised): two examples j ≠ k (the largest finite losses) in both
+# orders, [x_j, x_k] and [x_k, x_j], losses weighted 1 and 2 (in eval mode): each example's squared
+# norm per parameter must be the same in both runs up to the weight (×4 where it is second). A
+# reordering inside the forward attributes some rows to the other example in one of the runs (or
+# in both, differently): its norms disagree. A pair whose examples the model orders alike (equal
+# sort keys) cannot show a reordering; such models should be run with method="vmap" (README).
+ORDER_RTOL = 1e-3  # float32 / float64 norms; 16 ulps for narrower parameters
+
+
+def _pair_norms(sub: "_Collected", params: Params, names: List[str]) -> Dict[str, Tensor]:
+    out = {}
+    for n in names:
+        us = sub.uses.get(n, [])
+        acc = _acc(params[n].dtype)
+        sq = torch.zeros(2, dtype=acc, device=params[n].device)
+        for a in range(len(us)):
+            for b in range(a, len(us)):
+                t = _inner(us[a], us[b], params[n].shape, acc)
+                sq = sq + (t if a == b else 2 * t)
+        out[n] = sq.clamp_min(0)
+    return out
+
+
+def _order_disagree(loss_module, params, constants, batch, registry, overrides, losses, names: List[str],
+                    probe_memo, no_expand) -> Dict[str, str]:
+    """{parameter: reason} for the parameters whose per-example norms the order check above finds
+    attributed to the wrong example; memoised per shape of the example pair."""
+    leaves, spec = tree_flatten(batch)  # the key: the pair's shapes (no host read when memoised)
+    key = ("order", loss_module.model.training, str(spec), tuple(
+        ((2, *x.shape[1:]), x.dtype, x.device.type) if isinstance(x, Tensor) else repr(x) for x in leaves))
+    if probe_memo is not None and key in probe_memo:
+        return {n: why for n, why in probe_memo[key].items() if n in names}
+    la = losses.detach().abs()
+    la = torch.where(torch.isfinite(la), la, torch.full_like(la, -1.0))
+    if int((la >= 0).sum()) < 2:
+        return {}  # fewer than two finite examples: nothing to compare (asked again next time)
+    j, k = (int(i) for i in la.topk(2).indices)
+    pairs = [tree_map(lambda x, o=o: x.index_select(0, torch.tensor(o, device=x.device)) if isinstance(x, Tensor)
+                      else x, batch) for o in ([j, k], [k, j])]
+    why = ("its per-example norms depend on where the example sits in the batch (two examples in both orders "
+           "gave different norms): does the model reorder the batch inside its forward? (exact fallback)")
+    modes = [(m, m.training) for m in loss_module.model.modules()]
+    loss_module.model.eval()  # (dropout masks would differ between the runs)
+    try:
+        subs = [_collect(loss_module, params, constants, pb, registry, overrides, None, check_broadcast=False,
+                         loss_weights=torch.tensor([1.0, 2.0]), no_expand=no_expand, check_order=False)
+                for pb in pairs]
+    except Exception as err:  # a model that cannot run a pair: nothing is verified
+        if isinstance(err, _OOM):
+            raise
+        bad = {n: f"the example-order check failed to run ({type(err).__name__}: {str(err)[:120]})" for n in names}
+        finite = True
+    else:
+        finite = True
+        bad = {}
+        nA, nB = (_pair_norms(sb, params, names) for sb in subs)
+        for n in names:
+            if n in subs[0].fallback or n in subs[1].fallback:
+                fb = subs[0].fallback.get(n) or subs[1].fallback.get(n)
+                bad[n] = f"the example-order check could not verify it (with two examples it fell back: {fb})"
+                continue
+            a, b = nA[n], nB[n]  # a: (x_j w1, x_k w2); b: (x_k w1, x_j w2)
+            if not bool(torch.isfinite(a).all() & torch.isfinite(b).all()):
+                bad[n], finite = why + " (non-finite values)", False
+                continue
+            rt = max(ORDER_RTOL, 16 * torch.finfo(params[n].dtype).eps)
+            pa, pb = torch.stack([4 * a[0], a[1]]), torch.stack([b[1], 4 * b[0]])  # each: (x_j w2, x_k w2)
+            if bool(((pa - pb).abs() > rt * torch.maximum(pa, pb)).any()):
+                bad[n] = why
     finally:
         for m, mode in modes:
             m.training = mode

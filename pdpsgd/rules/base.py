@@ -101,6 +101,10 @@ class Rule:
     # model flattened, (B·T, ...) as (B, T, ...), once it has traced the rows to their examples
     # (``bookkeeping._flat_rows``), and follows the flattening through its output.
     rowwise = False
+    # Whether the rule is matched by name and checks each call against the layer's output in
+    # ``uses`` (returning None when it is not the layer it knows): a flattened batch is traced
+    # through such a layer only when its rule accepted that call.
+    checks_call = False
 
     def supports(self, module: nn.Module) -> Optional[str]:
         """None if the layer's configuration is covered, else a short reason (-> vmap fallback)."""

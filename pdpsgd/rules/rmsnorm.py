@@ -66,6 +66,7 @@ class CustomRMSNormRule(Rule):
 
     name = "rmsnorm_custom"
     rowwise = True
+    checks_call = True  # matched by name: a call it declines is not the layer it knows
 
     def uses(self, module, args, kwargs, output, grad_output, batch_size) -> Optional[Dict[str, Use]]:
         x = first_input(args, kwargs, "hidden_states")
