@@ -78,7 +78,8 @@ from .rules.base import Dense, Explicit, Index, Rule, Use
 __all__ = ["bk_engine", "plan", "fallback_reasons", "cost", "choose_route", "COST_MODELS", "BK_OPTIONS"]
 
 COST_MODELS = ("time", "fastdp", "ghost", "explicit")
-BK_OPTIONS = ("registry", "routes", "cost_model", "explicit_max_elems", "elementwise_cost", "explicit_keep_elems")
+BK_OPTIONS = ("registry", "routes", "cost_model", "explicit_max_elems", "elementwise_cost", "explicit_keep_elems",
+              "check_order")
 
 # Relative cost of one element of an elementwise / memory-bound pass vs one multiply-add inside
 # a matmul. Rough estimates (CPU: norm + weighted-sum passes over a (B, p, d) tensor vs bmm
@@ -894,6 +895,39 @@ def _first_dim(args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[int
     return int(x.shape[0]) if x is not None and x.dim() > 0 else None
 
 
+def _own_rng(params: Params):
+    """The extra forwards of the checks and probes draw from forked random streams (CPU, and the
+    parameters' CUDA device): the user's streams, and so the step's noise, are as without them."""
+    devs = sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
+    return torch.random.fork_rng(devices=devs)
+
+
+def _memo_put(memo: Optional[Dict], key, value) -> None:
+    """Store in the probe memo; when full, the oldest entries go (not all of them)."""
+    if memo is None:
+        return
+    while len(memo) >= PROBE_MEMO_MAX:
+        memo.pop(next(iter(memo)))
+    memo[key] = value
+
+
+class _EvalFlags:
+    """Every module's ``training`` flag False for the block, then restored, by assignment: no module's
+    own ``train()`` override runs (loralib's merges its LoRA weights into the frozen one on eval)."""
+
+    def __init__(self, model: nn.Module):
+        self.modes = [(m, m.training) for m in model.modules()]
+
+    def __enter__(self):
+        for m, _ in self.modes:
+            m.training = False
+
+    def __exit__(self, *exc):
+        for m, mode in self.modes:
+            m.training = mode
+        return False
+
+
 _OOM = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if t)
 
 
@@ -927,7 +961,7 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m, (_, rule, _) in ruled.items()
                if not getattr(rule, "custom_forward", False)]  # (custom-forward rules check their own layout)
     try:
-        with torch.no_grad(), preserve_module_state(loss_module.model):
+        with torch.no_grad(), preserve_module_state(loss_module.model), _own_rng(params):
             functional_call(loss_module, LossModule.prefixed({**constants, **{n: v.detach() for n, v in params.items()}}),
                             (probe,))
     except Exception as err:  # a model that cannot run the probe: nothing is verified
@@ -1155,13 +1189,14 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
     if failed is not None:  # run again without expanding them (their parameters: exact fallback)
         why = f"expanding its (1, T, ...) output to the batch made the forward fail ({type(failed).__name__})"
         bad = {mn: why for mn in expanded}
-        if probe_memo is not None:
-            if len(probe_memo) >= PROBE_MEMO_MAX:
-                probe_memo.clear()
-            old = probe_memo.get(dkey, (frozenset(), {}))
-            probe_memo[dkey] = (old[0] | frozenset(bad), {**old[1], **bad})
-        return _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
-                        loss_weights, {**no_expand, **bad}, check_order)
+        try:
+            col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
+                           loss_weights, {**no_expand, **bad}, check_order)
+        except Exception:
+            raise failed  # it fails without the expansion too: the model's own error (nothing memoised)
+        old = probe_memo.get(dkey, (frozenset(), {})) if probe_memo is not None else (frozenset(), {})
+        _memo_put(probe_memo, dkey, (old[0] | frozenset(bad), {**old[1], **bad}))
+        return col
     _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo)
     n_call = sum(len(t) for t in call_targets)
     for n, g in zip(leaf_names, grads[n_call:]):
@@ -1221,8 +1256,8 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
                             check_broadcast=False, loss_weights=loss_weights, no_expand={**no_expand, **bad},
                             check_order=check_order)
     if check_order and B > 1 and uses:
-        for n, why in _order_disagree(loss_module, params, constants, batch, registry, overrides, losses,
-                                      sorted(uses), probe_memo, no_expand).items():
+        for n, why in _order_disagree(loss_module, params, constants, batch, registry, overrides, sorted(uses),
+                                      probe_memo, no_expand).items():
             fallback.setdefault(n, why)
             uses.pop(n, None)
     return _Collected(losses.detach(), uses, fallback, owner)
@@ -1274,11 +1309,12 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
     finite = True
     # in eval mode: dropout would give the two copies different masks (and the check must not draw
     # from the user's random streams); how the model reads the expanded output is the same
-    modes = [(m, m.training) for m in loss_module.model.modules()]
-    loss_module.model.eval()
+    flags = _EvalFlags(loss_module.model)
+    flags.__enter__()
     try:
-        sub = _collect(loss_module, params, constants, dup, registry, overrides, None, check_broadcast=False,
-                       loss_weights=torch.tensor([1.0, 2.0]), check_order=False)
+        with _own_rng(params):
+            sub = _collect(loss_module, params, constants, dup, registry, overrides, probe_memo, check_broadcast=False,
+                           loss_weights=torch.tensor([1.0, 2.0]), check_order=False)
     except Exception as err:  # a model that cannot run two copies: nothing is verified
         if isinstance(err, _OOM):
             raise
@@ -1310,34 +1346,34 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
                     bad[mn] = why
                     break
     finally:
-        for m, mode in modes:
-            m.training = mode
+        flags.__exit__()
     if probe_memo is not None and finite:
-        if len(probe_memo) >= PROBE_MEMO_MAX:
-            probe_memo.clear()
         old = probe_memo.get(key, (frozenset(), {}))
-        probe_memo[key] = (old[0] | frozenset(spread), {**old[1], **bad})
+        _memo_put(probe_memo, key, (old[0] | frozenset(spread), {**old[1], **bad}))
     return bad
 
 
 # Example order. Book-keeping reads row b of a layer's (B, ...) input (or block b of a flattened
 # one) as example b's. A model that reorders its batch inside the forward (sorts it by length,
 # flips it) and restores the order afterwards breaks that for the layers in between. Checked once
-# per shape of an example pair (memoised): two examples j ≠ k (the largest finite losses) in both
-# orders, [x_j, x_k] and [x_k, x_j], losses weighted 1 and 2 (in eval mode): each example's squared
-# norm per parameter must be the same in both runs up to the weight (×4 where it is second). A
-# reordering inside the forward attributes some rows to the other example in one of the runs (or
-# in both, differently): its norms disagree. A pair whose examples the model orders alike (equal
-# sort keys) cannot show a reordering; such models should be run with method="vmap" (README).
-ORDER_RTOL = 1e-3  # float32 / float64 norms; 16 ulps for narrower parameters
+# per batch shape (without B; memoised per parameter): the whole batch is run twice with module
+# flags in eval mode (dropout masks would differ) and the same random streams: as it is, and
+# permuted by a fixed derangement π (every example moves) with losses weighted 1, 2, 1, 2, ... by
+# position. Each example's squared norm per parameter must be the same in both runs up to its
+# weight² (tolerance ORDER_RTOL, plus a floor of 64 ulps of that example's total squared norm, for
+# rounding noise in tiny norms). Undecided, not memoised: a parameter no gradient reached in this
+# batch. A forward that draws random numbers (a noisy loss) is recognised by a repeat of the first
+# run with other random streams, and is not checked. ``bk_options={"check_order": False}`` skips
+# the check (for a model known not to reorder whose eval forward differs, say).
+ORDER_RTOL = 1e-3  # float32 / float64 norms; 4 ulps for narrower parameters
 
 
-def _pair_norms(sub: "_Collected", params: Params, names: List[str]) -> Dict[str, Tensor]:
+def _example_norms(sub: "_Collected", params: Params, names: List[str], B: int) -> Dict[str, Tensor]:
     out = {}
     for n in names:
         us = sub.uses.get(n, [])
         acc = _acc(params[n].dtype)
-        sq = torch.zeros(2, dtype=acc, device=params[n].device)
+        sq = torch.zeros(B, dtype=acc, device=params[n].device)
         for a in range(len(us)):
             for b in range(a, len(us)):
                 t = _inner(us[a], us[b], params[n].shape, acc)
@@ -1346,60 +1382,75 @@ def _pair_norms(sub: "_Collected", params: Params, names: List[str]) -> Dict[str
     return out
 
 
-def _order_disagree(loss_module, params, constants, batch, registry, overrides, losses, names: List[str],
+def _order_key(loss_module: LossModule, batch: Batch):
+    leaves, spec = tree_flatten(batch)
+    return ("order", loss_module.model.training, str(spec), tuple(
+        (tuple(x.shape[1:]), x.dtype, x.device.type) if isinstance(x, Tensor) else repr(x) for x in leaves))
+
+
+def _order_disagree(loss_module, params, constants, batch, registry, overrides, names: List[str],
                     probe_memo, no_expand) -> Dict[str, str]:
     """{parameter: reason} for the parameters whose per-example norms the order check above finds
-    attributed to the wrong example; memoised per shape of the example pair."""
-    leaves, spec = tree_flatten(batch)  # the key: the pair's shapes (no host read when memoised)
-    key = ("order", loss_module.model.training, str(spec), tuple(
-        ((2, *x.shape[1:]), x.dtype, x.device.type) if isinstance(x, Tensor) else repr(x) for x in leaves))
-    if probe_memo is not None and key in probe_memo:
-        return {n: why for n, why in probe_memo[key].items() if n in names}
-    la = losses.detach().abs()
-    la = torch.where(torch.isfinite(la), la, torch.full_like(la, -1.0))
-    if int((la >= 0).sum()) < 2:
-        return {}  # fewer than two finite examples: nothing to compare (asked again next time)
-    j, k = (int(i) for i in la.topk(2).indices)
-    pairs = [tree_map(lambda x, o=o: x.index_select(0, torch.tensor(o, device=x.device)) if isinstance(x, Tensor)
-                      else x, batch) for o in ([j, k], [k, j])]
-    why = ("its per-example norms depend on where the example sits in the batch (two examples in both orders "
-           "gave different norms): does the model reorder the batch inside its forward? (exact fallback)")
-    modes = [(m, m.training) for m in loss_module.model.modules()]
-    loss_module.model.eval()  # (dropout masks would differ between the runs)
-    try:
-        subs = [_collect(loss_module, params, constants, pb, registry, overrides, None, check_broadcast=False,
-                         loss_weights=torch.tensor([1.0, 2.0]), no_expand=no_expand, check_order=False)
-                for pb in pairs]
-    except Exception as err:  # a model that cannot run a pair: nothing is verified
-        if isinstance(err, _OOM):
-            raise
-        bad = {n: f"the example-order check failed to run ({type(err).__name__}: {str(err)[:120]})" for n in names}
-        finite = True
-    else:
-        finite = True
-        bad = {}
-        nA, nB = (_pair_norms(sb, params, names) for sb in subs)
+    attributed to another example; memoised per batch shape (without B) and parameter."""
+    B = batch_size(batch)
+    key = _order_key(loss_module, batch)
+    known: Dict[str, Optional[str]] = probe_memo.get(key, {}) if probe_memo is not None else {}
+    if all(n in known for n in names):
+        return {n: known[n] for n in names if known[n] is not None}
+    gen = torch.Generator().manual_seed(12345 + B)
+    pi = torch.randperm(B, generator=gen)
+    while bool((pi == torch.arange(B)).any()):  # a derangement (B ≥ 2): every example moves
+        pi = torch.randperm(B, generator=gen)
+    w2 = 1.0 + (torch.arange(B) % 2).to(torch.float64)
+    perm = tree_map(lambda x: x.index_select(0, pi.to(x.device)) if isinstance(x, Tensor) else x, batch)
+    why = ("its per-example norms changed when the batch was permuted (each example's own, up to its loss "
+           "weight, should not): does the model reorder or mix the batch inside its forward? (exact fallback)")
+
+    def run(b, w, seed):
+        with _own_rng(params):
+            torch.default_generator.manual_seed(seed)  # (only the streams forked: CPU, the parameters' GPUs)
+            for d in sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"}):
+                torch.cuda.default_generators[d].manual_seed(seed)
+            return _collect(loss_module, params, constants, b, registry, overrides, probe_memo, check_broadcast=False,
+                            loss_weights=w, no_expand=no_expand, check_order=False)
+
+    with _EvalFlags(loss_module.model):
+        try:
+            s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
+            s2 = run(perm, w2, 0)
+        except Exception as err:  # e.g. a loss_fn that fails on the eval-mode forward: nothing is verified
+            if isinstance(err, _OOM):
+                raise
+            return {n: ("the example-order check (eval-mode forward) failed: "
+                        f"{type(err).__name__}: {str(err)[:120]}; bk_options={{'check_order': False}} skips it")
+                    for n in names}
+        n1, n2 = _example_norms(s1, params, names, B), _example_norms(s2, params, names, B)
+        tot = sum(n1.values())
+        res: Dict[str, Optional[str]] = {}
         for n in names:
-            if n in subs[0].fallback or n in subs[1].fallback:
-                fb = subs[0].fallback.get(n) or subs[1].fallback.get(n)
-                bad[n] = f"the example-order check could not verify it (with two examples it fell back: {fb})"
+            if n in s1.fallback or n in s2.fallback:
+                res[n] = f"the example-order check could not verify it: {s1.fallback.get(n) or s2.fallback.get(n)}"
                 continue
-            a, b = nA[n], nB[n]  # a: (x_j w1, x_k w2); b: (x_k w1, x_j w2)
-            if not bool(torch.isfinite(a).all() & torch.isfinite(b).all()):
-                bad[n], finite = why + " (non-finite values)", False
-                continue
-            rt = max(ORDER_RTOL, 16 * torch.finfo(params[n].dtype).eps)
-            pa, pb = torch.stack([4 * a[0], a[1]]), torch.stack([b[1], 4 * b[0]])  # each: (x_j w2, x_k w2)
-            if bool(((pa - pb).abs() > rt * torch.maximum(pa, pb)).any()):
-                bad[n] = why
-    finally:
-        for m, mode in modes:
-            m.training = mode
-    if probe_memo is not None and finite:
-        if len(probe_memo) >= PROBE_MEMO_MAX:
-            probe_memo.clear()
-        probe_memo[key] = bad
-    return bad
+            a = n1[n].index_select(0, pi.to(n1[n].device))  # example π[p]'s norm, run 1
+            b = n2[n] / (w2 * w2).to(n2[n])  # slot p of run 2 holds example π[p]
+            fin = torch.isfinite(a) & torch.isfinite(b)  # (a non-finite example is dropped by the step anyway)
+            if not bool((fin & (a > 0)).any()):
+                continue  # undecided: no finite gradient reached it in this batch; asked again
+            eps = torch.finfo(params[n].dtype).eps
+            rt = max(ORDER_RTOL, 4 * eps)
+            floor = 64 * eps * tot.index_select(0, pi.to(tot.device))
+            off = fin & ((a - b).abs() > rt * torch.maximum(a, b) + floor)
+            res[n] = why if bool(off.any()) else None
+        if any(v is not None for v in res.values()):
+            # a forward that draws random numbers differs from itself: not a reordering, not checked
+            s1b = run(batch, torch.ones(B, dtype=torch.float64), 1)
+            n1b = _example_norms(s1b, params, [n for n, v in res.items() if v is not None], B)
+            for n, v in n1b.items():
+                if not torch.equal(v, n1[n]):
+                    res[n] = None  # random: the check cannot tell (trusted, as without the check)
+    if probe_memo is not None:
+        _memo_put(probe_memo, key, {**known, **res})
+    return {n: v for n, v in res.items() if v is not None}
 
 
 def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo):
@@ -1414,9 +1465,7 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
     if got is None:
         got = _probe_first_dims(loss_module, params, constants, batch, ruled, B)
         if key is not None and not isinstance(got[1], str):
-            if len(probe_memo) >= PROBE_MEMO_MAX:
-                probe_memo.clear()
-            probe_memo[key] = got
+            _memo_put(probe_memo, key, got)
     Bp, seen = got
     for c in todo:
         if isinstance(seen, str):
@@ -1507,7 +1556,8 @@ def plan(model: nn.Module, loss_fn, params: Mapping[str, Tensor], batch: Batch, 
     registry, overrides, cm = _options(method, bk_options)
     params = {n: p.detach() for n, p in params.items()}
     constants = model_constants(model, params)
-    col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides)
+    col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides,
+                   check_order=bool(bk_options.get("check_order", True)))
     dev = next(iter(params.values())).device
     return _routes(col, params, batch_size(batch), cm, overrides, bk_options, dev)
 
@@ -1520,7 +1570,8 @@ def fallback_reasons(model: nn.Module, loss_fn, params: Mapping[str, Tensor], ba
     registry, overrides, _ = _options(method, bk_options)
     params = {n: p.detach() for n, p in params.items()}
     constants = model_constants(model, params)
-    col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides)
+    col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides,
+                   check_order=bool(bk_options.get("check_order", True)))
     return {n: col.fallback[n] for n in params if n in col.fallback}
 
 
@@ -1571,7 +1622,8 @@ def _stacked_sums(names: List[str], S: Tensor, w: Mapping[str, Tensor], params: 
 def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts, probe_memo=None):
     B = mask.shape[0]
     device = _device_of(params, mask)  # the parameters' device decides what may sync
-    col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo)
+    col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
+                   check_order=bool(opts.get("check_order", True)))
     routes = _routes(col, params, B, cm, overrides, opts, device)
     sq: Dict[str, Tensor] = {}
     kept_G: Dict[str, Tensor] = {}

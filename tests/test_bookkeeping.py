@@ -1530,3 +1530,77 @@ def test_flattened_trace_through_a_layer_whose_parameters_fell_back():
     b = {"ids": torch.randint(0, 11, (3, 5))}
     r = assert_exact(_TiedOutsideFlat(), _ids_lm_loss, b, method="bk", max_grad_norm=0.1)
     assert r.routes["fc1.weight"] == "vmap" and r.routes["fc2.weight"] != "vmap", r.routes
+
+
+def test_reorder_check_sees_the_whole_batch_equal_keys_and_padding_copies():
+    """Examples the model orders alike (two full-length ones, padding copies of one row) do not
+    hide a reordering of the others: the whole batch is permuted by a derangement."""
+    torch.manual_seed(0)
+    B, T, d = 6, 6, 4
+    x = torch.randn(B, T, d)
+    x[4:] = x[3]  # two padding copies of example 3
+    b = {"x": x, "y": torch.randn(B, T, d), "len": torch.tensor([2, T, 3, T, T, T])}
+    loss = lambda m, bb: ((m(bb["x"], bb["len"]) - bb["y"]) ** 2).sum((1, 2))  # noqa: E731
+    r = assert_exact(_SortsByLength(d, False), loss, b, method="bk", max_grad_norm=0.5)
+    assert r.routes["fc1.weight"] == "vmap", r.routes
+
+
+class _NoisyLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def test_random_loss_is_not_taken_for_a_reordering_and_rng_is_untouched():
+    """A loss that draws noise (diffusion-style) differs between the check's runs: not a reordering
+    (the layers stay on their rules), and the checks draw from forked streams only."""
+    m = _NoisyLoss()
+    loss = lambda mm, bb: ((mm(bb["x"] + torch.randn_like(bb["x"])) - bb["x"]) ** 2).sum(1)  # noqa: E731
+    b = {"x": torch.randn(5, 4)}
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        out = step(pdpsgd.trainable_params(m), b)
+        draws.append(torch.rand(()))
+    assert "vmap" not in out.routes.values(), out.routes
+    assert torch.equal(draws[0], draws[1])  # the first step (checks run) and the second drew alike
+
+
+class _MergesOnEval(nn.Linear):
+    """As loralib's Linear: ``train(False)`` merges B·A into the frozen weight, ``train(True)`` undoes it."""
+
+    def __init__(self, i, o, r=2):
+        super().__init__(i, o)
+        self.lora_A, self.lora_B = nn.Parameter(0.3 * torch.randn(r, i)), nn.Parameter(0.3 * torch.randn(o, r))
+        self.weight.requires_grad_(False)
+        self.merged = False
+
+    def train(self, mode=True):
+        nn.Linear.train(self, mode)
+        if mode and self.merged:
+            self.weight.data -= self.lora_B @ self.lora_A
+            self.merged = False
+        elif not mode and not self.merged:
+            self.weight.data += self.lora_B @ self.lora_A
+            self.merged = True
+        return self
+
+    def forward(self, x):
+        out = F.linear(x, self.weight, self.bias)
+        return out if self.merged else out + (x @ self.lora_A.t()) @ self.lora_B.t()
+
+
+def test_checks_switch_modes_by_flag_not_by_train_overrides():
+    torch.manual_seed(0)
+    m = nn.Sequential(_MergesOnEval(4, 4), nn.Tanh(), nn.Linear(4, 3)).train()
+    w0 = m[0].weight.detach().clone()
+    b = {"x": torch.randn(4, 4), "y": torch.tensor([0, 1, 2, 1])}
+    loss = lambda mm, bb: F.cross_entropy(mm(bb["x"]), bb["y"], reduction="none")  # noqa: E731
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=100.0, noise_multiplier=0.0, method="bk")
+    step(pdpsgd.trainable_params(m), b)
+    assert m[0].training and not m[0].merged and torch.equal(m[0].weight, w0)
+    assert_exact(m, loss, b, method="bk", max_grad_norm=100.0)
