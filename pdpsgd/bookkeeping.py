@@ -988,6 +988,9 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
     if check_broadcast and probe_memo is not None and dkey in probe_memo:
         no_expand.update(probe_memo[dkey][1])
     expanded: Set[str] = set()  # modules whose outputs this forward expanded
+    # the example-order check runs first (its passes, one at a time, are freed before this one's)
+    order_bad = (_order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo, no_expand)
+                 if check_order and B > 1 else {})
     for m, (mn, _, local) in ruled.items():
         if mn in no_expand:
             for c in local.values():
@@ -1255,9 +1258,8 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
             return _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
                             check_broadcast=False, loss_weights=loss_weights, no_expand={**no_expand, **bad},
                             check_order=check_order)
-    if check_order and B > 1 and uses:
-        for n, why in _order_disagree(loss_module, params, constants, batch, registry, overrides, sorted(uses),
-                                      probe_memo, no_expand).items():
+    for n, why in order_bad.items():
+        if n in uses:
             fallback.setdefault(n, why)
             uses.pop(n, None)
     return _Collected(losses.detach(), uses, fallback, owner)
@@ -1388,15 +1390,19 @@ def _order_key(loss_module: LossModule, batch: Batch):
         (tuple(x.shape[1:]), x.dtype, x.device.type) if isinstance(x, Tensor) else repr(x) for x in leaves))
 
 
-def _order_disagree(loss_module, params, constants, batch, registry, overrides, names: List[str],
-                    probe_memo, no_expand) -> Dict[str, str]:
+ORDER_RETRIES = 8  # a parameter no gradient reached in the check is checked again on this many later steps
+
+
+def _order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo,
+                    no_expand) -> Dict[str, str]:
     """{parameter: reason} for the parameters whose per-example norms the order check above finds
-    attributed to another example; memoised per batch shape (without B) and parameter."""
+    attributed to another example; memoised per batch shape (without B): (verdicts, undecided
+    parameters with the number of checks they went through)."""
     B = batch_size(batch)
     key = _order_key(loss_module, batch)
-    known: Dict[str, Optional[str]] = probe_memo.get(key, {}) if probe_memo is not None else {}
-    if all(n in known for n in names):
-        return {n: known[n] for n in names if known[n] is not None}
+    known, open_ = probe_memo.get(key, ({}, {})) if probe_memo is not None else ({}, {})
+    if key in (probe_memo or {}) and all(c >= ORDER_RETRIES for c in open_.values()):
+        return {n: v for n, v in known.items() if v is not None}
     gen = torch.Generator().manual_seed(12345 + B)
     pi = torch.randperm(B, generator=gen)
     while bool((pi == torch.arange(B)).any()):  # a derangement (B ≥ 2): every example moves
@@ -1417,19 +1423,25 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
     with _EvalFlags(loss_module.model):
         try:
             s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
+            names = sorted(s1.uses)
+            n1, fb1 = _example_norms(s1, params, names, B), dict(s1.fallback)
+            del s1  # (one pass's captures alive at a time)
             s2 = run(perm, w2, 0)
+            n2, fb2 = _example_norms(s2, params, names, B), dict(s2.fallback)
+            del s2
         except Exception as err:  # e.g. a loss_fn that fails on the eval-mode forward: nothing is verified
             if isinstance(err, _OOM):
                 raise
-            return {n: ("the example-order check (eval-mode forward) failed: "
-                        f"{type(err).__name__}: {str(err)[:120]}; bk_options={{'check_order': False}} skips it")
-                    for n in names}
-        n1, n2 = _example_norms(s1, params, names, B), _example_norms(s2, params, names, B)
-        tot = sum(n1.values())
+            failed = {n: ("the example-order check (eval-mode forward) failed: "
+                          f"{type(err).__name__}: {str(err)[:120]}; bk_options={{'check_order': False}} skips it")
+                      for n in params}
+            _memo_put(probe_memo, key, (failed, {}))
+            return failed
+        tot = sum(n1.values()) if n1 else None
         res: Dict[str, Optional[str]] = {}
         for n in names:
-            if n in s1.fallback or n in s2.fallback:
-                res[n] = f"the example-order check could not verify it: {s1.fallback.get(n) or s2.fallback.get(n)}"
+            if n in fb1 or n in fb2:
+                res[n] = f"the example-order check could not verify it: {fb1.get(n) or fb2.get(n)}"
                 continue
             a = n1[n].index_select(0, pi.to(n1[n].device))  # example π[p]'s norm, run 1
             b = n2[n] / (w2 * w2).to(n2[n])  # slot p of run 2 holds example π[p]
@@ -1445,12 +1457,14 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
             # a forward that draws random numbers differs from itself: not a reordering, not checked
             s1b = run(batch, torch.ones(B, dtype=torch.float64), 1)
             n1b = _example_norms(s1b, params, [n for n, v in res.items() if v is not None], B)
+            del s1b
             for n, v in n1b.items():
                 if not torch.equal(v, n1[n]):
                     res[n] = None  # random: the check cannot tell (trusted, as without the check)
+    undecided = {n: open_.get(n, 0) + 1 for n in names if n not in res}
     if probe_memo is not None:
-        _memo_put(probe_memo, key, {**known, **res})
-    return {n: v for n, v in res.items() if v is not None}
+        _memo_put(probe_memo, key, ({**known, **res}, {**{n: c for n, c in open_.items() if n not in res}, **undecided}))
+    return {n: v for n, v in {**known, **res}.items() if v is not None}
 
 
 def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo):
