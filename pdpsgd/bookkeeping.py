@@ -906,6 +906,9 @@ def _memo_put(memo: Optional[Dict], key, value) -> None:
     """Store in the probe memo; when full, the oldest entries go (not all of them)."""
     if memo is None:
         return
+    if key in memo:
+        memo[key] = value
+        return
     while len(memo) >= PROBE_MEMO_MAX:
         memo.pop(next(iter(memo)))
     memo[key] = value
@@ -1262,6 +1265,14 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         if n in uses:
             fallback.setdefault(n, why)
             uses.pop(n, None)
+    if check_order and B > 1 and probe_memo is not None:
+        # parameters with uses here that the check has not seen (its eval-mode run reached no gradient
+        # to them): checked again on the next steps of this shape (ORDER_RETRIES)
+        okey = _order_key(loss_module, batch)
+        known, open_ = probe_memo.get(okey, ({}, {}))
+        new = [n for n in uses if n not in known and n not in open_]
+        if new:
+            _memo_put(probe_memo, okey, (known, {**open_, **{n: 0 for n in new}}))
     return _Collected(losses.detach(), uses, fallback, owner)
 
 
@@ -1461,7 +1472,7 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
             for n, v in n1b.items():
                 if not torch.equal(v, n1[n]):
                     res[n] = None  # random: the check cannot tell (trusted, as without the check)
-    undecided = {n: open_.get(n, 0) + 1 for n in names if n not in res}
+    undecided = {n: open_.get(n, 0) + 1 for n in set(names) | set(open_) if n not in res}
     if probe_memo is not None:
         _memo_put(probe_memo, key, ({**known, **res}, {**{n: c for n, c in open_.items() if n not in res}, **undecided}))
     return {n: v for n, v in {**known, **res}.items() if v is not None}
