@@ -940,8 +940,8 @@ def _out_dim(output: Any) -> Optional[int]:
 
 def _probe_key(batch: Batch, B: int, training: bool):
     leaves, spec = tree_flatten(batch)
-    return (B, training, str(spec), tuple((tuple(x.shape), x.dtype, x.device.type) if isinstance(x, Tensor) else repr(x)
-                                for x in leaves))
+    return (B, training, str(spec), tuple((tuple(x.shape), x.dtype, x.device.type) if isinstance(x, Tensor)
+                                          else _leaf_sig(x) for x in leaves))
 
 
 def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
@@ -992,8 +992,8 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         no_expand.update(probe_memo[dkey][1])
     expanded: Set[str] = set()  # modules whose outputs this forward expanded
     # the example-order check runs first (its passes, one at a time, are freed before this one's)
-    order_bad = (_order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo, no_expand)
-                 if check_order and B > 1 else {})
+    order = (_order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo, no_expand)
+             if check_order and B > 1 else None)
     for m, (mn, _, local) in ruled.items():
         if mn in no_expand:
             for c in local.values():
@@ -1197,12 +1197,12 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         bad = {mn: why for mn in expanded}
         try:
             col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
-                           loss_weights, {**no_expand, **bad}, check_order)
+                           loss_weights, {**no_expand, **bad}, check_order=False)
         except Exception:
             raise failed  # it fails without the expansion too: the model's own error (nothing memoised)
         old = probe_memo.get(dkey, (frozenset(), {})) if probe_memo is not None else (frozenset(), {})
         _memo_put(probe_memo, dkey, (old[0] | frozenset(bad), {**old[1], **bad}))
-        return col
+        return _apply_order(col, order, loss_module, batch, probe_memo, params)
     _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo)
     n_call = sum(len(t) for t in call_targets)
     for n, g in zip(leaf_names, grads[n_call:]):
@@ -1258,22 +1258,48 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         bad = _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, uses, spread,
                                    probe_memo, dkey)
         if bad:  # the forward itself ran with those outputs expanded (a sum(0) changes it): run again without
-            return _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
-                            check_broadcast=False, loss_weights=loss_weights, no_expand={**no_expand, **bad},
-                            check_order=check_order)
-    for n, why in order_bad.items():
-        if n in uses:
-            fallback.setdefault(n, why)
-            uses.pop(n, None)
-    if check_order and B > 1 and probe_memo is not None:
-        # parameters with uses here that the check has not seen (its eval-mode run reached no gradient
-        # to them): checked again on the next steps of this shape (ORDER_RETRIES)
+            col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
+                           check_broadcast=False, loss_weights=loss_weights, no_expand={**no_expand, **bad},
+                           check_order=False)
+            return _apply_order(col, order, loss_module, batch, probe_memo, params)
+    return _apply_order(_Collected(losses.detach(), uses, fallback, owner), order, loss_module, batch, probe_memo,
+                        params)
+
+
+def _zero_use(u: Use, p: Tensor) -> bool:
+    """Whether this use's per-example gradients are all exactly 0 (by their squared norms)."""
+    return not bool((_inner(u, u, p.shape, _acc(p.dtype)) != 0).any())
+
+
+def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[str]]], loss_module, batch,
+                 probe_memo, params: Params) -> "_Collected":
+    """The example-order check's verdicts on a step's uses: only parameters it checked and passed stay
+    on their rules; one it found attributed wrongly, or could not decide (no gradient reached it in
+    its eval-mode run), takes the exact fallback (undecided ones are checked again on later steps of
+    this shape, up to ORDER_RETRIES times)."""
+    if order is None:
+        return col
+    bad, passed = order
+    unseen = []
+    for n in list(col.uses):
+        if n in bad:
+            col.fallback.setdefault(n, bad[n])
+        elif n not in passed:
+            unseen.append(n)
+            if all(_zero_use(u, params[n]) for u in col.uses[n]):
+                continue  # no gradient reaches it in this step either: its contributions are 0 wherever they go
+            col.fallback.setdefault(n, "the example-order check could not verify it (no gradient reached it in "
+                                       "its eval-mode run of this batch shape): exact fallback")
+        else:
+            continue
+        col.uses.pop(n)
+    if unseen and probe_memo is not None:
         okey = _order_key(loss_module, batch)
         known, open_ = probe_memo.get(okey, ({}, {}))
-        new = [n for n in uses if n not in known and n not in open_]
+        new = {n: 0 for n in unseen if n not in known and n not in open_}
         if new:
-            _memo_put(probe_memo, okey, (known, {**open_, **{n: 0 for n in new}}))
-    return _Collected(losses.detach(), uses, fallback, owner)
+            _memo_put(probe_memo, okey, (known, {**open_, **new}))
+    return col
 
 
 # A (1, T, ...) output expanded to the batch (``Rule.broadcast_batch``, e.g. GPT-2's positions) gives
@@ -1292,8 +1318,7 @@ def _duplicates_key(loss_module: LossModule, batch: Batch, B: int):
     """The batch's shapes without its size: how a model reads an expanded output does not depend on B
     (a B-dependent misuse is not seen by the check either), and Poisson-sampled batches vary in B."""
     leaves, spec = tree_flatten(batch)
-    return ("duplicates", loss_module.model.training, str(spec), tuple(
-        (tuple(x.shape[1:]), x.dtype, x.device.type) if isinstance(x, Tensor) else repr(x) for x in leaves))
+    return ("duplicates", loss_module.model.training, str(spec), tuple(_leaf_sig(x) for x in leaves))
 
 
 def _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, uses: Mapping[str, List[Use]],
@@ -1395,25 +1420,38 @@ def _example_norms(sub: "_Collected", params: Params, names: List[str], B: int) 
     return out
 
 
+def _leaf_sig(x: Any):
+    """A batch leaf in a memo key: a tensor's shape past the batch dim; a number, string or None by
+    value; anything else by its type (its repr may change every step: an object's address)."""
+    if isinstance(x, Tensor):
+        return tuple(x.shape[1:]), x.dtype, x.device.type
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return repr(x)  # a flag or a setting may change the model's path
+    return type(x).__name__, len(x) if isinstance(x, (list, tuple)) else None
+
+
 def _order_key(loss_module: LossModule, batch: Batch):
     leaves, spec = tree_flatten(batch)
-    return ("order", loss_module.model.training, str(spec), tuple(
-        (tuple(x.shape[1:]), x.dtype, x.device.type) if isinstance(x, Tensor) else repr(x) for x in leaves))
+    return ("order", loss_module.model.training, str(spec), tuple(_leaf_sig(x) for x in leaves))
 
 
 ORDER_RETRIES = 8  # a parameter no gradient reached in the check is checked again on this many later steps
 
 
+def _order_verdicts(known: Mapping[str, Optional[str]]) -> Tuple[Dict[str, str], Set[str]]:
+    return {n: v for n, v in known.items() if v is not None}, {n for n, v in known.items() if v is None}
+
+
 def _order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo,
-                    no_expand) -> Dict[str, str]:
-    """{parameter: reason} for the parameters whose per-example norms the order check above finds
-    attributed to another example; memoised per batch shape (without B): (verdicts, undecided
-    parameters with the number of checks they went through)."""
+                    no_expand) -> Tuple[Dict[str, str], Set[str]]:
+    """({parameter: reason} found attributed to another example, {parameters checked and passed});
+    the step trusts only the latter (anything else: exact fallback). Memoised per batch shape
+    (without B): (verdicts, undecided parameters with the number of checks they went through)."""
     B = batch_size(batch)
     key = _order_key(loss_module, batch)
     known, open_ = probe_memo.get(key, ({}, {})) if probe_memo is not None else ({}, {})
     if key in (probe_memo or {}) and all(c >= ORDER_RETRIES for c in open_.values()):
-        return {n: v for n, v in known.items() if v is not None}
+        return _order_verdicts(known)
     gen = torch.Generator().manual_seed(12345 + B)
     pi = torch.randperm(B, generator=gen)
     while bool((pi == torch.arange(B)).any()):  # a derangement (B ≥ 2): every example moves
@@ -1443,12 +1481,17 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         except Exception as err:  # e.g. a loss_fn that fails on the eval-mode forward: nothing is verified
             if isinstance(err, _OOM):
                 raise
-            failed = {n: ("the example-order check (eval-mode forward) failed: "
-                          f"{type(err).__name__}: {str(err)[:120]}; bk_options={{'check_order': False}} skips it")
-                      for n in params}
-            _memo_put(probe_memo, key, (failed, {}))
-            return failed
-        tot = sum(n1.values()) if n1 else None
+            # (not memoised: a batch whose loss fails, a corrupt label say, must not decide later ones)
+            return {n: ("the example-order check (eval-mode forward) failed: "
+                        f"{type(err).__name__}: {str(err)[:120]}; bk_options={{'check_order': False}} skips it")
+                    for n in params}, set()
+
+        def differ(x: Tensor, y: Tensor, n: str) -> Tensor:  # per example, beyond rounding
+            eps = torch.finfo(params[n].dtype).eps
+            fin = torch.isfinite(x) & torch.isfinite(y)  # (a non-finite example is dropped by the step anyway)
+            top = torch.where(fin, torch.maximum(x, y), torch.zeros_like(x)).max()
+            return fin & ((x - y).abs() > max(ORDER_RTOL, 4 * eps) * torch.maximum(x, y) + 8 * eps * top)
+
         res: Dict[str, Optional[str]] = {}
         for n in names:
             if n in fb1 or n in fb2:
@@ -1456,26 +1499,23 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
                 continue
             a = n1[n].index_select(0, pi.to(n1[n].device))  # example π[p]'s norm, run 1
             b = n2[n] / (w2 * w2).to(n2[n])  # slot p of run 2 holds example π[p]
-            fin = torch.isfinite(a) & torch.isfinite(b)  # (a non-finite example is dropped by the step anyway)
-            if not bool((fin & (a > 0)).any()):
+            if not bool((torch.isfinite(a) & (a > 0)).any()):
                 continue  # undecided: no finite gradient reached it in this batch; asked again
-            eps = torch.finfo(params[n].dtype).eps
-            rt = max(ORDER_RTOL, 4 * eps)
-            floor = 64 * eps * tot.index_select(0, pi.to(tot.device))
-            off = fin & ((a - b).abs() > rt * torch.maximum(a, b) + floor)
-            res[n] = why if bool(off.any()) else None
+            res[n] = why if bool(differ(a, b, n).any()) else None
         if any(v is not None for v in res.values()):
-            # a forward that draws random numbers differs from itself: not a reordering, not checked
+            # a forward that draws random numbers differs from itself (beyond rounding: kernels that
+            # are not bitwise reproducible do not count): not a reordering; the check cannot tell
             s1b = run(batch, torch.ones(B, dtype=torch.float64), 1)
             n1b = _example_norms(s1b, params, [n for n, v in res.items() if v is not None], B)
             del s1b
             for n, v in n1b.items():
-                if not torch.equal(v, n1[n]):
-                    res[n] = None  # random: the check cannot tell (trusted, as without the check)
+                if bool(differ(v, n1[n], n).any()):
+                    res[n] = None  # random: trusted, as without the check (README)
     undecided = {n: open_.get(n, 0) + 1 for n in set(names) | set(open_) if n not in res}
+    known = {**known, **res}
     if probe_memo is not None:
-        _memo_put(probe_memo, key, ({**known, **res}, {**{n: c for n, c in open_.items() if n not in res}, **undecided}))
-    return {n: v for n, v in {**known, **res}.items() if v is not None}
+        _memo_put(probe_memo, key, (known, {**{n: c for n, c in open_.items() if n not in res}, **undecided}))
+    return _order_verdicts(known)
 
 
 def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo):

@@ -1604,3 +1604,50 @@ def test_checks_switch_modes_by_flag_not_by_train_overrides():
     step(pdpsgd.trainable_params(m), b)
     assert m[0].training and not m[0].merged and torch.equal(m[0].weight, w0)
     assert_exact(m, loss, b, method="bk", max_grad_norm=100.0)
+
+
+class _TrainOnlyAux(_SortsByLength):
+    """An auxiliary head used only in training, on the batch sorted by length: the order check (eval
+    mode) never reaches it, so it is not trusted: exact fallback."""
+
+    def __init__(self, d=4):
+        super().__init__(d, False)
+        self.aux = nn.Linear(d, d)
+
+    def forward(self, x, lengths):
+        h = torch.tanh(self.inp(x))
+        y = self.fc2(F.gelu(self.fc1(h)))
+        if self.training:
+            order = torch.argsort(lengths, descending=True, stable=True)
+            y = y + self.aux(h[order])[torch.argsort(order)]
+        return y
+
+
+def test_parameter_the_order_check_cannot_reach_is_not_trusted():
+    torch.manual_seed(0)
+    m = _TrainOnlyAux().train()
+    loss = lambda mm, bb: ((mm(bb["x"], bb["len"]) - bb["y"]) ** 2).sum((1, 2))  # noqa: E731
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
+    params = pdpsgd.trainable_params(m)
+    for s in range(3):
+        B = 4 + s
+        b = {"x": torch.randn(B, 3, 4), "y": torch.randn(B, 3, 4), "len": torch.randint(1, 4, (B,))}
+        out = step.clipped_sum(params, b)
+        assert out.routes["aux.weight"] == "vmap" and out.routes["fc1.weight"] != "vmap", out.routes
+        _, ref = pdpsgd.testing.naive_per_sample_grads(m, loss, b, {n: p.detach() for n, p in params.items()})
+        norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in ref.values()))
+        c = torch.clamp(0.5 / norms, max=1.0)
+        for n in params:  # the train-mode step against the naive loop (no dropout: deterministic)
+            torch.testing.assert_close(out.sums[n], torch.einsum("b,b...->...", c, ref[n]), rtol=1e-4, atol=1e-6)
+
+
+def test_a_batch_whose_loss_fails_does_not_decide_later_ones():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5))
+    loss = lambda mm, bb: F.cross_entropy(mm(bb["x"]), bb["y"], reduction="none")  # noqa: E731
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    params = pdpsgd.trainable_params(m)
+    with pytest.raises(Exception):
+        step.clipped_sum(params, {"x": torch.randn(4, 6), "y": torch.tensor([0, 1, 7, 2])})  # label 7 of 5
+    out = step.clipped_sum(params, {"x": torch.randn(4, 6), "y": torch.randint(0, 5, (4,))})
+    assert "vmap" not in out.routes.values(), out.routes
