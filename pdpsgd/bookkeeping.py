@@ -1615,8 +1615,9 @@ def plan(model: nn.Module, loss_fn, params: Mapping[str, Tensor], batch: Batch, 
          **bk_options: Any) -> Dict[str, str]:
     """Route per trained parameter for this batch's shapes: "ghost", "explicit" or "vmap".
 
-    Runs one forward and backward (to see the layers' shapes and detect uses outside a layer);
-    the choice itself is a pure function of the shapes (``choose_route``).
+    Runs one forward and backward (to see the layers' shapes and detect uses outside a layer), plus
+    the checks a step memoises (batch-dimension probe, example order, broadcast positions; here not
+    memoised); the choice itself is a pure function of the shapes (``choose_route``).
     """
     registry, overrides, cm = _options(method, bk_options)
     params = {n: p.detach() for n, p in params.items()}
@@ -1631,7 +1632,7 @@ def fallback_reasons(model: nn.Module, loss_fn, params: Mapping[str, Tensor], ba
                      method: str = "auto", **bk_options: Any) -> Dict[str, str]:
     """Why each trained parameter that takes the exact vmap fallback (route "vmap") takes it:
     {name: reason}, e.g. "no rule for MultiheadAttention (attn)", "also used outside its layer's
-    forward". Runs one forward and backward, as ``plan``."""
+    forward". Runs the forward, backward and checks, as ``plan``."""
     registry, overrides, _ = _options(method, bk_options)
     params = {n: p.detach() for n, p in params.items()}
     constants = model_constants(model, params)
