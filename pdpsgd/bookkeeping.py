@@ -1294,7 +1294,7 @@ def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[st
             continue
         col.uses.pop(n)
     if unseen and probe_memo is not None:
-        okey = _order_key(loss_module, batch)
+        okey = _order_key(loss_module, batch, params)
         known, open_ = probe_memo.get(okey, ({}, {}))
         new = {n: 0 for n in unseen if n not in known and n not in open_}
         if new:
@@ -1430,9 +1430,10 @@ def _leaf_sig(x: Any):
     return type(x).__name__, len(x) if isinstance(x, (list, tuple)) else None
 
 
-def _order_key(loss_module: LossModule, batch: Batch):
+def _order_key(loss_module: LossModule, batch: Batch, params: Params):
+    """Per batch shape (without B) and set of trained parameters (unfreezing more is a new check)."""
     leaves, spec = tree_flatten(batch)
-    return ("order", loss_module.model.training, str(spec), tuple(_leaf_sig(x) for x in leaves))
+    return ("order", loss_module.model.training, str(spec), tuple(_leaf_sig(x) for x in leaves), frozenset(params))
 
 
 ORDER_RETRIES = 8  # a parameter no gradient reached in the check is checked again on this many later steps
@@ -1448,7 +1449,7 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
     the step trusts only the latter (anything else: exact fallback). Memoised per batch shape
     (without B): (verdicts, undecided parameters with the number of checks they went through)."""
     B = batch_size(batch)
-    key = _order_key(loss_module, batch)
+    key = _order_key(loss_module, batch, params)
     known, open_ = probe_memo.get(key, ({}, {})) if probe_memo is not None else ({}, {})
     if key in (probe_memo or {}) and all(c >= ORDER_RETRIES for c in open_.values()):
         return _order_verdicts(known)
@@ -1525,7 +1526,9 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
             and not all(n in fallback for n in ruled[c.module][2].values())]
     if not todo:
         return
-    key = _probe_key(batch, B, loss_module.model.training) if probe_memo is not None else None
+    # (the ruled modules are part of the key: a probe only records the modules ruled when it ran)
+    key = ((_probe_key(batch, B, loss_module.model.training), tuple(sorted(v[0] for v in ruled.values())))
+           if probe_memo is not None else None)
     got = probe_memo.get(key) if key is not None else None
     if got is None:
         got = _probe_first_dims(loss_module, params, constants, batch, ruled, B)

@@ -1651,3 +1651,17 @@ def test_a_batch_whose_loss_fails_does_not_decide_later_ones():
         step.clipped_sum(params, {"x": torch.randn(4, 6), "y": torch.tensor([0, 1, 7, 2])})  # label 7 of 5
     out = step.clipped_sum(params, {"x": torch.randn(4, 6), "y": torch.randint(0, 5, (4,))})
     assert "vmap" not in out.routes.values(), out.routes
+
+
+def test_unfreezing_more_parameters_on_the_same_step_keeps_them_on_their_rules():
+    """The memoised probes and checks are per set of trained parameters: passing more of them to the
+    same DPStep (gradual unfreezing) checks the new set instead of sending it to the fallback."""
+    m = models.tiny_gpt2()
+    ids = torch.randint(1, 40, (4, 6), generator=torch.Generator().manual_seed(0))
+    b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    step = pdpsgd.make_dp_step(m, models.hf_lm_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    allp = pdpsgd.trainable_params(m)
+    top = step({n: p for n, p in allp.items() if n.startswith("transformer.h.1.")}, b)
+    assert "vmap" not in top.routes.values(), top.routes
+    out = step(allp, b)
+    assert "vmap" not in out.routes.values(), {n: r for n, r in out.routes.items() if r == "vmap"}
