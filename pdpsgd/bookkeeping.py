@@ -43,7 +43,7 @@ import contextlib
 import math
 import types
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -895,11 +895,27 @@ def _first_dim(args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[int
     return int(x.shape[0]) if x is not None and x.dim() > 0 else None
 
 
-def _own_rng(params: Params):
+@contextlib.contextmanager
+def _own_rng(params: Params, seed: Optional[int] = None) -> Iterator[None]:
     """The extra forwards of the checks and probes draw from forked random streams (CPU, and the
-    parameters' CUDA device): the user's streams, and so the step's noise, are as without them."""
+    parameters' CUDA devices; seeded with ``seed`` if given): the user's streams, and so the step's
+    noise, are as without them."""
     devs = sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
-    return torch.random.fork_rng(devices=devs)
+    with torch.random.fork_rng(devices=devs):
+        if seed is not None:  # (only the forked streams)
+            torch.default_generator.manual_seed(seed)
+            for d in devs:
+                torch.cuda.default_generators[d].manual_seed(seed)
+        yield
+
+
+def _side_collect(loss_module, params, constants, batch, registry, overrides, probe_memo, weights: Tensor,
+                  no_expand=None, seed: Optional[int] = None) -> "_Collected":
+    """A check's capture: module flags in eval mode (dropout masks would differ between its runs),
+    forked random streams, losses weighted, no nested checks."""
+    with _EvalFlags(loss_module.model), _own_rng(params, seed):
+        return _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast=False,
+                        loss_weights=weights, no_expand=no_expand, check_order=False)
 
 
 def _memo_put(memo: Optional[Dict], key, value) -> None:
@@ -1347,12 +1363,9 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
     finite = True
     # in eval mode: dropout would give the two copies different masks (and the check must not draw
     # from the user's random streams); how the model reads the expanded output is the same
-    flags = _EvalFlags(loss_module.model)
-    flags.__enter__()
     try:
-        with _own_rng(params):
-            sub = _collect(loss_module, params, constants, dup, registry, overrides, probe_memo, check_broadcast=False,
-                           loss_weights=torch.tensor([1.0, 2.0]), check_order=False)
+        sub = _side_collect(loss_module, params, constants, dup, registry, overrides, probe_memo,
+                            torch.tensor([1.0, 2.0]))
     except Exception as err:  # a model that cannot run two copies: nothing is verified
         if isinstance(err, _OOM):
             raise
@@ -1371,20 +1384,16 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
                 for u in us:
                     Gu = _materialise(u, params[n].shape, acc)  # (2, *shape)
                     G = Gu if G is None else G + Gu
-                # undecided (fall back this time, ask again next time): no gradient reached it for
-                # this example, or a non-finite one
                 if G is None or not bool((G != 0).any()):  # its own gradient, non-zero in the step, is gone
                     bad[mn] = why
                     break
-                if not bool(torch.isfinite(G).all()):
+                if not bool(torch.isfinite(G).all()):  # undecided: fall back this time, ask again next time
                     bad[mn], finite = why + " (undecided: a non-finite gradient for the example tried)", False
                     break
                 rtol = max(DUPLICATE_RTOL, 16 * torch.finfo(params[n].dtype).eps)
                 if bool((G[1] - 2 * G[0]).abs().max() > rtol * G[1].abs().max()):
                     bad[mn] = why
                     break
-    finally:
-        flags.__exit__()
     if probe_memo is not None and finite:
         old = probe_memo.get(key, (frozenset(), {}))
         _memo_put(probe_memo, key, (old[0] | frozenset(spread), {**old[1], **bad}))
@@ -1463,55 +1472,49 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
            "weight, should not): does the model reorder or mix the batch inside its forward? (exact fallback)")
 
     def run(b, w, seed):
-        with _own_rng(params):
-            torch.default_generator.manual_seed(seed)  # (only the streams forked: CPU, the parameters' GPUs)
-            for d in sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"}):
-                torch.cuda.default_generators[d].manual_seed(seed)
-            return _collect(loss_module, params, constants, b, registry, overrides, probe_memo, check_broadcast=False,
-                            loss_weights=w, no_expand=no_expand, check_order=False)
+        return _side_collect(loss_module, params, constants, b, registry, overrides, probe_memo, w, no_expand, seed)
 
-    with _EvalFlags(loss_module.model):
-        try:
-            s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
-            names = sorted(s1.uses)
-            n1, fb1 = _example_norms(s1, params, names, B), dict(s1.fallback)
-            del s1  # (one pass's captures alive at a time)
-            s2 = run(perm, w2, 0)
-            n2, fb2 = _example_norms(s2, params, names, B), dict(s2.fallback)
-            del s2
-        except Exception as err:  # e.g. a loss_fn that fails on the eval-mode forward: nothing is verified
-            if isinstance(err, _OOM):
-                raise
-            # (not memoised: a batch whose loss fails, a corrupt label say, must not decide later ones)
-            return {n: ("the example-order check (eval-mode forward) failed: "
-                        f"{type(err).__name__}: {str(err)[:120]}; bk_options={{'check_order': False}} skips it")
-                    for n in params}, set()
+    try:
+        s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
+        names = sorted(s1.uses)
+        n1, fb1 = _example_norms(s1, params, names, B), dict(s1.fallback)
+        del s1  # (one pass's captures alive at a time)
+        s2 = run(perm, w2, 0)
+        n2, fb2 = _example_norms(s2, params, names, B), dict(s2.fallback)
+        del s2
+    except Exception as err:  # e.g. a loss_fn that fails on the eval-mode forward: nothing is verified
+        if isinstance(err, _OOM):
+            raise
+        # (not memoised: a batch whose loss fails, a corrupt label say, must not decide later ones)
+        return {n: ("the example-order check (eval-mode forward) failed: "
+                    f"{type(err).__name__}: {str(err)[:120]}; bk_options={{'check_order': False}} skips it")
+                for n in params}, set()
 
-        def differ(x: Tensor, y: Tensor, n: str) -> Tensor:  # per example, beyond rounding
-            eps = torch.finfo(params[n].dtype).eps
-            fin = torch.isfinite(x) & torch.isfinite(y)  # (a non-finite example is dropped by the step anyway)
-            top = torch.where(fin, torch.maximum(x, y), torch.zeros_like(x)).max()
-            return fin & ((x - y).abs() > max(ORDER_RTOL, 4 * eps) * torch.maximum(x, y) + 8 * eps * top)
+    def differ(x: Tensor, y: Tensor, n: str) -> Tensor:  # per example, beyond rounding
+        eps = torch.finfo(params[n].dtype).eps
+        fin = torch.isfinite(x) & torch.isfinite(y)  # (a non-finite example is dropped by the step anyway)
+        top = torch.where(fin, torch.maximum(x, y), torch.zeros_like(x)).max()
+        return fin & ((x - y).abs() > max(ORDER_RTOL, 4 * eps) * torch.maximum(x, y) + 8 * eps * top)
 
-        res: Dict[str, Optional[str]] = {}
-        for n in names:
-            if n in fb1 or n in fb2:
-                res[n] = f"the example-order check could not verify it: {fb1.get(n) or fb2.get(n)}"
-                continue
-            a = n1[n].index_select(0, pi.to(n1[n].device))  # example π[p]'s norm, run 1
-            b = n2[n] / (w2 * w2).to(n2[n])  # slot p of run 2 holds example π[p]
-            if not bool((torch.isfinite(a) & (a > 0)).any()):
-                continue  # undecided: no finite gradient reached it in this batch; asked again
-            res[n] = why if bool(differ(a, b, n).any()) else None
-        if any(v is not None for v in res.values()):
-            # a forward that draws random numbers differs from itself (beyond rounding: kernels that
-            # are not bitwise reproducible do not count): not a reordering; the check cannot tell
-            s1b = run(batch, torch.ones(B, dtype=torch.float64), 1)
-            n1b = _example_norms(s1b, params, [n for n, v in res.items() if v is not None], B)
-            del s1b
-            for n, v in n1b.items():
-                if bool(differ(v, n1[n], n).any()):
-                    res[n] = None  # random: trusted, as without the check (README)
+    res: Dict[str, Optional[str]] = {}
+    for n in names:
+        if n in fb1 or n in fb2:
+            res[n] = f"the example-order check could not verify it: {fb1.get(n) or fb2.get(n)}"
+            continue
+        a = n1[n].index_select(0, pi.to(n1[n].device))  # example π[p]'s norm, run 1
+        b = n2[n] / (w2 * w2).to(n2[n])  # slot p of run 2 holds example π[p]
+        if not bool((torch.isfinite(a) & (a > 0)).any()):
+            continue  # undecided: no finite gradient reached it in this batch; asked again
+        res[n] = why if bool(differ(a, b, n).any()) else None
+    if any(v is not None for v in res.values()):
+        # a forward that draws random numbers differs from itself (beyond rounding: kernels that
+        # are not bitwise reproducible do not count): not a reordering; the check cannot tell
+        s1b = run(batch, torch.ones(B, dtype=torch.float64), 1)
+        n1b = _example_norms(s1b, params, [n for n, v in res.items() if v is not None], B)
+        del s1b
+        for n, v in n1b.items():
+            if bool(differ(v, n1[n], n).any()):
+                res[n] = None  # random: trusted, as without the check (README)
     undecided = {n: open_.get(n, 0) + 1 for n in set(names) | set(open_) if n not in res}
     known = {**known, **res}
     if probe_memo is not None:
