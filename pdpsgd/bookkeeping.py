@@ -370,13 +370,24 @@ def _take_rows(X: Tensor, idx: Tensor) -> Tensor:
     return X.gather(1, idx.unsqueeze(2).expand(-1, -1, X.shape[2]))  # (B, T, P) at (B, K) -> (B, K, P)
 
 
+def _bound(u: Use, terms: Tensor, bounds: Dict[int, Tensor], tokens: Optional[Dict[int, Tensor]],
+           squared: bool = True) -> None:
+    """From the per-row terms (B, T) ‖L_t‖²‖R_t‖² (or ‖L_t‖‖R_t‖, ``squared=False``): the bound
+    Σ_t ‖L_t‖‖R_t‖ ≥ ‖G_u,i‖ (B,) and, if ``tokens`` is given, each example's count of non-zero terms."""
+    bounds[id(u)] = (terms.sqrt() if squared else terms).sum(1)
+    if tokens is not None:
+        tokens[id(u)] = (terms != 0).sum(1)
+
+
 def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[_GramMemo] = None,
            rows: Optional[Dict[int, Tensor]] = None, bounds: Optional[Dict[int, Tensor]] = None,
-           compact: Optional[Dict[int, _Compact]] = None) -> Tensor:
+           compact: Optional[Dict[int, _Compact]] = None, tokens: Optional[Dict[int, Tensor]] = None) -> Tensor:
     """Per-example ⟨G_u, G_v⟩ (B,) without materialising G when a ghost formula exists (``cache``:
     this batch's ``_GramMemo``; ``rows``: filled with ``_active_rows`` of self pairs, by id(use);
     ``bounds``: filled, for self pairs of Gram formulas, with Σ_t ‖L_t‖‖R_t‖ ≥ ‖G_u,i‖ (B,), read
-    off the Gram diagonals, by id(use); ``compact``: ``_compaction`` of self pairs, by id(use))."""
+    off the Gram diagonals, by id(use); ``compact``: ``_compaction`` of self pairs, by id(use);
+    ``tokens``: filled, where ``bounds`` is, with each example's count of rows t whose term
+    ‖L_t‖‖R_t‖ is not 0 (B,), for the cancellation guard's threshold)."""
     if isinstance(u, Index) and isinstance(v, Dense):
         u, v = v, u
     comp = compact.get(id(u)) if compact is not None and u is v else None
@@ -385,7 +396,7 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
         gl = torch.bmm(Lc, Lc.transpose(1, 2))  # (B, K, K)
         gr = torch.bmm(Rc, Rc.transpose(1, 2))  # (B, K, K)
         if bounds is not None:
-            bounds[id(u)] = (gl.diagonal(dim1=1, dim2=2) * gr.diagonal(dim1=1, dim2=2)).sqrt().sum(1)
+            _bound(u, gl.diagonal(dim1=1, dim2=2) * gr.diagonal(dim1=1, dim2=2), bounds, tokens)
         if rows is not None:
             rows[id(u)] = comp.rows
         return (gl * gr).sum((1, 2))  # (B, K, K) -> (B,)
@@ -395,7 +406,7 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
         gr = _gram(u.R, v.R, acc, cache)  # (B, T, P1) x (B, S, P1) -> (B, T, S)
         if u is v and bounds is not None:
             # Σ_t ‖L_t‖‖R_t‖ (B,): √(‖L_t‖²‖R_t‖²), the Gram diagonals (sums of squares: ≥ 0)
-            bounds[id(u)] = (gl.diagonal(dim1=1, dim2=2) * gr.diagonal(dim1=1, dim2=2)).sqrt().sum(1)
+            _bound(u, gl.diagonal(dim1=1, dim2=2) * gr.diagonal(dim1=1, dim2=2), bounds, tokens)
         if u is v and rows is not None:
             act = _active_rows(u, gl, gr)
             if act is not None:
@@ -403,13 +414,13 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
         return (gl * gr).sum((1, 2))  # (B, T, S) -> (B,)
     if isinstance(u, Dense) and u.R is None and isinstance(v, Dense) and v.R is None:
         if u is v and bounds is not None:
-            bounds[id(u)] = torch.linalg.vector_norm(u.L.to(acc), dim=-1).sum(1)  # Σ_t ‖L_t‖ (B,)
+            _bound(u, torch.linalg.vector_norm(u.L.to(acc), dim=-1), bounds, tokens, squared=False)  # ‖L_t‖ (B, T)
         return (u.L.to(acc).sum(1) * v.L.to(acc).sum(1)).sum(1)  # (B, P0) · (B, P0) -> (B,)
     if isinstance(u, Index) and isinstance(v, Index) and u.R.shape[-1] == v.R.shape[-1]:
         eq = (u.ids.unsqueeze(2) == v.ids.unsqueeze(1)).to(acc)  # (B, T, 1) == (B, 1, S) -> (B, T, S)
         gr = _gram(u.R.to(acc), v.R.to(acc))  # (B, T, d) x (B, S, d) -> (B, T, S)
         if u is v and bounds is not None:
-            bounds[id(u)] = gr.diagonal(dim1=1, dim2=2).sqrt().sum(1)  # Σ_t ‖e_{id_t}‖‖R_t‖ (B,)
+            _bound(u, gr.diagonal(dim1=1, dim2=2), bounds, tokens)  # ‖e_{id_t}‖²‖R_t‖² (B, T)
         return (eq * gr).sum((1, 2))  # (B, T, S) -> (B,)
     if isinstance(u, Dense) and u.R is not None and isinstance(v, Index) \
             and u.L.shape[-1] == v.num_rows and u.R.shape[-1] == v.R.shape[-1]:
@@ -430,8 +441,10 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
 # when large token terms nearly cancel, which an example can be crafted to do (activations ≈ 1e4
 # with opposing output gradients: a norm of 7.5 computed as 0), while the clipped sum is computed
 # by a separate matmul: the example would escape its clip. κ_i = (Σ_t ‖L_t‖‖R_t‖)² / ‖G_i‖² says how
-# much cancels; measured on GPT-2 / BERT at T = 32 and 128 it stays below 2T for every weight. An
-# example with κ_i > KAPPA_MAX_PER_T · T in float32 (or narrower) is clipped with the bound
+# much cancels; measured on GPT-2 / BERT / OPT at T = 32 and 128 it stays below 1.3·n_i for every
+# weight, n_i the example's rows whose term ‖L_t‖‖R_t‖ is not 0 (its tokens: padding does not
+# count; a use without per-row terms counts T). An example with κ_i > KAPPA_MAX_PER_T · n_i
+# (summed over a parameter's uses) in float32 (or narrower) is clipped with the bound
 # (Σ_t ‖L_t‖‖R_t‖)² ≥ ‖G_i‖² (triangle inequality) as its squared norm: clipped harder, never more
 # than C. No host read decides it (torch.where). Float64 keeps the exact norm.
 KAPPA_MAX_PER_T = 16
@@ -446,26 +459,33 @@ class _Guard:
         self.groups: Dict[Tuple, List[Tuple[str, Tensor, Optional[Tensor]]]] = {}
 
     def add(self, n: str, tot: Tensor, uses: List[Use], bounds: Dict[int, Tensor], acc: torch.dtype,
-            tokens: Optional[Dict[int, int]] = None) -> None:
+            tokens: Optional[Dict[int, Tensor]] = None) -> None:
         b = None
         if acc != torch.float64 and uses and all(id(u) in bounds for u in uses):
             b = bounds[id(uses[0])]
             for u in uses[1:]:
                 b = b + bounds[id(u)]  # Σ over uses: ‖Σ_u G_u,i‖ ≤ Σ_u Σ_t ‖L_t‖‖R_t‖
-        # tokens over all uses (``tokens``: a compacted use's K, its rows that are not zero: a tighter threshold)
-        T = sum((tokens or {}).get(id(u), getattr(u, "T", 1)) for u in uses) if b is not None else 0
-        self.groups.setdefault((tot.dtype, tot.device, T), []).append((n, tot, b))
+        # tokens over all uses (``tokens``: per example (B,), the rows whose term ‖L_t‖‖R_t‖ is not 0,
+        # e.g. not padding: a tighter threshold than T; a use without: its T)
+        T: Any = 0
+        if b is not None:
+            T = sum((tokens or {}).get(id(u), getattr(u, "T", 1)) for u in uses)
+        per_example = isinstance(T, Tensor)
+        self.groups.setdefault((tot.dtype, tot.device, "per example" if per_example else T), []).append(
+            (n, tot, b, T if per_example else None))
 
     def done(self, sq: Dict[str, Tensor]) -> None:
         for (_, _, T), items in self.groups.items():
             # a sum of squares; rounding may dip below 0 only when ~0
-            S = torch.stack([t for _, t, _ in items], 1).clamp_min_(0)  # m x (B,) -> (B, m)
+            S = torch.stack([t for _, t, _, _ in items], 1).clamp_min_(0)  # m x (B,) -> (B, m)
             if T:  # T = 0: no bounds (float64, or a use without one): the norms as they are
-                b = torch.stack([b for _, _, b in items], 1)
+                b = torch.stack([b for _, _, b, _ in items], 1)
                 b2 = b * b
+                if T == "per example":
+                    T = torch.stack([t.to(S.device, S.dtype) for _, _, _, t in items], 1).clamp_min_(1)  # (B, m)
                 S = torch.where(S * (KAPPA_MAX_PER_T * T) < b2, b2, S)
-            for j, (n, _, _) in enumerate(items):
-                sq[n] = S[:, j]
+            for j, item in enumerate(items):
+                sq[item[0]] = S[:, j]
         self.groups.clear()
 
 
@@ -1710,7 +1730,7 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
                 c = _compaction(us[0], finite)
                 if c is not None:
                     compact[id(us[0])] = c
-    tokens = {i: int(c.idx.shape[1]) for i, c in compact.items()}  # compacted uses' K (for the guard)
+    tokens: Dict[int, Tensor] = {}  # ghost uses' per-example counts of contributing rows (for the guard)
     counts: Dict = {}  # self-Gram operands of ghost-route dense uses, to share e.g. q/k/v's input Gram
     for n, r in routes.items():
         if r == "ghost":
@@ -1759,7 +1779,7 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
             bounds: Dict[int, Tensor] = {}
             for i, u in enumerate(uses):
                 for j in range(i, len(uses)):
-                    t = _inner(u, uses[j], p.shape, acc, grams, rows, bounds, compact)
+                    t = _inner(u, uses[j], p.shape, acc, grams, rows, bounds, compact, tokens)
                     t = t if i == j else 2 * t
                     tot = t if tot is None else tot + t
             guard.add(n, tot, uses, bounds, acc, tokens)  # sq[n]: clamped at 0 and guarded below

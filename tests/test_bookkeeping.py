@@ -1665,3 +1665,36 @@ def test_unfreezing_more_parameters_on_the_same_step_keeps_them_on_their_rules()
     assert "vmap" not in top.routes.values(), top.routes
     out = step(allp, b)
     assert "vmap" not in out.routes.values(), {n: r for n, r in out.routes.items() if r == "vmap"}
+
+
+@pytest.mark.parametrize("neighbour_len", [0, 64])
+def test_float32_guard_counts_each_examples_own_tokens(neighbour_len):
+    """The crafted float32 example of the test above (31 non-zero tokens of T = 64 that nearly
+    cancel) next to an ordinary example of ``neighbour_len`` tokens. With a full-length neighbour
+    the batch is not compacted; the guard must still count the crafted example's own 31 tokens
+    (not T), so its norm is never under the true one and its clipped contribution stays ≤ C
+    (counting T, its norm came out 1.4e-5 relative under: a documented leak of round 7, fixed)."""
+    import random
+
+    rng = random.Random(52)
+    torch.manual_seed(52)
+    T = rng.choice([8, 64, 70])
+    rng.choice([0, 1])
+    k = rng.randint(1, T // 2)
+    v = torch.randn(3, dtype=torch.float64)
+    base = torch.randn(4, dtype=torch.float64) * 10 ** rng.randint(0, 4)
+    x = torch.randn(2, T, 4, dtype=torch.float64) * 10 ** rng.randint(0, 3)
+    G = torch.zeros(2, T, 3, dtype=torch.float64)
+    for t in range(k):
+        x[0, t] = base + torch.randn(4, dtype=torch.float64) * 10 ** (-rng.randint(0, 3))
+        G[0, t] = v * (1 if t % 2 == 0 else -1) * (1 + 1e-3 * rng.random())
+    G[1, :neighbour_len] = torch.randn(neighbour_len, 3, dtype=torch.float64)
+    assert (T, k) == (64, 31)
+    x, G = x.float(), G.float()
+    C = 1e-3
+    lin = nn.Linear(4, 3, bias=False)
+    step = make_dp_step(lin, lambda m, b: (m(b["x"]) * b["G"]).sum((1, 2)), max_grad_norm=C, noise_multiplier=0.0,
+                        method="bk", bk_options={"cost_model": "ghost"})
+    p = step.clipped_sum(dict(lin.named_parameters()), {"x": x, "G": G})
+    true = torch.einsum("btp,btq->pq", G[0].double()[None], x[0].double()[None]).norm()
+    assert float(p.per_sample_norms[0]) >= float(true) * (1 - 1e-6)
