@@ -1223,12 +1223,10 @@ def test_nonfinite_value_at_a_skipped_row_is_not_hidden():
     assert all(bool(torch.isfinite(s).all()) for s in part.sums.values())
 
 
-def test_float32_guard_counts_only_the_compacted_tokens():
-    """A crafted float32 example that nearly cancels (31 tokens ≈ one base input, alternating ±v
-    output gradients) and 33 padded positions, so its ghost norm is compacted: the cancellation
-    guard's threshold counts its 31 non-zero tokens, not T = 64, so it fires and the example's
-    clipped contribution stays ≤ C (with T it did not fire and the contribution exceeded C by
-    1.4e-5 relative; a review finding, this is its reproducer)."""
+def _crafted_cancelling(B):
+    """float32 (x, G) of B examples, T = 64: example 0 is crafted to nearly cancel (31 tokens ≈ one
+    base input, alternating ±v output gradients, 33 zero rows); the others have G = 0 (the caller
+    fills them). A linear layer's per-example gradient is Σ_t G[t] ⊗ x[t]."""
     import random
 
     rng = random.Random(52)
@@ -1238,13 +1236,22 @@ def test_float32_guard_counts_only_the_compacted_tokens():
     k = rng.randint(1, T // 2)
     v = torch.randn(3, dtype=torch.float64)
     base = torch.randn(4, dtype=torch.float64) * 10 ** rng.randint(0, 4)
-    x = torch.randn(1, T, 4, dtype=torch.float64) * 10 ** rng.randint(0, 3)
-    G = torch.zeros(1, T, 3, dtype=torch.float64)
+    x = torch.randn(B, T, 4, dtype=torch.float64) * 10 ** rng.randint(0, 3)
+    G = torch.zeros(B, T, 3, dtype=torch.float64)
     for t in range(k):
         x[0, t] = base + torch.randn(4, dtype=torch.float64) * 10 ** (-rng.randint(0, 3))
         G[0, t] = v * (1 if t % 2 == 0 else -1) * (1 + 1e-3 * rng.random())
     assert (T, k) == (64, 31)
-    x, G = x.float(), G.float()
+    return x.float(), G.float()
+
+
+def test_float32_guard_counts_only_the_compacted_tokens():
+    """A crafted float32 example that nearly cancels (31 tokens ≈ one base input, alternating ±v
+    output gradients) and 33 padded positions, so its ghost norm is compacted: the cancellation
+    guard's threshold counts its 31 non-zero tokens, not T = 64, so it fires and the example's
+    clipped contribution stays ≤ C (with T it did not fire and the contribution exceeded C by
+    1.4e-5 relative; a review finding, this is its reproducer)."""
+    x, G = _crafted_cancelling(1)
     C = 1e-3
     torch.manual_seed(0)
     lin = nn.Linear(4, 3, bias=False)
@@ -1674,23 +1681,8 @@ def test_float32_guard_counts_each_examples_own_tokens(neighbour_len):
     the batch is not compacted; the guard must still count the crafted example's own 31 tokens
     (not T), so its norm is never under the true one and its clipped contribution stays ≤ C
     (counting T, its norm came out 1.4e-5 relative under: a documented leak of round 7, fixed)."""
-    import random
-
-    rng = random.Random(52)
-    torch.manual_seed(52)
-    T = rng.choice([8, 64, 70])
-    rng.choice([0, 1])
-    k = rng.randint(1, T // 2)
-    v = torch.randn(3, dtype=torch.float64)
-    base = torch.randn(4, dtype=torch.float64) * 10 ** rng.randint(0, 4)
-    x = torch.randn(2, T, 4, dtype=torch.float64) * 10 ** rng.randint(0, 3)
-    G = torch.zeros(2, T, 3, dtype=torch.float64)
-    for t in range(k):
-        x[0, t] = base + torch.randn(4, dtype=torch.float64) * 10 ** (-rng.randint(0, 3))
-        G[0, t] = v * (1 if t % 2 == 0 else -1) * (1 + 1e-3 * rng.random())
-    G[1, :neighbour_len] = torch.randn(neighbour_len, 3, dtype=torch.float64)
-    assert (T, k) == (64, 31)
-    x, G = x.float(), G.float()
+    x, G = _crafted_cancelling(2)
+    G[1, :neighbour_len] = torch.randn(neighbour_len, 3)
     C = 1e-3
     lin = nn.Linear(4, 3, bias=False)
     step = make_dp_step(lin, lambda m, b: (m(b["x"]) * b["G"]).sum((1, 2)), max_grad_norm=C, noise_multiplier=0.0,
