@@ -36,6 +36,9 @@ CONFIGS = {
     "bert-128": ("bert", 4, 256, 4, 8192, 128, 8),
     # OPT runs its feed-forward on the batch flattened to (B·T, d) rows (not an issue config)
     "opt-128": ("opt", 4, 256, 4, 8192, 128, 8),
+    # BERT-shaped, a Poisson-sampled batch of short texts padded to its longest (128 tokens): lengths
+    # 8 + Exp(mean 24), capped at 128, one example 128 long (see SKEWED; not an issue config)
+    "bert-skew": ("bert", 4, 256, 4, 8192, 128, 32),
     "gpt2small-256": ("gpt2", 12, 768, 12, 50257, 256, 8),
     "tiny": ("gpt2", 2, 64, 2, 512, 16, 4),
     # GPT-2 small's depth at negligible compute: CPU time ~ host (launch / Python) overhead, the
@@ -47,6 +50,7 @@ AMP = False  # bf16 torch.autocast around every variant's model call (--amp)
 COMPILE = False
 NOISE_RNG = "torch"  # pdpsgd variants' noise source (--noise-rng)
 BACK_TO_BACK = True
+SKEWED = {"bert-skew"}  # configs whose BERT batch has short, skewed lengths (else uniform in [T/2, T])
 VARIANTS = ["nonprivate", "bk", "auto", "vmap", "opacus", "opacus_ghost"]
 
 
@@ -78,7 +82,11 @@ def build(cfg_name, device, dtype=torch.float32, untied=False):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, V, (B, T), generator=g)
     am = torch.ones(B, T, dtype=torch.long)
-    if fam == "bert":
+    if fam == "bert" and cfg_name in SKEWED:
+        lengths = (8 + torch.empty(B).exponential_(1 / 24, generator=g)).long().clamp_(max=T)
+        lengths[0] = T
+        am = (torch.arange(T)[None] < lengths[:, None]).long()
+    elif fam == "bert":
         lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
         am = (torch.arange(T)[None] < lengths[:, None]).long()
     batch = {"input_ids": ids, "attention_mask": am, "labels": torch.randint(0, 2, (B,), generator=g),

@@ -16,9 +16,9 @@ A self-Gram X Xᵀ whose operand several ghost-route layers share (BERT's query/
 computed once per batch; a ghost use's clipped-sum matmul runs over the factor rows that are not
 exactly zero (e.g. padded tokens, whose output gradients are exactly 0) when at least 10 % are, the
 candidates read off the Gram diagonals and each confirmed exactly. On the CPU, a ghost use whose
-output-gradient factor is exactly zero at most positions (padding; a classifier's last layer,
-where only the first token's gradient is non-zero) has its Grams computed over each example's
-non-zero rows only, gathered to the batch's largest count K ≤ ¾T (``_compaction``).
+factor rows are exactly zero at many positions (padding; a classifier's last layer, where only the
+first token's gradient is non-zero) has its Grams computed over each example's non-zero rows
+only, the examples grouped by their counts (``_compaction``): Σ_g B_g·K_g² instead of B·T².
 
 Uses of the same parameter (tied weights such as GPT-2's wte/lm_head, a layer called twice) are
 summed *before* the norm, so cross terms are included exactly (Embedding × Linear cross terms
@@ -255,21 +255,40 @@ def _gram(X: Tensor, Y: Tensor, acc: Optional[torch.dtype] = None, cache: Option
     return torch.bmm(X, Y.transpose(1, 2))  # (B, T, k) x (B, k, S) -> (B, T, S)
 
 
+def _compact_grams(X: Tensor, acc: Optional[torch.dtype], comp: "_Compact") -> List[Tensor]:
+    """Per group of ``comp``: the self-Gram of its examples' non-zero rows, (B_g, K_g, K_g)."""
+    out = []
+    for _, flat, K in comp.groups:
+        Xg = _take_rows(X, flat, K)  # (B_g, K_g, P)
+        Xg = Xg.to(acc) if acc is not None else Xg
+        out.append(torch.bmm(Xg, Xg.transpose(1, 2)))  # (B_g, K_g, P) x (B_g, P, K_g) -> (B_g, K_g, K_g)
+    return out
+
+
+def _gram_key(X: Tensor, acc: Optional[torch.dtype], comp: Optional["_Compact"] = None) -> Tuple:
+    return (_key(X), acc, None if comp is None else id(comp))
+
+
 class _GramMemo:
     """Self-Gram X Xᵀ of operands shared by several ghost-route uses (e.g. BERT's query/key/value
-    share their input a), computed once and dropped after its last consumer. Keys are addresses of
-    tensors that ``col.uses`` holds alive for the whole batch, so they cannot be reused meanwhile."""
+    share their input a), computed once and dropped after its last consumer; compacted uses with
+    the same non-zero rows (one ``_Compact``) share their groups' Grams the same way. Keys are
+    addresses of tensors that ``col.uses`` (and the batch's compactions) hold alive for the whole
+    batch, so they cannot be reused meanwhile."""
 
     def __init__(self, counts: Dict):
         self.left = {k: c for k, c in counts.items() if c > 1}  # consumers still to come
         self.memo: Dict = {}
 
-    def self_gram(self, X: Tensor, acc: Optional[torch.dtype]) -> Tensor:
-        k = (_key(X), acc)
+    def self_gram(self, X: Tensor, acc: Optional[torch.dtype], comp: Optional["_Compact"] = None):
+        k = _gram_key(X, acc, comp)
         g = self.memo.get(k)
         if g is None:
-            Xa = X.to(acc) if acc is not None else X
-            g = torch.bmm(Xa, Xa.transpose(1, 2))
+            if comp is not None:
+                g = _compact_grams(X, acc, comp)
+            else:
+                Xa = X.to(acc) if acc is not None else X
+                g = torch.bmm(Xa, Xa.transpose(1, 2))
         left = self.left.get(k, 1) - 1
         if left > 0:
             self.memo[k] = g
@@ -322,52 +341,142 @@ def _active_rows(u: Dense, gl: Tensor, gr: Tensor) -> Optional[Tensor]:
     return (~zero).nonzero().squeeze(1)
 
 
-# Ghost norms over the rows (tokens) that are not exactly zero, compacted per example to the batch's
-# largest count K, when K ≤ this fraction of T (padded positions, or a classifier's last layer where
-# only the first token's output gradient is non-zero): Grams of (B, K, ·) instead of (B, T, ·).
-COMPACT_MAX_FRACTION = 0.75
+# Ghost norms over the rows (tokens) that are not exactly zero (padded positions; a classifier's last
+# layer, where only the first token's output gradient is non-zero): each example's non-zero rows are
+# gathered first, and examples of similar counts share one Gram batch (B_g, K_g, ·), K_g the largest
+# count in the group, instead of (B, T, ·) for all. Taken when the Gram work Σ_g B_g·K_g² (plus a
+# fixed cost per group) is at most this fraction of B·T².
+COMPACT_MAX_FRACTION = 0.85
+COMPACT_GROUP_COST = 0.125  # per group, in units of one T² Gram (gathers, a few small ops)
+COMPACT_MAX_GROUPS = 4
+COMPACT_GATHER_COST = 40  # gathering a row, in units of one row of one Gram's products (measured, CPU)
+CONFIRM_FULL_FRACTION = 0.3  # confirm zero rows by one pass over the whole factor when candidates are this many
 COMPACT_MIN_T = 64  # below this the Grams are cheap and the check would not pay
 
 
 @dataclass
 class _Compact:
-    idx: Tensor  # (B, K) positions of each example's non-zero rows first (the rest: zero rows)
+    # per group: (its examples, or None for all; flat row indices into the B·T rows, or None when the
+    # group is all examples and each one's non-zero rows come first: a view X[:, :K_g]; K_g)
+    groups: List[Tuple[Optional[Tensor], Optional[Tensor], int]]
     rows: Tensor  # flat indices into the B·T rows of the non-zero ones (for the clipped sum)
+    counts: Tensor  # (B,) each example's non-zero rows (the cancellation guard's token count)
 
 
-def _compaction(u: Dense, finite: Dict) -> Optional[_Compact]:
+def _groups(counts: List[int], T: int, prefix: bool) -> Optional[List[List[int]]]:
+    """Examples (indices) grouped by their non-zero row counts for the compacted Grams: contiguous
+    runs of the sorted counts, at most ``COMPACT_MAX_GROUPS``, split at equal quantiles, the
+    cheapest by Σ_g B_g·K_g² (+ the gather of B_g·K_g rows where the rows cannot be a view:
+    ``prefix`` says whether each example's non-zero rows come first) + a fixed cost per group;
+    None when none saves enough."""
+    B = len(counts)
+    order = sorted(range(B), key=lambda i: counts[i])
+    best, best_cost = None, COMPACT_MAX_FRACTION * B * T * T
+    for G in range(1, min(COMPACT_MAX_GROUPS, B) + 1):
+        cuts = sorted({round(B * j / G) for j in range(1, G)} | {B})
+        parts, lo = [], 0
+        for hi in cuts:
+            if hi > lo:
+                parts.append(order[lo:hi])
+                lo = hi
+        cost = len(parts) * COMPACT_GROUP_COST * T * T
+        for g in parts:
+            K = max(1, counts[g[-1]])
+            cost += len(g) * K * (K + (0 if prefix and len(g) == B else COMPACT_GATHER_COST))
+        if cost <= best_cost:
+            best, best_cost = parts, cost
+    return best
+
+
+def _zero_row_at_ends(X: Tensor) -> bool:
+    """Whether some example's row at position 0 or T − 1 of X (B, T, P) is exactly zero."""
+    Y = X[:, [0, X.shape[1] - 1]]  # (B, 2, P)
+    return bool(((Y.amax(-1) == 0) & (Y.amin(-1) == 0)).any())
+
+
+def _compaction(u: Dense, finite: Dict, shared: Dict) -> Optional[_Compact]:
     """Where a dense use's rows t with one factor exactly zero (the output gradient's, e.g. at
-    padded positions: L in the Linear rule, R in HF Conv1D's) are many, the positions of the
-    others, per example; None otherwise. Such a row adds exactly 0 to G_i = Σ_t L[t] ⊗ R[t] when
-    the other factor is finite (checked, else None: 0·inf is not 0; a non-finite row of the zero
-    factor is not zero, so it is kept), so the norm and the sum over the others are exact. A look
-    at two positions (T/2 and T − 1) decides whether the exact per-row check runs, and on which
-    factor. ``finite``: this batch's memo of the other factors' checks (q/k/v share their input)."""
+    padded positions: L in the Linear rule, R in HF Conv1D's) make the Grams much smaller, the
+    positions of the others, per example, grouped (``_groups``); None otherwise. Such a row adds
+    exactly 0 to G_i = Σ_t L[t] ⊗ R[t] when the other factor's row is finite (checked, else None:
+    0·inf is not 0; a non-finite row of the zero factor is not zero, so it is kept), so the norm
+    and the sum over the others are exact. A look at the rows at positions 0 and T − 1 decides
+    whether to go on; the rows that are 0 at three columns are the candidates (strided reads of B·T
+    values; they decide whether to go on, and which factor); only they are then read in full (in
+    blocks, or in one pass when many) to confirm them exactly. ``finite``: this batch's memo of
+    whole-factor finiteness checks (q/k/v share their input). ``shared``: this batch's compactions
+    by their rows, so uses with the same non-zero rows share one (and their shared operand's Grams)."""
     L, R = u.L, u.R
+    if R is None or L.dim() != 3 or R.dim() != 3:
+        return None
     B, T = L.shape[0], L.shape[1]
-    if R is None or L.dim() != 3 or R.dim() != 3 or T < COMPACT_MIN_T or B == 0:
+    if T < COMPACT_MIN_T or B == 0 or L.shape[2] == 0 or R.shape[2] == 0:
         return None
-    step = T - 1 - T // 2
-    zero = next((X for X in (L, R) if bool((X[:, T // 2::max(1, step)] == 0).all())), None)  # positions T/2, T − 1
-    if zero is None:
+    if not any(_zero_row_at_ends(X) for X in (L, R)):  # a first look: no padding at either end
         return None
-    other = R if zero is L else L
-    hi, lo = zero.amax(2), zero.amin(2)  # (B, T): both 0 exactly for a zero row (NaN / ±inf: not 0, kept)
-    k = _key(other)  # (held alive by col.uses for the whole batch: the address is not reused meanwhile)
-    if k not in finite:
-        finite[k] = bool(torch.isfinite(other.sum()))  # (an overflow to inf only declines: safe)
-    if not finite[k]:
+    # (B, T) ⊇ the zero rows (NaN is not 0): 0 at three columns (one would take e.g. ReLU outputs)
+    cands = [(X[:, :, 0] == 0) & (X[:, :, X.shape[2] // 2] == 0) & (X[:, :, -1] == 0) for X in (L, R)]
+    nc = [c.sum(1) for c in cands]
+    j = 0 if int(nc[0].sum()) >= int(nc[1].sum()) else 1
+    if _groups((T - nc[j]).tolist(), T, True) is None:  # not worth it even if every candidate is a zero row
         return None
-    active = (hi != 0) | (lo != 0)
-    K = int(active.sum(1).max())
-    if K > COMPACT_MAX_FRACTION * T:
-        return None
-    order = torch.argsort((~active).to(torch.int8), dim=1, stable=True)  # active positions first, in order
-    return _Compact(order[:, :max(K, 1)], active.reshape(-1).nonzero().squeeze(1))
+    zero, other, cand = (L, R, cands[0]) if j == 0 else (R, L, cands[1])
+    n = B * T
+    Z, O = zero.reshape(n, -1), other.reshape(n, -1)
+    idx = cand.reshape(-1).nonzero().squeeze(1)
+    if idx.numel() >= CONFIRM_FULL_FRACTION * n:  # many: one pass over the whole factor
+        zrow = (Z.amax(1) == 0) & (Z.amin(1) == 0)  # exactly zero rows (NaN / ±inf: not 0); aminmax is 5x slower
+    else:  # few: read just the candidates, in blocks (a bounded temporary)
+        zrow = torch.zeros(n, dtype=torch.bool, device=L.device)
+        step = max(1, CONFIRM_BLOCK // max(1, Z.shape[1]))
+        for i in range(0, idx.numel(), step):
+            k = idx[i:i + step]
+            exact = Z.index_select(0, k).abs_().amax(1) == 0  # confirm each row exactly
+            zrow[k[exact]] = True
+    zidx = zrow.nonzero().squeeze(1)
+    if zidx.numel() >= CONFIRM_FULL_FRACTION * n:  # the skipped rows' other factor: finite (0·inf is not 0)
+        k = _key(other)  # (held alive by col.uses for the whole batch: the address is not reused meanwhile)
+        if k not in finite:
+            finite[k] = bool(torch.isfinite(O.sum()))  # (an overflow to inf only declines: safe)
+        if not finite[k]:
+            return None
+    else:
+        step = max(1, CONFIRM_BLOCK // max(1, O.shape[1]))
+        for i in range(0, zidx.numel(), step):
+            if not bool(torch.isfinite(O.index_select(0, zidx[i:i + step]).sum())):  # (overflow: declines, safe)
+                return None
+    active = ~zrow.view(B, T)
+    counts = active.sum(1)
+    cl = counts.tolist()
+    same = shared.setdefault((B, T, tuple(cl)), [])
+    for a, c in same:
+        if torch.equal(a, active):
+            return c
+    prefix = bool(torch.equal(active, torch.arange(T, device=active.device) < counts.unsqueeze(1)))
+    parts = _groups(cl, T, prefix)
+    comp = None
+    if parts is not None:
+        order = torch.argsort((~active).to(torch.int8), dim=1, stable=True)  # active positions first, in order
+        groups: List[Tuple[Optional[Tensor], Optional[Tensor], int]] = []
+        for g in parts:
+            K = max(1, cl[g[-1]])
+            if len(g) == B and prefix:
+                groups.append((None, None, K))  # a view: X[:, :K]
+                continue
+            ex = None if len(g) == B else torch.tensor(g, dtype=torch.long, device=L.device)
+            pos = order[:, :K] if ex is None else order.index_select(0, ex)[:, :K]  # (B_g, K)
+            base = torch.arange(B, device=L.device) if ex is None else ex
+            groups.append((ex, (base.unsqueeze(1) * T + pos).reshape(-1), K))
+        comp = _Compact(groups, active.reshape(-1).nonzero().squeeze(1), counts)
+    same.append((active, comp))
+    return comp
 
 
-def _take_rows(X: Tensor, idx: Tensor) -> Tensor:
-    return X.gather(1, idx.unsqueeze(2).expand(-1, -1, X.shape[2]))  # (B, T, P) at (B, K) -> (B, K, P)
+def _take_rows(X: Tensor, flat: Optional[Tensor], K: int) -> Tensor:
+    B, T, P = X.shape
+    if flat is None:
+        return X[:, :K]  # (B, T, P) -> (B, K, P), a view
+    return X.reshape(B * T, P).index_select(0, flat).view(-1, K, P)  # (B, T, P) at B_g·K rows -> (B_g, K, P)
 
 
 def _bound(u: Use, terms: Tensor, bounds: Dict[int, Tensor], tokens: Optional[Dict[int, Tensor]],
@@ -391,15 +500,29 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
     if isinstance(u, Index) and isinstance(v, Dense):
         u, v = v, u
     comp = compact.get(id(u)) if compact is not None and u is v else None
-    if comp is not None:  # only the rows that are not exactly zero (see ``_compaction``)
-        Lc, Rc = _take_rows(u.L, comp.idx).to(acc), _take_rows(u.R, comp.idx).to(acc)  # (B, K, P0), (B, K, P1)
-        gl = torch.bmm(Lc, Lc.transpose(1, 2))  # (B, K, K)
-        gr = torch.bmm(Rc, Rc.transpose(1, 2))  # (B, K, K)
-        if bounds is not None:
-            _bound(u, gl.diagonal(dim1=1, dim2=2) * gr.diagonal(dim1=1, dim2=2), bounds, tokens)
+    if comp is not None:  # only the rows that are not exactly zero, by groups (see ``_compaction``)
+        memo = cache if cache is not None else _GramMemo({})
+        gls, grs = memo.self_gram(u.L, acc, comp), memo.self_gram(u.R, acc, comp)
+        B, dev = u.L.shape[0], u.L.device
+        out = torch.empty(B, dtype=acc, device=dev)
+        bnd = torch.empty(B, dtype=acc, device=dev) if bounds is not None else None
+        cnt = torch.empty(B, dtype=torch.long, device=dev) if bounds is not None else None
+        for (ex, _, _), gl, gr in zip(comp.groups, gls, grs):
+            val = (gl * gr).sum((1, 2))  # (B_g, K, K) -> (B_g,)
+            out.copy_(val) if ex is None else out.index_copy_(0, ex, val)
+            if bnd is not None:  # over the group's rows (the others are zero rows: terms 0)
+                pb: Dict[int, Tensor] = {}
+                pc: Dict[int, Tensor] = {}
+                _bound(u, gl.diagonal(dim1=1, dim2=2) * gr.diagonal(dim1=1, dim2=2), pb, pc)
+                for full, part in ((bnd, pb[id(u)]), (cnt, pc[id(u)])):
+                    full.copy_(part) if ex is None else full.index_copy_(0, ex, part)
+        if bnd is not None:
+            bounds[id(u)] = bnd
+            if tokens is not None:
+                tokens[id(u)] = cnt
         if rows is not None:
             rows[id(u)] = comp.rows
-        return (gl * gr).sum((1, 2))  # (B, K, K) -> (B,)
+        return out
     if isinstance(u, Dense) and isinstance(v, Dense) and u.R is not None and v.R is not None \
             and u.L.shape[-1] == v.L.shape[-1] and u.R.shape[-1] == v.R.shape[-1]:
         gl = _gram(u.L, v.L, acc, cache)  # (B, T, P0) x (B, S, P0) -> (B, T, S)
@@ -1724,10 +1847,11 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
     compact: Dict[int, _Compact] = {}  # id(use) -> its non-zero rows, where they are few (CPU: host reads)
     if device.type in ACTIVE_ROWS_DEVICES:
         finite: Dict = {}
+        shared: Dict = {}
         for n, r in routes.items():
             us = col.uses.get(n, [])
             if r == "ghost" and len(us) == 1 and isinstance(us[0], Dense):
-                c = _compaction(us[0], finite)
+                c = _compaction(us[0], finite, shared)
                 if c is not None:
                     compact[id(us[0])] = c
     tokens: Dict[int, Tensor] = {}  # ghost uses' per-example counts of contributing rows (for the guard)
@@ -1735,9 +1859,9 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
     for n, r in routes.items():
         if r == "ghost":
             for u in col.uses.get(n, []):
-                if isinstance(u, Dense) and u.R is not None and id(u) not in compact:
+                if isinstance(u, Dense) and u.R is not None:
                     for X in (u.L, u.R):
-                        k = (_key(X), _acc(params[n].dtype))
+                        k = _gram_key(X, _acc(params[n].dtype), compact.get(id(u)))
                         counts[k] = counts.get(k, 0) + 1
     grams = _GramMemo(counts)
     active: Dict[int, Tensor] = {}  # id(dense use) -> its non-zero factor rows (when few enough)

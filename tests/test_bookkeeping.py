@@ -1201,20 +1201,145 @@ def test_ghost_norms_over_nonzero_rows_hf_models():
                 assert any(got), type(model).__name__
 
 
-def test_nonfinite_value_at_a_skipped_row_is_not_hidden():
+class _MaskedShared(nn.Module):
+    """As ``_Masked``, with two layers reading the same input (as attention's q/k/v): their
+    compacted Grams of that input are shared (``_GramMemo``)."""
+
+    def __init__(self, vocab=20, d=6, classes=3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.q, self.k, self.out = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, classes)
+
+    def forward(self, ids, mask, x=None):
+        h = self.emb(ids) if x is None else x  # (B, T, d)
+        z = torch.where(mask.unsqueeze(2), torch.tanh(self.q(h)) * self.k(h), 0.0)
+        return self.out(z).sum(1)  # (B, classes)
+
+
+def _padding_mask(lengths, T, layout, g):
+    """(B, T) mask of each example's real positions: right- or left-padded, or at random places."""
+    B = lengths.shape[0]
+    if layout == "right":
+        return torch.arange(T)[None] < lengths[:, None]
+    if layout == "left":
+        return torch.arange(T)[None] >= (T - lengths)[:, None]
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for i in range(B):
+        mask[i, torch.randperm(T, generator=g)[:int(lengths[i])]] = True
+    return mask
+
+
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 7), T=st.integers(6, 20), seed=st.integers(0, 10**6), C=st.sampled_from([0.05, 1.0, 50.0]),
+       layout=st.sampled_from(["right", "left", "random"]), shared=st.booleans(),
+       gather_cost=st.sampled_from([0, 40]), group_cost=st.sampled_from([0.0, 0.125]))
+def test_ghost_norms_over_grouped_nonzero_rows_exact(B, T, seed, C, layout, shared, gather_cost, group_cost):
+    """Compacted ghost norms with the examples grouped by their counts of non-zero rows (views of
+    the first K rows, or gathered rows; several groups; two layers sharing their input share the
+    groups' Grams), any padding layout and lengths 0..T, against the naive oracle. The engine's
+    cost thresholds are opened so that the compaction is taken whenever there is padding at an end."""
+    import pdpsgd.bookkeeping as bk
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, T + 1, (B,), generator=g)
+    mask = _padding_mask(lengths, T, layout, g)
+    b = {"ids": torch.randint(0, 20, (B, T), generator=g), "mask": mask, "y": torch.randint(0, 3, (B,), generator=g)}
+    torch.manual_seed(seed)
+    model = _MaskedShared() if shared else _Masked()
+    with pytest.MonkeyPatch.context() as mp:
+        got = _spy_compaction(mp)
+        mp.setattr(bk, "COMPACT_MAX_FRACTION", 1.0)
+        mp.setattr(bk, "COMPACT_GATHER_COST", gather_cost)
+        mp.setattr(bk, "COMPACT_GROUP_COST", group_cost)
+        assert_exact(model, _masked_loss, b, method="bk", max_grad_norm=C, bk_options={"cost_model": "ghost"})
+    ends = (~mask[:, 0]).any() or (~mask[:, -1]).any()
+    if gather_cost == 0 and group_cost == 0 and bool(ends) and B > 0:
+        assert any(got), (lengths, layout)
+
+
+@pytest.mark.parametrize("lengths,where", [([3, 12, 2, 6], "grad"), ([12, 9, 12, 12], "grad"),
+                                           ([12, 9, 12, 12], "input")])
+def test_compaction_confirms_rows_whose_first_entry_is_zero(lengths, where):
+    """Rows that are 0 at the sampled columns are only candidates, and must still count: every
+    real row of layer a's output gradient ("grad": b's input columns 0, 3 and 5 are zero), or a
+    few real rows of its input ("input": fewer candidates than padded rows, so just they are read)."""
+    import pdpsgd.bookkeeping as bk
+
+    torch.manual_seed(1)
+    B, T = 4, 12
+    mask = torch.arange(T)[None] < torch.tensor(lengths)[:, None]
+    b = {"ids": torch.randint(0, 20, (B, T)), "mask": mask, "y": torch.randint(0, 3, (B,))}
+    model = _Masked()
+    if where == "grad":
+        with torch.no_grad():
+            model.b.weight[:, ::2] = 0.0
+            model.b.weight[:, -1] = 0.0
+    else:
+        b["x"] = torch.randn(B, T, 6)
+        b["x"][:2, :3, [0, 2, 3, 4, 5]] = 0.0  # 6 real rows of a's input are 0 but at one column (more candidates than the 3 padded rows)
+    with pytest.MonkeyPatch.context() as mp:
+        got = _spy_compaction(mp)
+        for name, v in (("COMPACT_MAX_FRACTION", 1.0), ("COMPACT_GATHER_COST", 0), ("COMPACT_GROUP_COST", 0.0)):
+            mp.setattr(bk, name, v)
+        assert_exact(model, _masked_loss, b, method="bk", max_grad_norm=0.3, bk_options={"cost_model": "ghost"})
+    assert any(got)
+
+
+def test_grouped_compaction_takes_views_gathers_and_shares():
+    """One batch of right-padded examples of four lengths: the compaction makes several groups
+    (the last, all examples, a view of the first K rows is not possible with subsets: gathered),
+    and the two layers reading the same input get the same compaction (their Grams shared)."""
+    import pdpsgd.bookkeeping as bk
+
+    T = 64
+    lengths = torch.tensor([4, 5, 30, 31, 60, 61, 6, 29])
+    mask = _padding_mask(lengths, T, "right", None)
+    g = torch.Generator().manual_seed(0)
+    b = {"ids": torch.randint(0, 20, (8, T), generator=g), "mask": mask, "y": torch.randint(0, 3, (8,), generator=g)}
+    seen = []
+    orig = bk._compaction
+
+    def spy(u, *a):
+        c = orig(u, *a)
+        seen.append(c)
+        return c
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bk, "_compaction", spy)
+        assert_exact(_MaskedShared(), _masked_loss, b, method="bk", max_grad_norm=0.5, bk_options={"cost_model": "ghost"})
+    comps = [c for c in seen if c is not None]
+    assert comps, "no compaction"
+    assert max(len(c.groups) for c in comps) > 1, [len(c.groups) for c in comps]
+    assert any(flat is not None for c in comps for _, flat, _ in c.groups)  # subsets: gathered rows
+    assert len({id(c) for c in comps}) < len(comps)  # q and k: one compaction (and their input's Grams)
+    assert all(c.counts.tolist() == lengths.tolist() for c in comps)
+
+
+@pytest.mark.parametrize("lengths", [[3, 5, 2, 6], [12, 9, 12, 12]])
+def test_nonfinite_value_at_a_skipped_row_is_not_hidden(lengths):
     """An activation that is inf at a padded position (whose output gradient is exactly 0): the
     true per-example gradient has 0·inf = NaN there, so the example must be dropped as without the
-    compaction, not kept with the padded row skipped."""
+    compaction, not kept with the padded row skipped. Many padded rows (the whole factor is
+    checked) and few (just those rows are; the cost thresholds opened so the compaction is taken)."""
+    import pdpsgd.bookkeeping as bk
+
     torch.manual_seed(0)
     B, T = 4, 12
-    mask = torch.arange(T)[None] < torch.tensor([3, 5, 2, 6])[:, None]
+    mask = torch.arange(T)[None] < torch.tensor(lengths)[:, None]
     x = torch.randn(B, T, 6)
-    x[1, 9, 2] = float("inf")  # example 1, a padded position
+    x[1, 10, 2] = float("inf")  # example 1, a padded position
     b = {"ids": torch.zeros(B, T, dtype=torch.long), "mask": mask, "y": torch.randint(0, 3, (B,)), "x": x}
     model = _Masked()
     params = {n: p for n, p in model.named_parameters() if not n.startswith("emb")}
     with pytest.MonkeyPatch.context() as mp:
-        _spy_compaction(mp)
+        got = _spy_compaction(mp)
+        for name, v in (("COMPACT_MAX_FRACTION", 1.0), ("COMPACT_GATHER_COST", 0), ("COMPACT_GROUP_COST", 0.0)):
+            mp.setattr(bk, name, v)
+        compacted = _Masked()  # the same batch without the inf is compacted
+        make_dp_step(compacted, _masked_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk",
+                     bk_options={"cost_model": "ghost"}).clipped_sum(
+            {n: p for n, p in compacted.named_parameters() if not n.startswith("emb")}, {**b, "x": torch.randn(B, T, 6)})
+        assert any(got)
         step = make_dp_step(model, _masked_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk",
                             bk_options={"cost_model": "ghost"})
         part = step.clipped_sum(params, b)
