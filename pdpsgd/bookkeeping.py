@@ -273,8 +273,8 @@ class _GramMemo:
     """Self-Gram X Xᵀ of operands shared by several ghost-route uses (e.g. BERT's query/key/value
     share their input a), computed once and dropped after its last consumer; compacted uses with
     the same non-zero rows (one ``_Compact``) share their groups' Grams the same way. Keys are
-    addresses of tensors that ``col.uses`` (and the batch's compactions) hold alive for the whole
-    batch, so they cannot be reused meanwhile."""
+    addresses of tensors that ``col.uses`` holds alive for the whole batch, and ids of the batch's
+    compactions (alive as long), so they cannot be reused meanwhile."""
 
     def __init__(self, counts: Dict):
         self.left = {k: c for k, c in counts.items() if c > 1}  # consumers still to come
