@@ -400,10 +400,10 @@ def _compaction(u: Dense, finite: Dict, shared: Dict) -> Optional[_Compact]:
     positions of the others, per example, grouped (``_groups``); None otherwise. Such a row adds
     exactly 0 to G_i = Σ_t L[t] ⊗ R[t] when the other factor's row is finite (checked, else None:
     0·inf is not 0; a non-finite row of the zero factor is not zero, so it is kept), so the norm
-    and the sum over the others are exact. A look at the rows at positions 0 and T − 1 decides
-    whether to go on; the rows that are 0 at three columns are the candidates (strided reads of B·T
-    values; they decide whether to go on, and which factor); only they are then read in full (in
-    blocks, or in one pass when many) to confirm them exactly. ``finite``: this batch's memo of
+    and the sum over the others are exact. A look at the rows at positions 0 and T − 1 picks the
+    factors that may have zero rows; their rows that are 0 at the first column decide whether to
+    go on, and which factor; the rows that are 0 at three columns are the candidates, and only they
+    are then read in full (in blocks, or in one pass when many) to confirm them exactly. ``finite``: this batch's memo of
     whole-factor finiteness checks (q/k/v share their input). ``shared``: this batch's compactions
     by their rows, so uses with the same non-zero rows share one (and their shared operand's Grams)."""
     L, R = u.L, u.R
@@ -412,15 +412,18 @@ def _compaction(u: Dense, finite: Dict, shared: Dict) -> Optional[_Compact]:
     B, T = L.shape[0], L.shape[1]
     if T < COMPACT_MIN_T or B == 0 or L.shape[2] == 0 or R.shape[2] == 0:
         return None
-    if not any(_zero_row_at_ends(X) for X in (L, R)):  # a first look: no padding at either end
+    ends = [X for X in (L, R) if _zero_row_at_ends(X)]  # a first look: no zero row at either end, no padding
+    if not ends:
         return None
-    # (B, T) ⊇ the zero rows (NaN is not 0): 0 at three columns (one would take e.g. ReLU outputs)
-    cands = [(X[:, :, 0] == 0) & (X[:, :, X.shape[2] // 2] == 0) & (X[:, :, -1] == 0) for X in (L, R)]
-    nc = [c.sum(1) for c in cands]
-    j = 0 if int(nc[0].sum()) >= int(nc[1].sum()) else 1
+    c0 = [X[:, :, 0] == 0 for X in ends]  # (B, T) ⊇ the zero rows (NaN is not 0): a strided read of B·T values
+    nc = [c.sum(1) for c in c0]
+    j = max(range(len(ends)), key=lambda i: int(nc[i].sum()))
     if _groups((T - nc[j]).tolist(), T, True) is None:  # not worth it even if every candidate is a zero row
         return None
-    zero, other, cand = (L, R, cands[0]) if j == 0 else (R, L, cands[1])
+    zero = ends[j]
+    other = R if zero is L else L
+    P = zero.shape[2]
+    cand = c0[j] & (zero[:, :, P // 2] == 0) & (zero[:, :, P - 1] == 0)  # 0 at three columns (one: ReLU outputs)
     n = B * T
     Z, O = zero.reshape(n, -1), other.reshape(n, -1)
     idx = cand.reshape(-1).nonzero().squeeze(1)

@@ -1276,7 +1276,8 @@ def test_compaction_confirms_rows_whose_first_entry_is_zero(lengths, where):
             model.b.weight[:, -1] = 0.0
     else:
         b["x"] = torch.randn(B, T, 6)
-        b["x"][:2, :3, [0, 2, 3, 4, 5]] = 0.0  # 6 real rows of a's input are 0 but at one column (more candidates than the 3 padded rows)
+        b["x"][:2, :3, [0, 2, 3, 4, 5]] = 0.0  # 6 real rows of a's input are 0 but at one column
+        b["x"][0, T - 1] = 0.0  # and one is 0 (at an end, so the input is looked at; 7 candidates > 3 padded rows)
     with pytest.MonkeyPatch.context() as mp:
         got = _spy_compaction(mp)
         for name, v in (("COMPACT_MAX_FRACTION", 1.0), ("COMPACT_GATHER_COST", 0), ("COMPACT_GROUP_COST", 0.0)):
