@@ -352,6 +352,7 @@ COMPACT_MAX_GROUPS = 4
 COMPACT_GATHER_COST = 40  # gathering a row, in units of one row of one Gram's products (measured, CPU)
 CONFIRM_FULL_FRACTION = 0.3  # confirm zero rows by one pass over the whole factor when candidates are this many
 COMPACT_MIN_T = 64  # below this the Grams are cheap and the check would not pay
+COMPACT_SAMPLES = 8  # positions looked at first, to estimate whether the compaction may pay
 
 
 @dataclass
@@ -388,22 +389,16 @@ def _groups(counts: List[int], T: int, prefix: bool) -> Optional[List[List[int]]
     return best
 
 
-def _zero_row_at_ends(X: Tensor) -> bool:
-    """Whether some example's row at position 0 or T − 1 of X (B, T, P) is exactly zero."""
-    Y = X[:, [0, X.shape[1] - 1]]  # (B, 2, P)
-    return bool(((Y.amax(-1) == 0) & (Y.amin(-1) == 0)).any())
-
-
 def _compaction(u: Dense, finite: Dict, shared: Dict) -> Optional[_Compact]:
     """Where a dense use's rows t with one factor exactly zero (the output gradient's, e.g. at
     padded positions: L in the Linear rule, R in HF Conv1D's) make the Grams much smaller, the
     positions of the others, per example, grouped (``_groups``); None otherwise. Such a row adds
     exactly 0 to G_i = Σ_t L[t] ⊗ R[t] when the other factor's row is finite (checked, else None:
     0·inf is not 0; a non-finite row of the zero factor is not zero, so it is kept), so the norm
-    and the sum over the others are exact. A look at the rows at positions 0 and T − 1 picks the
-    factors that may have zero rows; their rows that are 0 at the first column decide whether to
-    go on, and which factor; the rows that are 0 at three columns are the candidates, and only they
-    are then read in full (in blocks, or in one pass when many) to confirm them exactly. ``finite``: this batch's memo of
+    and the sum over the others are exact. A look at the rows at ``COMPACT_SAMPLES`` inner
+    positions and at each factor's first column decides whether to go on, and which factor; that
+    factor's rows that are 0 at three columns are the candidates, and only they are then read in
+    full (in blocks, or in one pass when many) to confirm them exactly. ``finite``: this batch's memo of
     whole-factor finiteness checks (q/k/v share their input). ``shared``: this batch's compactions
     by their rows, so uses with the same non-zero rows share one (and their shared operand's Grams)."""
     L, R = u.L, u.R
@@ -412,18 +407,27 @@ def _compaction(u: Dense, finite: Dict, shared: Dict) -> Optional[_Compact]:
     B, T = L.shape[0], L.shape[1]
     if T < COMPACT_MIN_T or B == 0 or L.shape[2] == 0 or R.shape[2] == 0:
         return None
-    ends = [X for X in (L, R) if _zero_row_at_ends(X)]  # a first look: no zero row at either end, no padding
-    if not ends:
+    # A first look at COMPACT_SAMPLES evenly spaced positions inside (0, T − 1) picks the factors
+    # with zero rows there (a zero row at an end alone, as the last position of a causal LM loss,
+    # does not make the compaction pay); then their rows that are 0 at the first column (strided
+    # reads of B·T values, ⊇ the zero rows) say whether it may pay, and which factor
+    pos = torch.linspace(1, T - 2, min(T - 2, COMPACT_SAMPLES), device=L.device).round().long()
+    best = None
+    for X in (L, R):
+        Y = X[:, pos]  # (B, S, P)
+        if not bool(((Y.amax(-1) == 0) & (Y.amin(-1) == 0)).any()):
+            continue
+        est = (T - (X[:, :, 0] == 0).sum(1)).tolist()  # (B,): at most this many zero rows each
+        cost = sum(c * c for c in est)
+        if best is None or cost < best[0]:
+            best = (cost, X, est)
+    if best is None or _groups(best[2], T, True) is None:  # not worth it even if every candidate is a zero row
         return None
-    c0 = [X[:, :, 0] == 0 for X in ends]  # (B, T) ⊇ the zero rows (NaN is not 0): a strided read of B·T values
-    nc = [c.sum(1) for c in c0]
-    j = max(range(len(ends)), key=lambda i: int(nc[i].sum()))
-    if _groups((T - nc[j]).tolist(), T, True) is None:  # not worth it even if every candidate is a zero row
-        return None
-    zero = ends[j]
+    zero = best[1]
     other = R if zero is L else L
     P = zero.shape[2]
-    cand = c0[j] & (zero[:, :, P // 2] == 0) & (zero[:, :, P - 1] == 0)  # 0 at three columns (one: ReLU outputs)
+    cand = (zero[:, :, 0] == 0) & (zero[:, :, P // 2] == 0) & (zero[:, :, P - 1] == 0)  # 0 at three columns
+    # (one column would take e.g. ReLU outputs); ⊇ the zero rows (NaN is not 0): strided reads of B·T values
     n = B * T
     Z, O = zero.reshape(n, -1), other.reshape(n, -1)
     idx = cand.reshape(-1).nonzero().squeeze(1)
