@@ -407,21 +407,33 @@ def _compaction(u: Dense, finite: Dict, shared: Dict) -> Optional[_Compact]:
     B, T = L.shape[0], L.shape[1]
     if T < COMPACT_MIN_T or B == 0 or L.shape[2] == 0 or R.shape[2] == 0:
         return None
-    # A first look at COMPACT_SAMPLES evenly spaced positions inside (0, T − 1) picks the factors
-    # with zero rows there (a zero row at an end alone, as the last position of a causal LM loss,
-    # does not make the compaction pay); then their rows that are 0 at the first column (strided
-    # reads of B·T values, ⊇ the zero rows) say whether it may pay, and which factor
-    pos = torch.linspace(1, T - 2, min(T - 2, COMPACT_SAMPLES), device=L.device).round().long()
+    # A first look at the first column of COMPACT_SAMPLES evenly spaced rows inside (0, T − 1) picks
+    # the factors that may have zero rows there (a zero row at an end alone, as the last position of
+    # a causal LM loss, does not make the compaction pay); then their rows that are 0 at the first
+    # column (strided reads of B·T values, ⊇ the zero rows) say whether it may pay, and which factor
+    pk = ("positions", T, L.device)
+    if pk not in shared:
+        shared[pk] = torch.linspace(1, T - 2, min(T - 2, COMPACT_SAMPLES), device=L.device).round().long()
+    pos = shared[pk]
+    zs = [X[:, pos, 0] == 0 for X in (L, R)]  # (B, S) each
+    seen = torch.cat(zs, 1).reshape(-1).tolist()
+    if not any(seen):
+        return None
+    # uses whose samples look alike (q/k/v/... of one padded batch) mostly decide alike: one that
+    # found it does not pay spares the others the reads (a decision of speed, not of values)
+    look = ("declined", B, T, tuple(seen))
+    if look in shared:
+        return None
     best = None
-    for X in (L, R):
-        Y = X[:, pos]  # (B, S, P)
-        if not bool(((Y.amax(-1) == 0) & (Y.amin(-1) == 0)).any()):
+    for X, z in zip((L, R), zs):
+        if not bool(z.any()):
             continue
         est = (T - (X[:, :, 0] == 0).sum(1)).tolist()  # (B,): at most this many zero rows each
         cost = sum(c * c for c in est)
         if best is None or cost < best[0]:
             best = (cost, X, est)
     if best is None or _groups(best[2], T, True) is None:  # not worth it even if every candidate is a zero row
+        shared[look] = True
         return None
     zero = best[1]
     other = R if zero is L else L
@@ -462,6 +474,8 @@ def _compaction(u: Dense, finite: Dict, shared: Dict) -> Optional[_Compact]:
     prefix = bool(torch.equal(active, torch.arange(T, device=active.device) < counts.unsqueeze(1)))
     parts = _groups(cl, T, prefix)
     comp = None
+    if parts is None:
+        shared[look] = True
     if parts is not None:
         order = torch.argsort((~active).to(torch.int8), dim=1, stable=True)  # active positions first, in order
         groups: List[Tuple[Optional[Tensor], Optional[Tensor], int]] = []

@@ -1237,7 +1237,7 @@ def test_ghost_norms_over_grouped_nonzero_rows_exact(B, T, seed, C, layout, shar
     """Compacted ghost norms with the examples grouped by their counts of non-zero rows (views of
     the first K rows, or gathered rows; several groups; two layers sharing their input share the
     groups' Grams), any padding layout and lengths 0..T, against the naive oracle. The engine's
-    cost thresholds are opened so that the compaction is taken whenever there is padding at an end."""
+    cost thresholds are opened so that the compaction is taken whenever the first look sees padding."""
     import pdpsgd.bookkeeping as bk
 
     g = torch.Generator().manual_seed(seed)
@@ -1252,8 +1252,8 @@ def test_ghost_norms_over_grouped_nonzero_rows_exact(B, T, seed, C, layout, shar
         mp.setattr(bk, "COMPACT_GATHER_COST", gather_cost)
         mp.setattr(bk, "COMPACT_GROUP_COST", group_cost)
         assert_exact(model, _masked_loss, b, method="bk", max_grad_norm=C, bk_options={"cost_model": "ghost"})
-    ends = (~mask[:, 0]).any() or (~mask[:, -1]).any()
-    if gather_cost == 0 and group_cost == 0 and bool(ends) and B > 0:
+    pos = torch.linspace(1, T - 2, min(T - 2, bk.COMPACT_SAMPLES)).round().long()
+    if gather_cost == 0 and group_cost == 0 and bool((~mask[:, pos]).any()):  # padding where the first look looks
         assert any(got), (lengths, layout)
 
 
