@@ -40,6 +40,7 @@ to cancellation (crafted inputs) is replaced by an upper bound (``_Guard``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import types
 from dataclasses import dataclass, field
@@ -109,6 +110,10 @@ class UseShape:
     T: int
     P0: int  # rows (index: num_rows)
     P1: int  # cols (bias / explicit: numel per example)
+    # a dense use whose ghost norm is compacted (padding skipped, ``_compaction``): the Grams' rows²
+    # and the clipped sum's rows, per example on average (else T² and T)
+    rows2: Optional[float] = None
+    rows: Optional[float] = None
 
 
 def _use_shape(u: Use, param_shape: torch.Size) -> UseShape:
@@ -126,19 +131,23 @@ def cost(shapes: List[UseShape], B: int, *, elementwise_cost: float) -> Tuple[fl
     """(ghost, explicit) extra cost of one parameter's norms + clipped sum, in matmul multiply-adds.
 
     The B·T·p·d matmul of the clipped sum (ghost) equals the materialisation (explicit) and is
-    not counted. Ghost: Gram products B·T_u·T_v·(P0+P1) for every pair of uses (cross terms too).
-    Explicit: ~(uses + 2) elementwise passes over B·P0·P1 (sum, norm, weighted sum), each
-    ``elementwise_cost`` multiply-adds per element.
+    not counted. Ghost: Gram products B·T_u·T_v·(P0+P1) for every pair of uses (cross terms too;
+    a compacted use's self pair: B·rows2·(P0+P1)). Explicit: ~(uses + 2) elementwise passes over
+    B·P0·P1 (sum, norm, weighted sum), each ``elementwise_cost`` multiply-adds per element, plus,
+    for a compacted use, the materialisation over the padded rows that the ghost sum skips.
     """
     ghost = 0.0
     big = [s for s in shapes if s.kind in ("dense", "index")]
     for u in big:
         for v in big:
-            ghost += B * u.T * v.T * ((1 if u.kind == "index" else u.P0) + u.P1)
+            tt = u.rows2 if u is v and u.rows2 is not None else u.T * v.T
+            ghost += B * tt * ((1 if u.kind == "index" else u.P0) + u.P1)
     P0 = max((s.P0 for s in big), default=1)
     P1 = max((s.P1 for s in big), default=1)
     passes = sum(2 if s.kind == "index" else 1 for s in big) + (len(big) - 1) + 2  # build, add, norm, sum
     explicit = elementwise_cost * B * P0 * P1 * passes
+    # a compacted ghost use's clipped sum skips the padded rows; the explicit G is built over all T
+    explicit += sum(B * (s.T - s.rows) * s.P0 * s.P1 for s in big if s.rows is not None)
     return ghost, explicit
 
 
@@ -157,7 +166,8 @@ def factor_elems(shapes: List[UseShape], B: int) -> int:
 
 def choose_route(shapes: List[UseShape], B: int, cost_model: str, *, elementwise_cost: float,
                  explicit_max_elems: int) -> str:
-    """"ghost" or "explicit" for one parameter, from its uses' shapes only."""
+    """"ghost" or "explicit" for one parameter, from its uses' shapes only (a compacted use's shape
+    carries the rows its ghost norm and clipped sum run over: ``UseShape.rows2`` / ``rows``)."""
     big = [s for s in shapes if s.kind in ("dense", "index")]
     if not big:
         return "explicit"  # biases, norm layers: (B, numel) per-example grads, always cheap
@@ -1741,8 +1751,48 @@ def _options(method: str, opts: Mapping[str, Any]):
     return registry, overrides, cm
 
 
+def _compacted_shape(sh: UseShape, c: _Compact, B: int) -> UseShape:
+    """``sh`` with the rows a compacted ghost norm runs over (``_compaction``), per example."""
+    rows2 = sum((B if ex is None else int(ex.numel())) * K * K for ex, _, K in c.groups) / max(B, 1)
+    return dataclasses.replace(sh, rows2=rows2, rows=int(c.rows.numel()) / max(B, 1))
+
+
+def _plan(col: _Collected, params: Params, B: int, cost_model: str, overrides: Mapping[str, str],
+          opts: Mapping[str, Any], device: torch.device) -> Tuple[Dict[str, str], Dict[int, _Compact]]:
+    """Routes, and the compactions of ghost-route uses by id(use) (``_compaction``; CPU only). With
+    the time cost model the compactions of every single-use dense parameter are found first, so
+    that the model counts the padded rows a ghost norm would skip (a padded batch then takes more
+    ghost routes); the others keep only their ghost-route uses'."""
+    compact: Dict[int, _Compact] = {}
+    if device.type not in ACTIVE_ROWS_DEVICES:
+        return _routes(col, params, B, cost_model, overrides, opts, device), compact
+    finite: Dict = {}
+    shared: Dict = {}
+
+    def find(names):
+        for n in names:
+            us = col.uses.get(n, [])
+            if n not in col.fallback and len(us) == 1 and isinstance(us[0], Dense):
+                c = _compaction(us[0], finite, shared)
+                if c is not None:
+                    compact[id(us[0])] = c
+
+    if cost_model == "time":
+        find(params)
+    routes = _routes(col, params, B, cost_model, overrides, opts, device, compact)
+    if cost_model == "time":
+        for n, r in routes.items():
+            if r != "ghost":
+                for u in col.uses.get(n, []):
+                    compact.pop(id(u), None)
+    else:
+        find(n for n, r in routes.items() if r == "ghost")
+    return routes, compact
+
+
 def _routes(col: _Collected, params: Params, B: int, cost_model: str, overrides: Mapping[str, str],
-            opts: Mapping[str, Any], device: torch.device) -> Dict[str, str]:
+            opts: Mapping[str, Any], device: torch.device, compact: Optional[Dict[int, _Compact]] = None
+            ) -> Dict[str, str]:
     ew = float(opts.get("elementwise_cost") or ELEMENTWISE_COST.get(device.type, ELEMENTWISE_COST["cuda"]))
     cap = int(opts.get("explicit_max_elems") or EXPLICIT_MAX_ELEMS)
     keep_budget = int(opts.get("explicit_keep_elems") or EXPLICIT_KEEP_ELEMS)
@@ -1754,6 +1804,8 @@ def _routes(col: _Collected, params: Params, B: int, cost_model: str, overrides:
             continue
         uses = col.uses.get(n, [])
         shapes = [_use_shape(u, params[n].shape) for u in uses]
+        if compact and len(uses) == 1 and id(uses[0]) in compact:
+            shapes = [_compacted_shape(shapes[0], compact[id(uses[0])], B)]
         forced = overrides.get(n)
         if forced is None:
             for mname, m in col.owner.get(n, []):
@@ -1795,7 +1847,7 @@ def plan(model: nn.Module, loss_fn, params: Mapping[str, Tensor], batch: Batch, 
     col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides,
                    check_order=bool(bk_options.get("check_order", True)))
     dev = next(iter(params.values())).device
-    return _routes(col, params, batch_size(batch), cm, overrides, bk_options, dev)
+    return _plan(col, params, batch_size(batch), cm, overrides, bk_options, dev)[0]
 
 
 def fallback_reasons(model: nn.Module, loss_fn, params: Mapping[str, Tensor], batch: Batch, *,
@@ -1860,21 +1912,12 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
     device = _device_of(params, mask)  # the parameters' device decides what may sync
     col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
                    check_order=bool(opts.get("check_order", True)))
-    routes = _routes(col, params, B, cm, overrides, opts, device)
+    # routes; compact: id(use) -> its non-zero rows, where they are few (CPU: host reads)
+    routes, compact = _plan(col, params, B, cm, overrides, opts, device)
     sq: Dict[str, Tensor] = {}
     kept_G: Dict[str, Tensor] = {}
     keep_budget = int(opts.get("explicit_keep_elems") or EXPLICIT_KEEP_ELEMS)
     kept = 0
-    compact: Dict[int, _Compact] = {}  # id(use) -> its non-zero rows, where they are few (CPU: host reads)
-    if device.type in ACTIVE_ROWS_DEVICES:
-        finite: Dict = {}
-        shared: Dict = {}
-        for n, r in routes.items():
-            us = col.uses.get(n, [])
-            if r == "ghost" and len(us) == 1 and isinstance(us[0], Dense):
-                c = _compaction(us[0], finite, shared)
-                if c is not None:
-                    compact[id(us[0])] = c
     tokens: Dict[int, Tensor] = {}  # ghost uses' per-example counts of contributing rows (for the guard)
     counts: Dict = {}  # self-Gram operands of ghost-route dense uses, to share e.g. q/k/v's input Gram
     for n, r in routes.items():

@@ -1286,6 +1286,27 @@ def test_compaction_confirms_rows_whose_first_entry_is_zero(lengths, where):
     assert any(got)
 
 
+def test_auto_counts_the_padding_a_ghost_norm_skips():
+    """method="auto" (time cost model): a layer that takes the explicit route on full-length
+    examples takes the ghost route when most positions are padding (its compacted Grams and
+    clipped sum skip them, the explicit G does not); ``plan(batch)`` says what the step does, and
+    the step stays exact."""
+    T, B = 64, 6
+    g = torch.Generator().manual_seed(0)
+    ids, y = torch.randint(0, 20, (B, T), generator=g), torch.randint(0, 3, (B,), generator=g)
+    full = {"ids": ids, "mask": torch.ones(B, T, dtype=torch.bool), "y": y}
+    padded = {**full, "mask": _padding_mask(torch.tensor([3, 8, 5, 4, 8, 6]), T, "right", None)}
+    torch.manual_seed(0)
+    model = _Masked(d=32)
+    step = make_dp_step(model, _masked_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="auto")
+    assert step.plan(full)["a.weight"] == "explicit"
+    routes = step.plan(padded)
+    assert routes["a.weight"] == "ghost", routes
+    params = {n: p for n, p in model.named_parameters() if not n.startswith("emb")}
+    assert step.clipped_sum(params, padded).routes == {n: routes[n] for n in params}
+    assert_exact(model, _masked_loss, padded, method="auto", max_grad_norm=0.7)
+
+
 def test_grouped_compaction_takes_views_gathers_and_shares():
     """One batch of right-padded examples of four lengths: the compaction makes several groups
     (the last, all examples, a view of the first K rows is not possible with subsets: gathered),
