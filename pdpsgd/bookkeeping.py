@@ -372,14 +372,15 @@ class _Compact:
     groups: List[Tuple[Optional[Tensor], Optional[Tensor], int]]
     rows: Tensor  # flat indices into the B·T rows of the non-zero ones (for the clipped sum)
     counts: Tensor  # (B,) each example's non-zero rows (the cancellation guard's token count)
+    cost: float  # its Grams' work in rows² (gathers and per-group costs included; ``_groups``)
 
 
-def _groups(counts: List[int], T: int, prefix: bool) -> Optional[List[List[int]]]:
+def _groups(counts: List[int], T: int, prefix: bool) -> Optional[Tuple[List[List[int]], float]]:
     """Examples (indices) grouped by their non-zero row counts for the compacted Grams: contiguous
     runs of the sorted counts, at most ``COMPACT_MAX_GROUPS``, split at equal quantiles, the
     cheapest by Σ_g B_g·K_g² (+ the gather of B_g·K_g rows where the rows cannot be a view:
-    ``prefix`` says whether each example's non-zero rows come first) + a fixed cost per group;
-    None when none saves enough."""
+    ``prefix`` says whether each example's non-zero rows come first) + a fixed cost per group,
+    with that cost (in rows² of one Gram); None when none saves enough."""
     B = len(counts)
     order = sorted(range(B), key=lambda i: counts[i])
     best, best_cost = None, COMPACT_MAX_FRACTION * B * T * T
@@ -396,7 +397,7 @@ def _groups(counts: List[int], T: int, prefix: bool) -> Optional[List[List[int]]
             cost += len(g) * K * (K + (0 if prefix and len(g) == B else COMPACT_GATHER_COST))
         if cost <= best_cost:
             best, best_cost = parts, cost
-    return best
+    return None if best is None else (best, best_cost)
 
 
 def _compaction(u: Dense, finite: Dict, shared: Dict) -> Optional[_Compact]:
@@ -430,7 +431,8 @@ def _compaction(u: Dense, finite: Dict, shared: Dict) -> Optional[_Compact]:
     if not any(seen):
         return None
     # uses whose samples look alike (q/k/v/... of one padded batch) mostly decide alike: one that
-    # found it does not pay spares the others the reads (a decision of speed, not of values)
+    # found it does not pay spares the others the reads (a decision of speed, and for ``auto`` of
+    # routes, never of values: both ways are exact)
     look = ("declined", B, T, tuple(seen))
     if look in shared:
         return None
@@ -482,11 +484,12 @@ def _compaction(u: Dense, finite: Dict, shared: Dict) -> Optional[_Compact]:
         if torch.equal(a, active):
             return c
     prefix = bool(torch.equal(active, torch.arange(T, device=active.device) < counts.unsqueeze(1)))
-    parts = _groups(cl, T, prefix)
+    grouped = _groups(cl, T, prefix)
     comp = None
-    if parts is None:
+    if grouped is None:
         shared[look] = True
-    if parts is not None:
+    else:
+        parts, gcost = grouped
         order = torch.argsort((~active).to(torch.int8), dim=1, stable=True)  # active positions first, in order
         groups: List[Tuple[Optional[Tensor], Optional[Tensor], int]] = []
         for g in parts:
@@ -498,7 +501,7 @@ def _compaction(u: Dense, finite: Dict, shared: Dict) -> Optional[_Compact]:
             pos = order[:, :K] if ex is None else order.index_select(0, ex)[:, :K]  # (B_g, K)
             base = torch.arange(B, device=L.device) if ex is None else ex
             groups.append((ex, (base.unsqueeze(1) * T + pos).reshape(-1), K))
-        comp = _Compact(groups, active.reshape(-1).nonzero().squeeze(1), counts)
+        comp = _Compact(groups, active.reshape(-1).nonzero().squeeze(1), counts, gcost)
     same.append((active, comp))
     return comp
 
@@ -1751,10 +1754,18 @@ def _options(method: str, opts: Mapping[str, Any]):
     return registry, overrides, cm
 
 
+def _forced(n: str, overrides: Mapping[str, str], col: _Collected) -> Optional[str]:
+    """The route the user forced for parameter n (by its name, or its module's name or type)."""
+    forced = overrides.get(n)
+    if forced is None:
+        for mname, m in col.owner.get(n, []):
+            forced = forced or _override(overrides, mname, m)
+    return forced
+
+
 def _compacted_shape(sh: UseShape, c: _Compact, B: int) -> UseShape:
     """``sh`` with the rows a compacted ghost norm runs over (``_compaction``), per example."""
-    rows2 = sum((B if ex is None else int(ex.numel())) * K * K for ex, _, K in c.groups) / max(B, 1)
-    return dataclasses.replace(sh, rows2=rows2, rows=int(c.rows.numel()) / max(B, 1))
+    return dataclasses.replace(sh, rows2=c.cost / max(B, 1), rows=int(c.rows.numel()) / max(B, 1))
 
 
 def _plan(col: _Collected, params: Params, B: int, cost_model: str, overrides: Mapping[str, str],
@@ -1772,7 +1783,8 @@ def _plan(col: _Collected, params: Params, B: int, cost_model: str, overrides: M
     def find(names):
         for n in names:
             us = col.uses.get(n, [])
-            if n not in col.fallback and len(us) == 1 and isinstance(us[0], Dense):
+            if n not in col.fallback and len(us) == 1 and isinstance(us[0], Dense) \
+                    and _forced(n, overrides, col) in (None, "ghost"):
                 c = _compaction(us[0], finite, shared)
                 if c is not None:
                     compact[id(us[0])] = c
@@ -1806,10 +1818,7 @@ def _routes(col: _Collected, params: Params, B: int, cost_model: str, overrides:
         shapes = [_use_shape(u, params[n].shape) for u in uses]
         if compact and len(uses) == 1 and id(uses[0]) in compact:
             shapes = [_compacted_shape(shapes[0], compact[id(uses[0])], B)]
-        forced = overrides.get(n)
-        if forced is None:
-            for mname, m in col.owner.get(n, []):
-                forced = forced or _override(overrides, mname, m)
+        forced = _forced(n, overrides, col)
         big = [s for s in shapes if s.kind in ("dense", "index")]
         if forced in ("ghost", "explicit") and big:
             routes[n] = forced
@@ -1839,7 +1848,10 @@ def plan(model: nn.Module, loss_fn, params: Mapping[str, Tensor], batch: Batch, 
 
     Runs one forward and backward (to see the layers' shapes and detect uses outside a layer), plus
     the checks a step memoises (batch-dimension probe, example order, broadcast positions; here not
-    memoised); the choice itself is a pure function of the shapes (``choose_route``).
+    memoised); the choice itself is a pure function of the shapes (``choose_route``), which for
+    method="auto" on the CPU include each example's count of non-padded rows where the ghost norm
+    would skip the padding (``_compaction``). For the whole batch as one chunk: a step with
+    ``chunk_size`` decides per chunk (a parameter whose chunks differ is reported "mixed").
     """
     registry, overrides, cm = _options(method, bk_options)
     params = {n: p.detach() for n, p in params.items()}

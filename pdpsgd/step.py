@@ -162,7 +162,9 @@ class DPStep:
         return self.generator
 
     def plan(self, batch: Batch, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, str]:
-        """Which route each trained parameter takes for this batch's shapes (a pure function)."""
+        """Which route each trained parameter takes for this batch's shapes (a pure function of
+        them; for method="auto" on the CPU they include each example's non-padded rows; see
+        ``pdpsgd.bookkeeping.plan``)."""
         params = self._index.resolve(params if params is not None else dict(self.model.named_parameters()))
         if self.method == "vmap":
             return {n: "vmap" for n in params}

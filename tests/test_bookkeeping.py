@@ -1299,11 +1299,11 @@ def test_auto_counts_the_padding_a_ghost_norm_skips():
     torch.manual_seed(0)
     model = _Masked(d=32)
     step = make_dp_step(model, _masked_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="auto")
-    assert step.plan(full)["a.weight"] == "explicit"
-    routes = step.plan(padded)
-    assert routes["a.weight"] == "ghost", routes
     params = {n: p for n, p in model.named_parameters() if not n.startswith("emb")}
-    assert step.clipped_sum(params, padded).routes == {n: routes[n] for n in params}
+    assert step.plan(full, params)["a.weight"] == "explicit"
+    routes = step.plan(padded, params)
+    assert routes["a.weight"] == "ghost", routes
+    assert step.clipped_sum(params, padded).routes == routes
     assert_exact(model, _masked_loss, padded, method="auto", max_grad_norm=0.7)
 
 
