@@ -518,8 +518,8 @@ def _bound(u: Use, terms: Tensor, bounds: Dict[int, Tensor], tokens: Optional[Di
     """From the per-row terms (B, T) ‖L_t‖²‖R_t‖² (or ‖L_t‖‖R_t‖, ``squared=False``): the bound
     Σ_t ‖L_t‖‖R_t‖ ≥ ‖G_u,i‖ (B,) and, if ``tokens`` is given, each example's count of non-zero terms."""
     bounds[id(u)] = (terms.sqrt() if squared else terms).sum(1)
-    if tokens is not None:
-        tokens[id(u)] = (terms != 0).sum(1)
+    if tokens is not None and terms.dtype != torch.float64:  # (float64 is not guarded)
+        tokens[id(u)] = torch.count_nonzero(terms, dim=1)  # one kernel (a GPU step is launch-bound)
 
 
 def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[_GramMemo] = None,
@@ -539,21 +539,23 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
         gls, grs = memo.self_gram(u.L, acc, comp), memo.self_gram(u.R, acc, comp)
         B, dev = u.L.shape[0], u.L.device
         out = torch.empty(B, dtype=acc, device=dev)
-        bnd = torch.empty(B, dtype=acc, device=dev) if bounds is not None else None
-        cnt = torch.empty(B, dtype=torch.long, device=dev) if bounds is not None else None
+        parts: Dict[str, Dict[int, Tensor]] = {"bound": {}, "count": {}}  # per group, by id(use)
+        full: Dict[str, Tensor] = {}  # (B,) each, assembled from the groups
         for (ex, _, _), gl, gr in zip(comp.groups, gls, grs):
             val = (gl * gr).sum((1, 2))  # (B_g, K, K) -> (B_g,)
             out.copy_(val) if ex is None else out.index_copy_(0, ex, val)
-            if bnd is not None:  # over the group's rows (the others are zero rows: terms 0)
-                pb: Dict[int, Tensor] = {}
-                pc: Dict[int, Tensor] = {}
-                _bound(u, gl.diagonal(dim1=1, dim2=2) * gr.diagonal(dim1=1, dim2=2), pb, pc)
-                for full, part in ((bnd, pb[id(u)]), (cnt, pc[id(u)])):
-                    full.copy_(part) if ex is None else full.index_copy_(0, ex, part)
-        if bnd is not None:
-            bounds[id(u)] = bnd
-            if tokens is not None:
-                tokens[id(u)] = cnt
+            if bounds is not None:  # over the group's rows (the others are zero rows: terms 0)
+                _bound(u, gl.diagonal(dim1=1, dim2=2) * gr.diagonal(dim1=1, dim2=2), parts["bound"],
+                       parts["count"] if tokens is not None else None)
+                for k, d in parts.items():
+                    if id(u) in d:
+                        part = d.pop(id(u))
+                        f = full.setdefault(k, torch.empty(B, dtype=part.dtype, device=dev))
+                        f.copy_(part) if ex is None else f.index_copy_(0, ex, part)
+        if "bound" in full:
+            bounds[id(u)] = full["bound"]
+        if "count" in full and tokens is not None:
+            tokens[id(u)] = full["count"]
         if rows is not None:
             rows[id(u)] = comp.rows
         return out

@@ -1307,6 +1307,39 @@ def test_auto_counts_the_padding_a_ghost_norm_skips():
     assert_exact(model, _masked_loss, padded, method="auto", max_grad_norm=0.7)
 
 
+@settings(max_examples=25, deadline=None)
+@given(B=st.integers(1, 6), T=st.integers(4, 16), seed=st.integers(0, 10**6), layout=st.sampled_from(["right", "left",
+       "random"]), dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_compacted_inner_matches_the_full_one(B, T, seed, layout, dtype):
+    """``_inner`` of a compacted use (groups assembled into (B,) by index) gives what the full-T
+    computation gives: the squared norm, the guard's bound Σ_t ‖L_t‖‖R_t‖ and its count of
+    non-zero terms, example by example."""
+    import pdpsgd.bookkeeping as bk
+    from pdpsgd.rules.base import Dense
+
+    g = torch.Generator().manual_seed(seed)
+    mask = _padding_mask(torch.randint(0, T + 1, (B,), generator=g), T, layout, g)
+    L = torch.randn(B, T, 5, generator=g, dtype=torch.float64).to(dtype) * mask.unsqueeze(2)
+    u = Dense(L, torch.randn(B, T, 3, generator=g, dtype=torch.float64).to(dtype))
+    with pytest.MonkeyPatch.context() as mp:
+        for name, v in (("COMPACT_MIN_T", 4), ("COMPACT_MAX_FRACTION", 1.0), ("COMPACT_GATHER_COST", 0),
+                        ("COMPACT_GROUP_COST", 0.0)):
+            mp.setattr(bk, name, v)
+        comp = bk._compaction(u, {}, {})
+    if comp is None:
+        return  # (nothing to skip where the first look looks)
+    acc = bk._acc(dtype)
+    got_b, got_t, want_b, want_t = {}, {}, {}, {}
+    got = bk._inner(u, u, torch.Size([5, 3]), acc, None, None, got_b, {id(u): comp}, got_t)
+    want = bk._inner(u, u, torch.Size([5, 3]), acc, None, None, want_b, None, want_t)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got_b[id(u)], want_b[id(u)], **tol)
+    assert (id(u) in got_t) == (id(u) in want_t) == (dtype != torch.float64)
+    if dtype != torch.float64:
+        assert got_t[id(u)].tolist() == want_t[id(u)].tolist() == mask.sum(1).tolist()
+
+
 def test_grouped_compaction_takes_views_gathers_and_shares():
     """One batch of right-padded examples of four lengths: the compaction makes several groups
     (the last, all examples, a view of the first K rows is not possible with subsets: gathered),
@@ -1822,18 +1855,34 @@ def test_unfreezing_more_parameters_on_the_same_step_keeps_them_on_their_rules()
 
 
 @pytest.mark.parametrize("neighbour_len", [0, 64])
-def test_float32_guard_counts_each_examples_own_tokens(neighbour_len):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_float32_guard_counts_each_examples_own_tokens(neighbour_len, grouped):
     """The crafted float32 example of the test above (31 non-zero tokens of T = 64 that nearly
     cancel) next to an ordinary example of ``neighbour_len`` tokens. With a full-length neighbour
     the batch is not compacted; the guard must still count the crafted example's own 31 tokens
     (not T), so its norm is never under the true one and its clipped contribution stays ≤ C
-    (counting T, its norm came out 1.4e-5 relative under: a documented leak of round 7, fixed)."""
+    (counting T, its norm came out 1.4e-5 relative under: a documented leak of round 7, fixed).
+    ``grouped``: the compaction's thresholds opened, so the two examples' rows are compacted in
+    two groups (the counts assembled from them)."""
+    import pdpsgd.bookkeeping as bk
+
     x, G = _crafted_cancelling(2)
     G[1, :neighbour_len] = torch.randn(neighbour_len, 3)
     C = 1e-3
     lin = nn.Linear(4, 3, bias=False)
     step = make_dp_step(lin, lambda m, b: (m(b["x"]) * b["G"]).sum((1, 2)), max_grad_norm=C, noise_multiplier=0.0,
                         method="bk", bk_options={"cost_model": "ghost"})
-    p = step.clipped_sum(dict(lin.named_parameters()), {"x": x, "G": G})
+    with pytest.MonkeyPatch.context() as mp:
+        seen = []
+        orig = bk._compaction
+        mp.setattr(bk, "_compaction", lambda u, *a: seen.append(orig(u, *a)) or seen[-1])
+        if grouped:
+            for name, v in (("COMPACT_MAX_FRACTION", 1.0), ("COMPACT_GATHER_COST", 0), ("COMPACT_GROUP_COST", 0.0)):
+                mp.setattr(bk, name, v)
+        p = step.clipped_sum(dict(lin.named_parameters()), {"x": x, "G": G})
+    if grouped:
+        assert any(c is not None and len(c.groups) == 2 for c in seen), seen
     true = torch.einsum("btp,btq->pq", G[0].double()[None], x[0].double()[None]).norm()
     assert float(p.per_sample_norms[0]) >= float(true) * (1 - 1e-6)
+    true1 = torch.einsum("tp,tq->pq", G[1].double(), x[1].double()).norm()  # the ordinary one: as it is
+    assert abs(float(p.per_sample_norms[1]) - float(true1)) <= 1e-4 * float(true1) + 1e-6, (p.per_sample_norms, true1)
