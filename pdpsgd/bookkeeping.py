@@ -537,28 +537,24 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
     if comp is not None:  # only the rows that are not exactly zero, by groups (see ``_compaction``)
         memo = cache if cache is not None else _GramMemo({})
         gls, grs = memo.self_gram(u.L, acc, comp), memo.self_gram(u.R, acc, comp)
-        B, dev = u.L.shape[0], u.L.device
-        out = torch.empty(B, dtype=acc, device=dev)
-        parts: Dict[str, Dict[int, Tensor]] = {"bound": {}, "count": {}}  # per group, by id(use)
-        full: Dict[str, Tensor] = {}  # (B,) each, assembled from the groups
+        full: Dict[str, Dict[int, Tensor]] = {"out": {}, "bound": {}, "count": {}}  # (B,) each, by id(use)
         for (ex, _, _), gl, gr in zip(comp.groups, gls, grs):
-            val = (gl * gr).sum((1, 2))  # (B_g, K, K) -> (B_g,)
-            out.copy_(val) if ex is None else out.index_copy_(0, ex, val)
+            part: Dict[str, Dict[int, Tensor]] = {"out": {id(u): (gl * gr).sum((1, 2))}, "bound": {}, "count": {}}
             if bounds is not None:  # over the group's rows (the others are zero rows: terms 0)
-                _bound(u, gl.diagonal(dim1=1, dim2=2) * gr.diagonal(dim1=1, dim2=2), parts["bound"],
-                       parts["count"] if tokens is not None else None)
-                for k, d in parts.items():
-                    if id(u) in d:
-                        part = d.pop(id(u))
-                        f = full.setdefault(k, torch.empty(B, dtype=part.dtype, device=dev))
-                        f.copy_(part) if ex is None else f.index_copy_(0, ex, part)
-        if "bound" in full:
-            bounds[id(u)] = full["bound"]
-        if "count" in full and tokens is not None:
-            tokens[id(u)] = full["count"]
+                _bound(u, gl.diagonal(dim1=1, dim2=2) * gr.diagonal(dim1=1, dim2=2), part["bound"],
+                       part["count"] if tokens is not None else None)
+            for k, d in part.items():  # the group's (B_g,) values into their examples' places
+                if id(u) in d:
+                    x = d[id(u)]
+                    f = full[k].setdefault(id(u), torch.empty(u.L.shape[0], dtype=x.dtype, device=x.device))
+                    f.copy_(x) if ex is None else f.index_copy_(0, ex, x)
+        if bounds is not None:
+            bounds.update(full["bound"])
+        if tokens is not None:
+            tokens.update(full["count"])
         if rows is not None:
             rows[id(u)] = comp.rows
-        return out
+        return full["out"][id(u)]
     if isinstance(u, Dense) and isinstance(v, Dense) and u.R is not None and v.R is not None \
             and u.L.shape[-1] == v.L.shape[-1] and u.R.shape[-1] == v.R.shape[-1]:
         gl = _gram(u.L, v.L, acc, cache)  # (B, T, P0) x (B, S, P0) -> (B, T, S)
