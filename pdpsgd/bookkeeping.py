@@ -729,6 +729,7 @@ class _Call:
     root: Optional[Tuple[str, int]] = None  # (module name, call index) of the call whose input showed the flattening
     chain: Tuple[int, ...] = ()  # calls (indices) whose outputs the flattened input was traced through
     bcast: bool = False  # its (1, T, ...) output was expanded to the batch (``Rule.broadcast_batch``)
+    ok: bool = True  # the rule's check of the call as it ran (``Rule.verify``) passed
 
     @property
     def targets(self) -> List[Any]:
@@ -1256,6 +1257,11 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         if not replay[0]:
             real_dims.setdefault(mname, []).append(
                 _out_dim(output) if getattr(rule, "batch_dim_of_output", False) else _first_dim(args, kwargs))
+        # a rule that checks each call against its output does it now, with this step's parameter
+        # values still in place and before the model may edit the output in place
+        verify = getattr(rule, "verify", None)
+        ok = verify is None or replay[0] or not torch.is_grad_enabled() or (
+            isinstance(output, Tensor) and bool(verify(module, args, kwargs, output)))
         swap_out(module)
         if getattr(rule, "custom_forward", False):
             capture = pending[module].pop()
@@ -1311,10 +1317,10 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
                 # edited in place.
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, edge=_gradient_edge(src),
                                    k=k, gshape=output.shape if src is not output else None, rows=rows, root=root,
-                                   chain=chain, bcast=bcast))
+                                   chain=chain, bcast=bcast, ok=ok))
             else:
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers, k=k,
-                                   rows=rows, root=root, chain=chain, bcast=bcast))
+                                   rows=rows, root=root, chain=chain, bcast=bcast, ok=ok))
         return output
 
     leaf_names = [n for n in ruled_names]
@@ -1407,7 +1413,9 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         mname, rule, local = ruled[c.module]
         if all(n in fallback for n in local.values()):
             continue
-        if i in early:
+        if not c.ok:
+            got = None  # its forward is not the one the rule knows (``Rule.verify``)
+        elif i in early:
             got = early[i].got
             if got is _NOT_REACHED:
                 continue  # no gradient reached this call's output: zero contribution

@@ -32,6 +32,8 @@ def _build(name):
                  dict(vocab_size=V, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
                       decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
                       scale_embedding=True, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)),
+        "falcon": (tf.FalconConfig, tf.FalconForCausalLM, dict(small, hidden_size=16, hidden_dropout=0.0,
+                                                              attention_dropout=0.0)),
         "t5": (tf.T5Config, tf.T5ForConditionalGeneration,
                dict(vocab_size=V, d_model=16, d_ff=32, d_kv=4, num_layers=1, num_decoder_layers=1, num_heads=4,
                     relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)),
@@ -68,6 +70,8 @@ EXPECTED_FALLBACK = {
     "opt": set(),
     # T5's relative attention bias is an embedding of (T, T) buckets shared by the whole batch
     "t5": {"relative_attention_bias"},
+    # FalconLinear (x @ W.T, then the residual added into its output in place): checked as it runs
+    "falcon": set(),
 }
 
 
@@ -133,3 +137,33 @@ def test_params_other_than_the_models_own_tensors_keep_the_rules():
     params = {n: (p.detach().clone() * 1.01) for n, p in m.named_parameters()}
     r = assert_exact(m, causal_loss, b, method="bk", params=params, max_grad_norm=0.1)
     assert {n for n, v in r.routes.items() if v == "vmap"} == set(), r.routes
+
+
+def test_matmul_linear_rule_checks_each_call_as_it_runs():
+    """A layer named FalconLinear whose forward is not x @ Wᵀ (+ b) is not taken by the rule (its
+    parameters fall back, exact); Falcon's own, whose output the model then edits in place, is."""
+    from torch import nn
+
+    class FalconLinear(nn.Linear):  # the name the rule matches, a different forward
+        def forward(self, input):
+            return input @ self.weight.T * 1.5
+
+    class Net(nn.Module):
+        def __init__(self, cls):
+            super().__init__()
+            self.emb, self.a, self.b = torch.nn.Embedding(V, 8), cls(8, 8, bias=False), torch.nn.Linear(8, 3)
+
+        def forward(self, ids):
+            h = self.a(self.emb(ids))
+            h += 1.0  # edited in place after the layer ran (as Falcon's residual add)
+            return self.b(torch.tanh(h)).sum(1)
+
+    import transformers.models.falcon.modeling_falcon as fm
+
+    g = torch.Generator().manual_seed(0)
+    batch = {"ids": torch.randint(0, V, (3, 5), generator=g), "y": torch.randint(0, 3, (3,), generator=g)}
+    loss = lambda m, b: F.cross_entropy(m(b["ids"]), b["y"], reduction="none")  # noqa: E731
+    for cls, want in ((fm.FalconLinear, "ghost-or-explicit"), (FalconLinear, "vmap")):
+        torch.manual_seed(0)
+        r = assert_exact(Net(cls), loss, batch, method="bk", max_grad_norm=0.5)
+        assert (r.routes["a.weight"] == "vmap") == (want == "vmap"), (cls, r.routes)

@@ -105,6 +105,11 @@ class Rule:
     # ``uses`` (returning None when it is not the layer it knows): a flattened batch is traced
     # through such a layer only when its rule accepted that call.
     checks_call = False
+    # A rule may instead check each call as it runs: ``verify(module, args, kwargs, output) -> bool``
+    # is called right after the layer's forward (with the step's parameter values in place, before
+    # the model may edit the output in place); False sends that call's layer to the fallback. It
+    # then needs no output in ``uses`` (``needs_output = False``).
+    verify = None
 
     def supports(self, module: nn.Module) -> Optional[str]:
         """None if the layer's configuration is covered, else a short reason (-> vmap fallback)."""

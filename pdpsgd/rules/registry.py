@@ -73,8 +73,8 @@ class RuleRegistry:
 
 
 def _build() -> RuleRegistry:
-    from . import (conv, embedding, hf_conv1d, layernorm, linear, positional_embedding, rmsnorm, rnn,
-                   scaled_embedding)
+    from . import (conv, embedding, hf_conv1d, layernorm, linear, matmul_linear, positional_embedding, rmsnorm,
+                   rnn, scaled_embedding)
 
     reg = RuleRegistry()
     for t in linear.TYPES:
@@ -91,6 +91,7 @@ def _build() -> RuleRegistry:
                            scaled_embedding.ScaledEmbeddingRule())
     reg.register_predicate("positional_embedding", positional_embedding.is_positional_embedding,
                            positional_embedding.PositionalEmbeddingRule())
+    reg.register_predicate("matmul_linear", matmul_linear.is_matmul_linear, matmul_linear.MatmulLinearRule())
     for t in conv.TYPES:
         reg.register(t, conv.ConvRule())
     for t in rnn.TYPES:
