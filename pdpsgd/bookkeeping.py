@@ -738,6 +738,22 @@ class _Call:
         return [self.edge if self.edge is not None else self.output]
 
 
+def _run_verify(verify, module: nn.Module, args, kwargs, output) -> bool:
+    """``Rule.verify`` of one call, as it ran: False if it fails or raises. Run with the dispatch
+    modes in force set aside (its ops are not the model's: a selective-checkpoint policy, which
+    records the forward's ops to replay them in the recomputation, must not see them), without
+    autograd."""
+    try:
+        from torch.utils._python_dispatch import _disable_current_modes
+    except ImportError:  # pragma: no cover - older torch
+        _disable_current_modes = contextlib.nullcontext
+    try:
+        with torch.no_grad(), _disable_current_modes():
+            return bool(verify(module, args, kwargs, output))
+    except Exception:  # (not the call it knows: exact fallback)
+        return False
+
+
 def _edge_source(output: Tensor, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[Tensor]:
     """The tensor whose gradient edge stands for ``output``'s, or None (keep the output itself).
 
@@ -1259,15 +1275,16 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
                 _out_dim(output) if getattr(rule, "batch_dim_of_output", False) else _first_dim(args, kwargs))
         # a rule that checks each call against its output does it now, with this step's parameter
         # values still in place and before the model may edit the output in place
+        ok = True
         verify = getattr(rule, "verify", None)
-        ok = verify is None or replay[0] or not torch.is_grad_enabled() or (
-            isinstance(output, Tensor) and bool(verify(module, args, kwargs, output)))
+        if verify is not None and not replay[0] and torch.is_grad_enabled():
+            ok = _run_verify(verify, module, args, kwargs, output)
         swap_out(module)
         if getattr(rule, "custom_forward", False):
             capture = pending[module].pop()
             if capture is not None and not replay[0] and torch.is_grad_enabled():
                 vers = tuple(x._version for x in args if isinstance(x, Tensor))
-                calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, capture))
+                calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, capture, ok=ok))
             return None
         if not isinstance(output, Tensor) or not output.is_floating_point():
             for c in local.values():

@@ -139,31 +139,57 @@ def test_params_other_than_the_models_own_tensors_keep_the_rules():
     assert {n for n, v in r.routes.items() if v == "vmap"} == set(), r.routes
 
 
-def test_matmul_linear_rule_checks_each_call_as_it_runs():
-    """A layer named FalconLinear whose forward is not x @ Wᵀ (+ b) is not taken by the rule (its
-    parameters fall back, exact); Falcon's own, whose output the model then edits in place, is."""
+def test_matmul_linear_rule_checks_each_call_as_it_runs(monkeypatch):
+    """Falcon's own FalconLinear, whose output the model then edits in place, is on the rule; a
+    user's class of that name is not matched; and if FalconLinear's forward is not x @ Wᵀ (+ b)
+    (patched here) the check as it runs sends it to the fallback. Exact in every case, also under
+    selective activation checkpointing (whose policy must not see the check's matmul)."""
+    import functools
+
     from torch import nn
-
-    class FalconLinear(nn.Linear):  # the name the rule matches, a different forward
-        def forward(self, input):
-            return input @ self.weight.T * 1.5
-
-    class Net(nn.Module):
-        def __init__(self, cls):
-            super().__init__()
-            self.emb, self.a, self.b = torch.nn.Embedding(V, 8), cls(8, 8, bias=False), torch.nn.Linear(8, 3)
-
-        def forward(self, ids):
-            h = self.a(self.emb(ids))
-            h += 1.0  # edited in place after the layer ran (as Falcon's residual add)
-            return self.b(torch.tanh(h)).sum(1)
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
     import transformers.models.falcon.modeling_falcon as fm
+
+    class FalconLinear(nn.Linear):  # the name the rule matches, not Hugging Face's class
+        def forward(self, input):
+            return input @ self.weight.T + self.bias
+
+    def policy(ctx, op, *a, **k):  # save the matmuls' outputs, recompute the rest
+        return CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) \
+            else CheckpointPolicy.PREFER_RECOMPUTE
+
+    class Net(nn.Module):
+        def __init__(self, cls, sac=False):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(V, 8), torch.nn.Linear(8, 3)
+            self.a, self.b = cls(8, 8, bias=True), cls(8, 8, bias=True)
+            self.sac = sac
+
+        def seg(self, h):
+            h = self.a(h)
+            h += 1.0  # edited in place after the layer ran (as Falcon's residual add)
+            return torch.tanh(self.b(torch.tanh(h))) * h
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            if self.sac:
+                ctx = functools.partial(create_selective_checkpoint_contexts, policy)
+                h = checkpoint(self.seg, h, use_reentrant=False, context_fn=ctx)
+            else:
+                h = self.seg(h)
+            return self.head(h).sum(1)
 
     g = torch.Generator().manual_seed(0)
     batch = {"ids": torch.randint(0, V, (3, 5), generator=g), "y": torch.randint(0, 3, (3,), generator=g)}
     loss = lambda m, b: F.cross_entropy(m(b["ids"]), b["y"], reduction="none")  # noqa: E731
-    for cls, want in ((fm.FalconLinear, "ghost-or-explicit"), (FalconLinear, "vmap")):
+
+    def routes(cls, sac=False):
         torch.manual_seed(0)
-        r = assert_exact(Net(cls), loss, batch, method="bk", max_grad_norm=0.5)
-        assert (r.routes["a.weight"] == "vmap") == (want == "vmap"), (cls, r.routes)
+        return assert_exact(Net(cls, sac), loss, batch, method="bk", max_grad_norm=0.5).routes
+
+    assert routes(fm.FalconLinear)["a.weight"] != "vmap"
+    assert routes(fm.FalconLinear, sac=True)["a.weight"] != "vmap"
+    assert routes(FalconLinear)["a.weight"] == "vmap"
+    monkeypatch.setattr(fm.FalconLinear, "forward", lambda self, input: input @ self.weight.T * 1.5 + self.bias)
+    assert routes(fm.FalconLinear)["a.weight"] == "vmap"

@@ -107,8 +107,9 @@ class Rule:
     checks_call = False
     # A rule may instead check each call as it runs: ``verify(module, args, kwargs, output) -> bool``
     # is called right after the layer's forward (with the step's parameter values in place, before
-    # the model may edit the output in place); False sends that call's layer to the fallback. It
-    # then needs no output in ``uses`` (``needs_output = False``).
+    # the model may edit the output in place; under no_grad, with the dispatch modes in force set
+    # aside); False, or an exception, sends that call's layer to the fallback. It then needs no
+    # output in ``uses`` (``needs_output = False``).
     verify = None
 
     def supports(self, module: nn.Module) -> Optional[str]:

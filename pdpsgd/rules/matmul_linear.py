@@ -1,8 +1,9 @@
 """Linear layers of Hugging Face models that compute ``x @ W.T (+ b)`` in their own forward
 instead of ``F.linear`` (Falcon's ``FalconLinear``).
 
-Matched by class name (``MATMUL_LINEAR_NAMES``) on an ``nn.Linear`` subclass with no parameters
-but ``weight`` and ``bias``, and *verified on every call* as it runs (``Rule.verify``): the rule
+Matched by class name (``MATMUL_LINEAR_NAMES``) on the class ``transformers`` defines (an
+``nn.Linear`` subclass with no parameters but ``weight`` and ``bias``; a user's class of that name
+is not taken), and *verified on every call* as it runs (``Rule.verify``): the rule
 recomputes ``x @ W.T`` (+ b) as that forward does and requires it to equal the module's output
 exactly (Falcon adds the residual into this output in place later, so it is checked at once);
 otherwise the engine falls back to exact vmap for that layer. Then the layer is y = x Wᵀ + b and
@@ -10,6 +11,7 @@ its per-example gradients are the Linear rule's.
 """
 from __future__ import annotations
 
+import sys
 from typing import Dict, Optional
 
 import torch
@@ -22,9 +24,15 @@ MATMUL_LINEAR_NAMES = ("FalconLinear",)
 
 
 def is_matmul_linear(module: nn.Module) -> bool:
-    """An ``nn.Linear`` subclass named in ``MATMUL_LINEAR_NAMES`` whose own parameters are weight (and bias)."""
-    return (isinstance(module, nn.Linear) and type(module).__name__ in MATMUL_LINEAR_NAMES
-            and {n for n, _ in module.named_parameters(recurse=False)} <= {"weight", "bias"}
+    """Hugging Face's own class (defined in a ``transformers`` module under a name in
+    ``MATMUL_LINEAR_NAMES``, its ``forward`` not overridden by a subclass), an ``nn.Linear`` whose
+    own parameters are weight (and bias) and which has no submodules."""
+    cls = type(module)
+    if not isinstance(module, nn.Linear) or cls.__name__ not in MATMUL_LINEAR_NAMES \
+            or not cls.__module__.startswith("transformers."):
+        return False
+    known = getattr(sys.modules.get(cls.__module__), cls.__name__, None)
+    return (known is cls and {n for n, _ in module.named_parameters(recurse=False)} <= {"weight", "bias"}
             and not any(True for _ in module.children()))
 
 
@@ -40,9 +48,9 @@ class MatmulLinearRule(Rule):
         self._linear = LinearRule()
 
     @staticmethod
-    def verify(module: nn.Module, args, kwargs, output: Tensor) -> bool:
+    def verify(module: nn.Module, args, kwargs, output) -> bool:
         x = first_input(args, kwargs)
-        if x is None:
+        if x is None or not isinstance(output, Tensor):
             return False
         with torch.no_grad():
             ref = x @ module.weight.T  # as FalconLinear.forward computes it
