@@ -305,3 +305,28 @@ def test_custom_rmsnorm_check_is_relative_per_element(dtype, d, wscale):
         m.weight.mul_(wscale)
     y = m(x)
     assert default_registry().lookup(m).uses(m, (x,), {}, y, torch.ones_like(y), 3) is not None
+
+
+@pytest.mark.parametrize("cls", [LlamaRMSNorm, GemmaRMSNorm, CenteredRMSNorm])
+def test_custom_rmsnorm_check_with_nan_rows(cls):
+    """An example whose rows are NaN (as Gemma 3's attention gives an example with a fully masked
+    query row): where the layer's output and the formula are both NaN they agree, so a known
+    formula keeps its rule (the NaN example's factors are NaN: it is dropped, as with the
+    fallback), and an unknown one is still declined on the finite rows; an output NaN where the
+    formula is not is a mismatch."""
+    torch.manual_seed(0)
+    m = cls(5)
+    x = torch.randn(3, 4, 5)
+    x[1, 2] = float("nan")
+    y = m(x)
+    rule = default_registry().lookup(m)
+    got = rule.uses(m, (x,), {}, y.detach(), torch.ones_like(y), 3)
+    if cls is CenteredRMSNorm:
+        assert got is None
+        return
+    assert got is not None
+    G = got["weight"].G
+    assert bool(torch.isnan(G[1]).any()) and bool(torch.isfinite(G[[0, 2]]).all())
+    y2 = y.detach().clone()
+    y2[0, 0, 0] = float("nan")  # NaN in the output only
+    assert rule.uses(m, (x,), {}, y2, torch.ones_like(y), 3) is None
