@@ -325,6 +325,17 @@ SYNC_DEVICES = ("cpu",)  # elsewhere: one host read per step (see _KeepMemo)
 CONFIRM_BLOCK = 1 << 18  # elements copied at a time to confirm zero rows (memory: ~1 MiB in float32)
 
 
+def _confirm_zero_rows(X: Tensor, idx: Tensor, zero: Tensor) -> Tensor:
+    """Sets ``zero[j]`` for each candidate row j of X (n, P) (indices ``idx``) that is exactly zero
+    (NaN / ±inf rows are not), reading the candidates in blocks of ``CONFIRM_BLOCK`` elements (a
+    bounded temporary); returns ``zero``."""
+    step = max(1, CONFIRM_BLOCK // max(1, X.shape[1]))
+    for i in range(0, idx.numel(), step):
+        j = idx[i:i + step]
+        zero[j[X.index_select(0, j).abs_().amax(1) == 0]] = True
+    return zero
+
+
 def _active_rows(u: Dense, gl: Tensor, gr: Tensor) -> Optional[Tensor]:
     """Indices into the B·T rows of u's factors where neither L[t] nor R[t] is exactly zero, or
     None if that keeps more than ``ACTIVE_ROWS_FRACTION``. The self-Gram diagonals ‖L_t‖², ‖R_t‖²
@@ -339,13 +350,7 @@ def _active_rows(u: Dense, gl: Tensor, gr: Tensor) -> Optional[Tensor]:
     for X, cand in ((u.L, cands[0]), (u.R, cands[1])):
         if not bool(cand.any()):
             continue
-        idx = cand.nonzero().squeeze(1)
-        X = X.reshape(n, -1)
-        step = max(1, CONFIRM_BLOCK // max(1, X.shape[1]))  # rows per block: a bounded temporary
-        for i in range(0, idx.numel(), step):
-            j = idx[i:i + step]
-            exact = X.index_select(0, j).abs_().amax(1) == 0  # confirm each row exactly
-            zero[j[exact]] = True
+        _confirm_zero_rows(X.reshape(n, -1), cand.nonzero().squeeze(1), zero)
     if int(zero.sum()) < need:
         return None
     return (~zero).nonzero().squeeze(1)
@@ -457,13 +462,8 @@ def _compaction(u: Dense, finite: Dict, shared: Dict) -> Optional[_Compact]:
     idx = cand.reshape(-1).nonzero().squeeze(1)
     if idx.numel() >= CONFIRM_FULL_FRACTION * n:  # many: one pass over the whole factor
         zrow = (Z.amax(1) == 0) & (Z.amin(1) == 0)  # exactly zero rows (NaN / ±inf: not 0); aminmax is 5x slower
-    else:  # few: read just the candidates, in blocks (a bounded temporary)
-        zrow = torch.zeros(n, dtype=torch.bool, device=L.device)
-        step = max(1, CONFIRM_BLOCK // max(1, Z.shape[1]))
-        for i in range(0, idx.numel(), step):
-            k = idx[i:i + step]
-            exact = Z.index_select(0, k).abs_().amax(1) == 0  # confirm each row exactly
-            zrow[k[exact]] = True
+    else:  # few: read just the candidates, in blocks
+        zrow = _confirm_zero_rows(Z, idx, torch.zeros(n, dtype=torch.bool, device=L.device))
     zidx = zrow.nonzero().squeeze(1)
     if zidx.numel() >= CONFIRM_FULL_FRACTION * n:  # the skipped rows' other factor: finite (0·inf is not 0)
         k = _key(other)  # (held alive by col.uses for the whole batch: the address is not reused meanwhile)

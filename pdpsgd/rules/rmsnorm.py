@@ -98,6 +98,9 @@ class CustomRMSNormRule(Rule):
                     xt = xt.to(w.dtype)
                 yield xt, w * xt, None
 
+        def excess(r64):  # > 0 where an element is off by more than a few ulps of itself, relative
+            return (r64 - out64).abs() - tol_unit * (r64.abs() + out64.abs()) - tiny
+
         # the common formula first: one host read (a sync on a GPU) for LLaMA-style layers, two otherwise
         for stage in (llama, others):
             xhats, errs = [], []
@@ -107,8 +110,7 @@ class CustomRMSNormRule(Rule):
                 xhats.append((xh, prod))
                 # element by element, relative: a few ulps of each output (a formula that differs
                 # from this one, e.g. with the mean subtracted, differs far more on some element)
-                r64 = ref.to(torch.float64)
-                bad = (r64 - out64).abs() - tol_unit * (r64.abs() + out64.abs()) - tiny
+                bad = excess(ref.to(torch.float64))
                 errs.append(bad.max() if bad.numel() else out64.new_zeros(()))
             errs_h = torch.stack(errs).tolist()  # one host read per stage
             if any(e != e for e in errs_h):  # NaN somewhere (rare): recheck, NaN where both are NaN agrees
@@ -116,8 +118,7 @@ class CustomRMSNormRule(Rule):
                     if errs_h[i] != errs_h[i]:
                         r64 = ref.to(torch.float64)
                         same = (r64 == out64) | (r64.isnan() & out64.isnan())  # (equal infinities too)
-                        bad = (r64 - out64).abs() - tol_unit * (r64.abs() + out64.abs()) - tiny
-                        errs_h[i] = float(torch.where(same, -1.0, bad).max()) if bad.numel() else 0.0
+                        errs_h[i] = float(torch.where(same, -1.0, excess(r64)).max()) if r64.numel() else 0.0
             ok = [(e, i) for i, e in enumerate(errs_h) if e <= 0]
             if ok:
                 break
