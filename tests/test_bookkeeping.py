@@ -500,6 +500,31 @@ def test_shared_input_gram_memo_and_zero_row_compaction_exact(tiny):
         assert all(1 * T + 1 in r.tolist() for r in seen if r is not None)  # row (example 1, token 1) kept
 
 
+def test_active_rows_not_tried_on_small_layers(monkeypatch):
+    """The clipped sum's zero-row check is skipped where the matmul it would shorten is too small to
+    pay for it (no candidate read at all), and taken where it pays; exact either way."""
+    import pdpsgd.bookkeeping as bk
+
+    monkeypatch.setattr(bk, "ACTIVE_ROWS_MIN_WORK", 1 << 22)  # the default (conftest lowers it)
+    confirmed = []
+    orig = bk._confirm_zero_rows
+    monkeypatch.setattr(bk, "_confirm_zero_rows", lambda *a: (confirmed.append(a[0].shape), orig(*a))[1])
+    B, T = 4, 16
+    for d, tried in ((4, False), (256, True)):  # B·T·d·d: 1024 and 2^22 multiply-adds
+        confirmed.clear()
+        L, R = torch.randn(B, T, d), torch.randn(B, T, d)
+        L[:, T // 2:] = 0  # half the rows exactly zero
+        u = bk.Dense(L, R)
+        gl, gr = bk._gram(L, L), bk._gram(R, R)
+        rows = bk._active_rows(u, gl, gr)
+        assert (rows is not None) == tried and bool(confirmed) == tried, (d, rows, confirmed)
+        if tried:
+            assert rows.tolist() == [b * T + t for b in range(B) for t in range(T // 2)]
+            w = torch.rand(B)
+            full = bk._weighted_use_sum(u, w, None, torch.Size([d, d]), torch.float32)
+            torch.testing.assert_close(bk._weighted_use_sum(u, w, None, torch.Size([d, d]), torch.float32, rows), full)
+
+
 def test_fused_noise_does_not_touch_sums_and_zero_std_is_division():
     from pdpsgd import fused
 
