@@ -44,6 +44,8 @@ CONFIGS = {
     # GPT-2 small's depth at negligible compute: CPU time ~ host (launch / Python) overhead, the
     # GPU step's bottleneck (benchmarks/README.md, GPU section)
     "launch-proxy": ("gpt2", 12, 64, 2, 512, 16, 2),
+    # BERT-shaped at negligible compute, right-padded like bert-128: the engine's fixed cost per step
+    "bert-tiny": ("bert", 4, 16, 2, 512, 8, 2),
 }
 FUSED = False
 AMP = False  # bf16 torch.autocast around every variant's model call (--amp)
@@ -304,7 +306,20 @@ def timing_run(cfg_name, variants, device, reps, warmup=1):
             times[v].append(time.perf_counter() - t)
             cpu[v].append(time.process_time() - c)
     med = lambda x: statistics.median(x) if x else float("nan")  # noqa: E731
+    timing_run.raw = {v: list(cpu[v]) for v in variants}  # per-rep CPU times (paired_ratios, the JSON)
     return {v: med(times[v]) for v in variants}, {v: med(cpu[v]) for v in variants}, notes
+
+
+def paired_ratios(raw, ref="nonprivate"):
+    """Median over reps of (variant's CPU time / the reference's in the same rep): each rep runs
+    every variant within a few seconds, so a slow spell of this shared machine (another tenant)
+    that lasts longer than a rep raises both and cancels, where the ratio of two medians keeps it."""
+    base = raw.get(ref) or []
+    out = {}
+    for v, ts in raw.items():
+        pairs = [t / b for t, b in zip(ts, base) if b]
+        out[v] = statistics.median(pairs) if pairs and len(ts) == len(base) else float("nan")
+    return out
 
 
 def main():
@@ -353,7 +368,9 @@ def main():
                     mem[v] = json.loads(r.stdout.strip().splitlines()[-1])
                 except Exception:
                     mem[v] = {"error": r.stderr[-300:]}
-        results[cfg] = {"time": t, "cpu_time": tc, "notes": {k: str(v) for k, v in notes.items()}, "mem": mem}
+        raw = getattr(timing_run, "raw", {})
+        results[cfg] = {"time": t, "cpu_time": tc, "notes": {k: str(v) for k, v in notes.items()}, "mem": mem,
+                        "cpu_times": raw, "cpu_paired": paired_ratios(raw)}
         print_table(cfg, results[cfg], variants)
     if a.json:
         with open(a.json, "w") as f:
@@ -366,9 +383,9 @@ def print_table(cfg, r, variants):
     c0 = r["cpu_time"].get("nonprivate")
     m0 = r["mem"].get("nonprivate", {})
     print(f"\n## {cfg}: {fam} {L} layers, width {d}, vocab {V}, T={T}, B={B}")
-    print("| variant | step ms (wall) | wall × non-private | CPU-time × non-private | peak step mem MB | mem × non-private "
-          "| allocated peak MB | alloc × non-private | notes |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| variant | step ms (wall) | wall × non-private | CPU-time × non-private | CPU × np, paired | peak step mem MB "
+          "| mem × non-private | allocated peak MB | alloc × non-private | notes |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for v in variants:
         t = r["time"].get(v, float("nan"))
         m = r["mem"].get(v, {})
@@ -378,7 +395,9 @@ def print_table(cfg, r, variants):
         tm0 = m0.get("peak", float("nan"))
         c = r["cpu_time"].get(v, float("nan"))
         al, al0 = m.get("alloc", float("nan")), m0.get("alloc", float("nan"))
-        print(f"| {v} | {t * 1e3:.1f} | {t / t0 if t0 else float('nan'):.2f} | {c / c0 if c0 else float('nan'):.2f} | {dm:.0f} (total {tm:.0f}) | "
+        pr = r.get("cpu_paired", {}).get(v, float("nan"))
+        print(f"| {v} | {t * 1e3:.1f} | {t / t0 if t0 else float('nan'):.2f} | {c / c0 if c0 else float('nan'):.2f} | {pr:.2f} | "
+              f"{dm:.0f} (total {tm:.0f}) | "
               f"{dm / dm0 if dm0 == dm0 and dm0 else float('nan'):.2f} (total {tm / tm0 if tm0 == tm0 and tm0 else float('nan'):.2f}) | "
               f"{al:.1f} | {al / al0 if al0 == al0 and al0 else float('nan'):.2f} | "
               f"{r['notes'].get(v, '')} |")
