@@ -646,7 +646,8 @@ class _Guard:
                 b = torch.stack([b for _, _, b, _ in items], 1)
                 b2 = b * b
                 if T == "per example":
-                    T = torch.stack([t.to(S.device, S.dtype) for _, _, _, t in items], 1).clamp_min_(1)  # (B, m)
+                    # counts (int64, ≤ T: exact in float32), stacked first: one conversion, not one per parameter
+                    T = torch.stack([t.to(S.device) for _, _, _, t in items], 1).to(S.dtype).clamp_min_(1)  # (B, m)
                 S = torch.where(S * (KAPPA_MAX_PER_T * T) < b2, b2, S)
             for j, item in enumerate(items):
                 sq[item[0]] = S[:, j]
