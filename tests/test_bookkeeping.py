@@ -1757,34 +1757,72 @@ def test_reorder_check_sees_the_whole_batch_equal_keys_and_padding_copies():
     assert r.routes["fc1.weight"] == "vmap", r.routes
 
 
-class _RoundingOnlyByPosition(nn.Module):
-    """``kb``'s gradient depends on the example's row, but only at 1e-12 of the example's norm, as
-    an attention key's bias whose gradient is zero but for rounding (softmax ignores it) differs
-    between the check's runs (BioGPT in transformers 5.24): not a reordering worth the fallback
-    (the check's floor is the example's *total* squared norm, not this parameter's). (The naive
-    loop runs each example alone, at row 0, so it is no oracle for this model.)"""
+class _CancelsToRounding(nn.Module):
+    """``kb.bias``'s gradient is zero in exact arithmetic (the mean over tokens is subtracted after
+    it, as softmax ignores an attention key's bias) and rounding alone remains, which depends on the
+    example's row here (as it did between the order check's runs on BioGPT, transformers 5.24):
+    not a reordering. (The naive loop runs each example alone, at row 0: no oracle for it.)"""
 
     def __init__(self, d=4):
         super().__init__()
         self.fc, self.kb = nn.Linear(d, d), nn.Linear(d, d)
+        self.kb.weight.requires_grad_(False)
 
-    def forward(self, x):
-        pos = torch.arange(x.shape[0], dtype=x.dtype)[:, None]
-        return torch.tanh(self.fc(x)) + 1e-12 * pos * self.kb(x)
+    def forward(self, x, c=None):
+        h = torch.tanh(self.fc(x)) + self.kb(x)  # (B, T, d)
+        c = torch.finfo(x.dtype).eps if c is None else c  # a position dependence at rounding level: (1 + row·eps)
+        return h - h.mean(1, keepdim=True) * (1 + c * torch.arange(x.shape[0], dtype=x.dtype)[:, None, None])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_gradient_below_the_examples_rounding_is_not_taken_for_a_reordering(dtype):
+def test_gradient_zero_but_for_rounding_is_not_taken_for_a_reordering(dtype):
     torch.manual_seed(0)
-    m = _RoundingOnlyByPosition().to(dtype)
-    b = {"x": torch.randn(5, 4, dtype=dtype), "y": torch.randn(5, 4, dtype=dtype)}
-    loss = lambda mm, bb: ((mm(bb["x"]) - bb["y"]) ** 2).sum(1)  # noqa: E731
+    m = _CancelsToRounding().to(dtype)
+    b = {"x": torch.randn(5, 6, 4, dtype=dtype), "y": torch.randn(5, 6, 4, dtype=dtype)}
+    loss = lambda mm, bb: ((mm(bb["x"]) - bb["y"]) ** 2).sum((1, 2))  # noqa: E731
     step = pdpsgd.make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
     assert step.fallback_reasons(b) == {}
-    # the same position dependence at the scale of the example's norm is seen
-    m.forward = lambda x: torch.tanh(m.fc(x)) + torch.arange(x.shape[0], dtype=x.dtype)[:, None] * m.kb(x)
-    assert "reorder" in pdpsgd.make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0,
-                                            method="bk").fallback_reasons(b).get("kb.weight", ""), "not seen"
+    # the same dependence at the scale of the gradient's terms is seen
+    big = lambda mm, bb: ((mm(bb["x"], 0.1) - bb["y"]) ** 2).sum((1, 2))  # noqa: E731
+    why = pdpsgd.make_dp_step(m, big, max_grad_norm=0.5, noise_multiplier=0.0, method="bk").fallback_reasons(b)
+    assert "reorder" in why.get("kb.bias", ""), why
+
+
+class _SortedBehindLayerScale(nn.Module):
+    """A branch run on the batch sorted by length, behind a layer scale γ initialised small
+    (ConvNeXt / CaiT style): at the check its share of each example's norm is ~γ², but it is a
+    reordering all the same, and γ grows in training (the verdict is memoised per batch shape)."""
+
+    def __init__(self, d=4, g0=1e-6):
+        super().__init__()
+        self.inp, self.fc1, self.fc2, self.head = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d), nn.Linear(d, d)
+        self.gamma = nn.Parameter(torch.full((d,), g0))
+
+    def forward(self, x, lengths):
+        h = torch.tanh(self.inp(x))
+        order = torch.argsort(lengths, descending=True, stable=True)
+        y = self.fc2(F.gelu(self.fc1(h[order])))[torch.argsort(order)]
+        return self.head(h + self.gamma * y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_small_share_reordering_is_seen_and_stays_exact_after_it_grows(dtype):
+    """(Found by review: a floor relative to the example's total norm let this pass in float32.)"""
+    torch.manual_seed(0)
+    B = 6
+    m = _SortedBehindLayerScale().to(dtype)
+    mk = lambda: {"x": torch.randn(B, 3, 4, dtype=dtype), "y": torch.randn(B, 3, 4, dtype=dtype),  # noqa: E731
+                  "len": torch.randperm(B)}
+    loss = lambda mm, bb: ((mm(bb["x"], bb["len"]) - bb["y"]) ** 2).sum((1, 2))  # noqa: E731
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
+    params = {n: p.detach() for n, p in m.named_parameters()}
+    assert step.clipped_sum(params, mk()).routes["fc1.weight"] == "vmap"
+    with torch.no_grad():
+        m.gamma.fill_(1.0)
+    b1 = mk()
+    out = step.clipped_sum({n: p.detach() for n, p in m.named_parameters()}, b1)  # memoised verdict
+    assert out.routes["fc1.weight"] == "vmap" and out.routes["fc2.weight"] == "vmap", out.routes
+    assert_exact(m, loss, b1, method="bk", max_grad_norm=0.5)
 
 
 class _NoisyLoss(nn.Module):
