@@ -1497,7 +1497,7 @@ def _zero_use(u: Use, p: Tensor) -> bool:
     return not bool((_inner(u, u, p.shape, _acc(p.dtype)) != 0).any())
 
 
-def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[str]]], loss_module, batch,
+def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[str], Set[str]]], loss_module, batch,
                  probe_memo, params: Params) -> "_Collected":
     """The example-order check's verdicts on a step's uses: only parameters it checked and passed stay
     on their rules; one it found attributed wrongly, or could not decide (no gradient reached it in
@@ -1505,11 +1505,17 @@ def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[st
     this shape, up to ORDER_RETRIES times)."""
     if order is None:
         return col
-    bad, passed = order
+    bad, passed, rounding = order
     unseen = []
+    B = batch_size(batch)
     for n in list(col.uses):
         if n in bad:
             col.fallback.setdefault(n, bad[n])
+        elif n in rounding:
+            if _rounding_only(col.uses[n], params[n], B):
+                continue  # still zero but for rounding in this step: wherever it goes, it moves rounding
+            col.fallback.setdefault(n, "its gradient was zero but for rounding in the example-order check, but is "
+                                       "not in this step: exact fallback")
         elif n not in passed:
             unseen.append(n)
             if all(_zero_use(u, params[n]) for u in col.uses[n]):
@@ -1625,25 +1631,31 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
 ORDER_RTOL = 1e-3  # float32 / float64 norms; 4 ulps for narrower parameters
 
 
+def _norm_and_bound(uses: List[Use], p: Tensor, B: int) -> Tuple[Tensor, Tensor]:
+    """Each example's squared norm over these uses of p (B,), and the triangle bound
+    Σ_uses Σ_t ‖L_t‖‖R_t‖ ≥ ‖G_i‖ (B,) (``_inner``'s bounds of the uses' self pairs; a use without
+    one adds 0)."""
+    acc = _acc(p.dtype)
+    sq = torch.zeros(B, dtype=acc, device=p.device)
+    bounds: Dict[int, Tensor] = {}
+    for a in range(len(uses)):
+        for b in range(a, len(uses)):
+            t = _inner(uses[a], uses[b], p.shape, acc, bounds=bounds if a == b else None)
+            sq = sq + (t if a == b else 2 * t)
+    bnd = torch.zeros(B, dtype=acc, device=p.device)
+    for u in uses:
+        bnd = bnd + bounds.get(id(u), torch.zeros((), dtype=acc, device=p.device))
+    return sq.clamp_min(0), bnd
+
+
 def _example_norms(sub: "_Collected", params: Params, names: List[str], B: int,
                    bounds_out: Optional[Dict[str, Tensor]] = None) -> Dict[str, Tensor]:
-    """Each example's squared norm per parameter (B,); ``bounds_out``: filled with the triangle bound
-    Σ_uses Σ_t ‖L_t‖‖R_t‖ ≥ ‖G_i‖ (B,) per parameter (``_inner``'s bounds of its uses' self pairs)."""
+    """Each example's squared norm per parameter (B,); ``bounds_out``: filled with each one's
+    triangle bound (``_norm_and_bound``)."""
     out = {}
     for n in names:
-        us = sub.uses.get(n, [])
-        acc = _acc(params[n].dtype)
-        sq = torch.zeros(B, dtype=acc, device=params[n].device)
-        bounds: Dict[int, Tensor] = {}
-        for a in range(len(us)):
-            for b in range(a, len(us)):
-                t = _inner(us[a], us[b], params[n].shape, acc, bounds=bounds if a == b else None)
-                sq = sq + (t if a == b else 2 * t)
-        out[n] = sq.clamp_min(0)
+        out[n], bnd = _norm_and_bound(sub.uses.get(n, []), params[n], B)
         if bounds_out is not None:
-            bnd = torch.zeros(B, dtype=acc, device=params[n].device)
-            for u in us:
-                bnd = bnd + bounds.get(id(u), torch.zeros((), dtype=acc, device=bnd.device))  # (none: never "rounding")
             bounds_out[n] = bnd
     return out
 
@@ -1676,14 +1688,38 @@ def _order_key(loss_module: LossModule, batch: Batch, params: Params):
 ORDER_RETRIES = 8  # a parameter no gradient reached in the check is checked again on this many later steps
 
 
-def _order_verdicts(known: Mapping[str, Optional[str]]) -> Tuple[Dict[str, str], Set[str]]:
-    return {n: v for n, v in known.items() if v is not None}, {n for n, v in known.items() if v is None}
+# The order check's verdict for a parameter that differed between its runs by rounding only
+# (``ORDER_ROUNDING_ULPS``): not a pass. Each step re-checks that its gradient is still zero but for
+# rounding (``_rounding_only``), else that step takes the exact fallback for it: a gradient that
+# cancels in the check's eval-mode runs need not cancel in training (dropout) or later (weights change).
+_ROUNDING = "rounding only"
+
+
+def _order_verdicts(known: Mapping[str, Optional[str]]) -> Tuple[Dict[str, str], Set[str], Set[str]]:
+    """(reordered: {name: reason}, passed, zero but for rounding: re-checked each step)."""
+    return ({n: v for n, v in known.items() if v is not None and v is not _ROUNDING},
+            {n for n, v in known.items() if v is None}, {n for n, v in known.items() if v is _ROUNDING})
+
+
+def _rounding_only(uses: List[Use], p: Tensor, B: int) -> bool:
+    """Whether every example's gradient from these uses is at most ``ORDER_ROUNDING_ULPS`` ulps of its
+    triangle bound (terms that cancel: zero but for rounding; float32/float64 only; a non-finite
+    example: no)."""
+    if p.dtype not in (torch.float32, torch.float64):
+        return False
+    sq, bnd = _norm_and_bound(uses, p, B)
+    return _within_rounding(sq, bnd, p.dtype)
+
+
+def _within_rounding(sq: Tensor, bnd: Tensor, dtype: torch.dtype) -> bool:
+    return bool((sq <= (ORDER_ROUNDING_ULPS * torch.finfo(dtype).eps * bnd) ** 2).all())
 
 
 def _order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo,
-                    no_expand) -> Tuple[Dict[str, str], Set[str]]:
-    """({parameter: reason} found attributed to another example, {parameters checked and passed});
-    the step trusts only the latter (anything else: exact fallback). Memoised per batch shape
+                    no_expand) -> Tuple[Dict[str, str], Set[str], Set[str]]:
+    """({parameter: reason} found attributed to another example, {parameters checked and passed},
+    {parameters that differed by rounding only: re-checked each step}); the step trusts only the
+    passed ones and the rounding-only ones that are still so (anything else: exact fallback). Memoised per batch shape
     (without B): (verdicts, undecided parameters with the number of checks they went through)."""
     B = batch_size(batch)
     key = _order_key(loss_module, batch, params)
@@ -1718,7 +1754,7 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         # (not memoised: a batch whose loss fails, a corrupt label say, must not decide later ones)
         return {n: ("the example-order check (eval-mode forward) failed: "
                     f"{type(err).__name__}: {str(err)[:120]}; bk_options={{'check_order': False}} skips it")
-                for n in params}, set()
+                for n in params}, set(), set()
 
     def differ(x: Tensor, y: Tensor, n: str) -> Tensor:  # per example, beyond rounding
         eps = torch.finfo(params[n].dtype).eps
@@ -1728,10 +1764,8 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
 
     def rounding_only(n: str) -> bool:  # every example's gradient, in both runs, cancels to rounding
         dt = params[n].dtype
-        if dt not in (torch.float32, torch.float64):
-            return False
-        tol = ORDER_ROUNDING_ULPS * torch.finfo(dt).eps
-        return all(bool((sq <= (tol * bd) ** 2).all()) for sq, bd in ((n1[n], bnd1[n]), (n2[n], bnd2[n])))
+        return dt in (torch.float32, torch.float64) and all(
+            _within_rounding(sq, bd, dt) for sq, bd in ((n1[n], bnd1[n]), (n2[n], bnd2[n])))
 
     res: Dict[str, Optional[str]] = {}
     for n in names:
@@ -1742,12 +1776,12 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         b = n2[n] / (w2 * w2).to(n2[n])  # slot p of run 2 holds example π[p]
         if not bool((torch.isfinite(a) & (a > 0)).any()):
             continue  # undecided: no finite gradient reached it in this batch; asked again
-        res[n] = why if bool(differ(a, b, n).any()) and not rounding_only(n) else None
+        res[n] = (_ROUNDING if rounding_only(n) else why) if bool(differ(a, b, n).any()) else None
     if any(v is not None for v in res.values()):
         # a forward that draws random numbers differs from itself (beyond rounding: kernels that
         # are not bitwise reproducible do not count): not a reordering; the check cannot tell
         s1b = run(batch, torch.ones(B, dtype=torch.float64), 1)
-        n1b = _example_norms(s1b, params, [n for n, v in res.items() if v is not None], B)
+        n1b = _example_norms(s1b, params, [n for n, v in res.items() if v is not None and v is not _ROUNDING], B)
         del s1b
         for n, v in n1b.items():
             if bool(differ(v, n1[n], n).any()):

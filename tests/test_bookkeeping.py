@@ -1788,6 +1788,41 @@ def test_gradient_zero_but_for_rounding_is_not_taken_for_a_reordering(dtype):
     assert "reorder" in why.get("kb.bias", ""), why
 
 
+class _SortedCentering(nn.Module):
+    """A branch run on the batch sorted by length (a reordering), whose output has c × its mean over
+    tokens subtracted: with c = 1 the branch's bias gradient is zero but for rounding (it passes the
+    order check as rounding only), with c ≠ 1 it is not (found by review: a memoised pass)."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.inp, self.fc, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.register_buffer("c", torch.ones(()))
+
+    def forward(self, x, lengths):
+        h = torch.tanh(self.inp(x))
+        order = torch.argsort(lengths, descending=True, stable=True)
+        y = self.fc(h[order])[torch.argsort(order)]
+        return self.head(h + y - self.c * y.mean(1, keepdim=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rounding_only_verdict_is_rechecked_every_step(dtype):
+    torch.manual_seed(0)
+    B = 5
+    m = _SortedCentering().to(dtype)
+    mk = lambda: {"x": torch.randn(B, 3, 4, dtype=dtype), "y": torch.randn(B, 3, 4, dtype=dtype),  # noqa: E731
+                  "len": torch.randperm(B)}
+    loss = lambda mm, bb: ((mm(bb["x"], bb["len"]) - bb["y"]) ** 2).sum((1, 2))  # noqa: E731
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
+    params = {n: p.detach() for n, p in m.named_parameters()}
+    out = step.clipped_sum(params, mk())
+    assert out.routes["fc.weight"] == "vmap" and out.routes["fc.bias"] != "vmap", out.routes  # rounding only
+    m.c.fill_(0.5)  # the bias gradient no longer cancels: the memoised verdict must not be trusted
+    b1 = mk()
+    assert step.clipped_sum(params, b1).routes["fc.bias"] == "vmap"
+    assert_exact(m, loss, b1, method="bk", max_grad_norm=0.5)
+
+
 class _SortedBehindLayerScale(nn.Module):
     """A branch run on the batch sorted by length, behind a layer scale γ initialised small
     (ConvNeXt / CaiT style): at the check its share of each example's norm is ~γ², but it is a
