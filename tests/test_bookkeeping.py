@@ -1805,16 +1805,21 @@ class _SortedCentering(nn.Module):
         return self.head(h + y - self.c * y.mean(1, keepdim=True))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_rounding_only_verdict_is_rechecked_every_step(dtype):
+def _sorted_setup(m, dtype, B):
+    """A sorting model's batches (random lengths), its loss, a bk step (C = 0.5) and its parameters."""
     torch.manual_seed(0)
-    B = 5
-    m = _SortedCentering().to(dtype)
+    m = m.to(dtype)
     mk = lambda: {"x": torch.randn(B, 3, 4, dtype=dtype), "y": torch.randn(B, 3, 4, dtype=dtype),  # noqa: E731
                   "len": torch.randperm(B)}
     loss = lambda mm, bb: ((mm(bb["x"], bb["len"]) - bb["y"]) ** 2).sum((1, 2))  # noqa: E731
     step = pdpsgd.make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
-    params = {n: p.detach() for n, p in m.named_parameters()}
+    return m, mk, loss, step, {n: p.detach() for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rounding_only_verdict_is_rechecked_every_step(dtype):
+    torch.manual_seed(0)
+    m, mk, loss, step, params = _sorted_setup(_SortedCentering(), dtype, 5)
     out = step.clipped_sum(params, mk())
     assert out.routes["fc.weight"] == "vmap" and out.routes["fc.bias"] != "vmap", out.routes  # rounding only
     m.c.fill_(0.5)  # the bias gradient no longer cancels: the memoised verdict must not be trusted
@@ -1844,13 +1849,7 @@ class _SortedBehindLayerScale(nn.Module):
 def test_small_share_reordering_is_seen_and_stays_exact_after_it_grows(dtype):
     """(Found by review: a floor relative to the example's total norm let this pass in float32.)"""
     torch.manual_seed(0)
-    B = 6
-    m = _SortedBehindLayerScale().to(dtype)
-    mk = lambda: {"x": torch.randn(B, 3, 4, dtype=dtype), "y": torch.randn(B, 3, 4, dtype=dtype),  # noqa: E731
-                  "len": torch.randperm(B)}
-    loss = lambda mm, bb: ((mm(bb["x"], bb["len"]) - bb["y"]) ** 2).sum((1, 2))  # noqa: E731
-    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
-    params = {n: p.detach() for n, p in m.named_parameters()}
+    m, mk, loss, step, params = _sorted_setup(_SortedBehindLayerScale(), dtype, 6)
     assert step.clipped_sum(params, mk()).routes["fc1.weight"] == "vmap"
     with torch.no_grad():
         m.gamma.fill_(1.0)
