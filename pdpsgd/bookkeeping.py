@@ -1625,8 +1625,9 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
 # position. Each example's squared norm per parameter must be the same in both runs up to its
 # weight² (tolerance ORDER_RTOL, plus a floor of 8 ulps of that parameter's largest squared norm,
 # for rounding noise in tiny norms; a parameter zero but for rounding: ORDER_ROUNDING_ULPS).
-# Undecided, not memoised: a parameter no gradient reached in this batch. A forward that draws random numbers (a noisy loss) is recognised by a repeat of the first
-# run with other random streams, and is not checked. ``bk_options={"check_order": False}`` skips
+# Undecided, not memoised: a parameter no gradient reached in this batch. A forward that draws
+# random numbers (a noisy loss) is recognised by a repeat of the first run with other random
+# streams, and is not checked. ``bk_options={"check_order": False}`` skips
 # the check (for a model known not to reorder whose eval forward differs, say).
 ORDER_RTOL = 1e-3  # float32 / float64 norms; 4 ulps for narrower parameters
 
@@ -1701,26 +1702,26 @@ def _order_verdicts(known: Mapping[str, Optional[str]]) -> Tuple[Dict[str, str],
             {n for n, v in known.items() if v is None}, {n for n, v in known.items() if v is _ROUNDING})
 
 
-def _rounding_only(uses: List[Use], p: Tensor, B: int) -> bool:
-    """Whether every example's gradient from these uses is at most ``ORDER_ROUNDING_ULPS`` ulps of its
-    triangle bound (terms that cancel: zero but for rounding; float32/float64 only; a non-finite
-    example: no)."""
-    if p.dtype not in (torch.float32, torch.float64):
-        return False
-    sq, bnd = _norm_and_bound(uses, p, B)
-    return _within_rounding(sq, bnd, p.dtype)
-
-
 def _within_rounding(sq: Tensor, bnd: Tensor, dtype: torch.dtype) -> bool:
-    return bool((sq <= (ORDER_ROUNDING_ULPS * torch.finfo(dtype).eps * bnd) ** 2).all())
+    """Whether every example's squared norm ``sq`` is at most ``ORDER_ROUNDING_ULPS`` ulps of its
+    triangle bound ``bnd``, squared (terms that cancel: zero but for rounding); float32/float64
+    parameters only; a non-finite example: no."""
+    return dtype in (torch.float32, torch.float64) and bool(
+        (sq <= (ORDER_ROUNDING_ULPS * torch.finfo(dtype).eps * bnd) ** 2).all())
+
+
+def _rounding_only(uses: List[Use], p: Tensor, B: int) -> bool:
+    """``_within_rounding`` for this step's uses of p."""
+    return p.dtype in (torch.float32, torch.float64) and _within_rounding(*_norm_and_bound(uses, p, B), p.dtype)
 
 
 def _order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo,
                     no_expand) -> Tuple[Dict[str, str], Set[str], Set[str]]:
     """({parameter: reason} found attributed to another example, {parameters checked and passed},
     {parameters that differed by rounding only: re-checked each step}); the step trusts only the
-    passed ones and the rounding-only ones that are still so (anything else: exact fallback). Memoised per batch shape
-    (without B): (verdicts, undecided parameters with the number of checks they went through)."""
+    passed ones and the rounding-only ones that are still so (anything else: exact fallback).
+    Memoised per batch shape (without B): (verdicts, undecided parameters with the number of checks
+    they went through)."""
     B = batch_size(batch)
     key = _order_key(loss_module, batch, params)
     known, open_ = probe_memo.get(key, ({}, {})) if probe_memo is not None else ({}, {})
@@ -1763,9 +1764,7 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         return fin & ((x - y).abs() > max(ORDER_RTOL, 4 * eps) * torch.maximum(x, y) + 8 * eps * top)
 
     def rounding_only(n: str) -> bool:  # every example's gradient, in both runs, cancels to rounding
-        dt = params[n].dtype
-        return dt in (torch.float32, torch.float64) and all(
-            _within_rounding(sq, bd, dt) for sq, bd in ((n1[n], bnd1[n]), (n2[n], bnd2[n])))
+        return all(_within_rounding(sq, bd, params[n].dtype) for sq, bd in ((n1[n], bnd1[n]), (n2[n], bnd2[n])))
 
     res: Dict[str, Optional[str]] = {}
     for n in names:

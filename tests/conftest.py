@@ -27,4 +27,4 @@ def _fast_paths_on_tiny_models(monkeypatch):
     tests keep reaching that path. ``test_active_rows_not_tried_on_small_layers`` checks the gate."""
     import pdpsgd.bookkeeping as bk
 
-    monkeypatch.setattr(bk, "ACTIVE_ROWS_MIN_WORK", 0, raising=False)
+    monkeypatch.setattr(bk, "ACTIVE_ROWS_MIN_WORK", 0)
