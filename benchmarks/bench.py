@@ -145,14 +145,17 @@ def _make_step(variant, fam, model, batch, device):
             opt.step()
 
         return step, ""
-    if variant in ("bk", "auto", "vmap"):
+    base, _, rng = variant.partition(":")  # "bk:native": the bk variant with noise_rng="native"
+    if base in ("bk", "auto", "vmap"):
         import pdpsgd
+
+        variant, rng = base, (rng or NOISE_RNG)
 
         params = pdpsgd.trainable_params(model)
         opt = torch.optim.Adam(params.values(), lr=1e-4)
         dp = pdpsgd.make_dp_step(model, loss_fn, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=B,
                                  method=variant, generator=torch.Generator(device=device).manual_seed(0),
-                                 noise_rng=NOISE_RNG)
+                                 noise_rng=rng)
         info = {}
         dtypes = {n: p.dtype for n, p in params.items()}
         gen = torch.Generator(device=device).manual_seed(1)
@@ -163,7 +166,7 @@ def _make_step(variant, fam, model, batch, device):
 
                 part = dp.clipped_sum(params, batch)
                 grads = fused.noise_and_scale(part.sums, dp.noise_std, gen, float(B), dtypes, compile=COMPILE,
-                                              rng=NOISE_RNG)
+                                              rng=rng)
                 routes = part.routes
             else:
                 out = dp(params, batch)
@@ -335,8 +338,8 @@ def main():
     ap.add_argument("--compile", action="store_true", help="with --fused: torch.compile the fused function")
     ap.add_argument("--amp", action="store_true", help="bf16 torch.autocast around the model call (all variants)")
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--noise-rng", default="torch", choices=("torch", "mkl"),
-                    help="pdpsgd variants' CPU noise source (mkl: pip install mkl)")
+    ap.add_argument("--noise-rng", default="torch", choices=("torch", "mkl", "native"),
+                    help="pdpsgd variants' CPU noise source (mkl: pip install mkl; native: a C compiler)")
     ap.add_argument("--no-back-to-back", action="store_true",
                     help="time each variant right after the previous variant's step (old behaviour)")
     a = ap.parse_args()

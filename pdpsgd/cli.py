@@ -73,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
     g.add_argument("--method", default=DEFAULTS["method"], choices=("auto", "bk", "vmap"),
                    help="per-example clipping engine")
-    g.add_argument("--noise-rng", default="torch", choices=("torch", "mkl"),
-                   help="CPU Gaussian noise source: torch's normal_, or oneMKL's Philox (~2.8x faster; pip install mkl)")
+    g.add_argument("--noise-rng", default="torch", choices=("torch", "mkl", "native"),
+                   help="CPU Gaussian noise source: torch's normal_, oneMKL's Philox (~2.8x faster on Intel; pip "
+                        "install mkl), or pdpsgd's own vectorised Philox (built once with the C compiler)")
     g.add_argument("--dropout", action="store_true",
                    help="keep the model's dropout on while training (default: off, i.e. eval-mode forward)")
     g.add_argument("--seed", type=int, help="seed for init, sampling, noise, dropout (default: fresh OS entropy)")

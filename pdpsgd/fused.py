@@ -72,26 +72,32 @@ def noise_chunk(gdev: torch.device) -> Optional[int]:
     return NOISE_CHUNK if gdev.type == "cpu" else None
 
 
-RNGS = ("torch", "mkl")
+RNGS = ("torch", "mkl", "native")
 
 
 def _check_rng(rng: str, gdev: torch.device) -> None:
     if rng not in RNGS:
         raise ValueError(f"noise_rng={rng!r} is unknown: use one of {RNGS}")
-    if rng == "mkl" and gdev.type != "cpu":
-        raise ValueError(f"noise_rng='mkl' draws on the CPU, but the noise is drawn on {gdev.type}: "
+    if rng != "torch" and gdev.type != "cpu":
+        raise ValueError(f"noise_rng={rng!r} draws on the CPU, but the noise is drawn on {gdev.type}: "
                          "use noise_rng='torch' there")
 
 
 def _open(rng: str, generator: Optional[torch.Generator]):
-    """The chunk filler: ``fill(buffer, std)`` and its closer (torch: ``normal_``; mkl: one
-    Philox stream keyed from ``generator``, see ``pdpsgd.mkl_rng``)."""
+    """The chunk filler ``fill(buffer, std)``, its closer, and (native only, else None) the fused
+    ``add(x, std, scale)`` writing x·scale + N(0, std²) in one pass (torch: ``normal_``; mkl and
+    native: one Philox stream keyed from ``generator``, see ``pdpsgd.mkl_rng``, ``pdpsgd.native_rng``)."""
     if rng == "mkl":
         from .mkl_rng import MKLStream
 
         stream = MKLStream(generator)
-        return stream.fill_, stream.close
-    return (lambda buf, std: buf.normal_(0.0, std, generator=generator)), (lambda: None)
+        return stream.fill_, stream.close, None
+    if rng == "native":
+        from .native_rng import NativeStream
+
+        stream = NativeStream(generator)
+        return stream.fill_, stream.close, stream.add_
+    return (lambda buf, std: buf.normal_(0.0, std, generator=generator)), (lambda: None), None
 
 
 def draw_noise(shapes: Mapping[str, torch.Size], generator: Optional[torch.Generator], dtype: torch.dtype,
@@ -102,7 +108,7 @@ def draw_noise(shapes: Mapping[str, torch.Size], generator: Optional[torch.Gener
     gdev = generator.device if generator is not None else device
     _check_rng(rng, gdev)
     out = {}
-    fill, close = _open(rng, generator)
+    fill, close, _ = _open(rng, generator)
     if noise_chunk(gdev) is None:  # one draw for all, cut into views in order
         sizes = [int(math.prod(shape)) for shape in shapes.values()]
         try:
@@ -171,7 +177,7 @@ def noise_and_scale(
     scratch = None if whole else torch.empty(min(NOISE_CHUNK, max(s.numel() for s in sums.values())),
                                               dtype=ndt, device=gdev)
     out: Dict[str, Tensor] = {}
-    fill, close = (None, lambda: None) if whole else _open(rng, generator)
+    fill, close, add = (None, lambda: None, None) if whole else _open(rng, generator)
     try:
         for (n, s), ptr in zip(sums.items(), ptrs):
             # overwrite only a sum that is the sole user of its storage (never one shared by two names)
@@ -182,6 +188,11 @@ def noise_and_scale(
                 out[n] = o.to(dtypes[n])
                 continue
             flat = o.view(-1)
+            if add is not None and flat.dtype == ndt:  # the stream's own fused pass: same draws as draw_noise
+                for a, b in _chunks(flat.numel()):
+                    add(flat[a:b], zstd, inv)  # s/denom + N(0, (std/denom)²), in place
+                out[n] = o.to(dtypes[n])
+                continue
             for a, b in _chunks(flat.numel()):
                 z = fill(scratch[: b - a], zstd)  # (b - a,) N(0, (std/denom)²), in cache
                 # z + s/denom on this chunk while it is in cache, one pass (same ops and order as unchunked)

@@ -107,13 +107,15 @@ class DPStep:
             raise TypeError("generator must be a torch.Generator (or None for OS entropy)")
         if noise_rng not in RNGS:
             raise ValueError(f"noise_rng={noise_rng!r} is unknown: use one of {RNGS}")
-        if noise_rng == "mkl":
-            from . import mkl_rng
-
-            mkl_rng.require()  # a clear error now, not at the first step
+        if noise_rng != "torch":
+            if noise_rng == "mkl":
+                from . import mkl_rng as lib
+            else:
+                from . import native_rng as lib
+            lib.require()  # a clear error now (and the native build done), not at the first step
             if generator is not None and generator.device.type != "cpu":
-                raise ValueError("noise_rng='mkl' draws on the CPU: pass a CPU torch.Generator (its draws key "
-                                 "the MKL stream), or use noise_rng='torch'")
+                raise ValueError(f"noise_rng={noise_rng!r} draws on the CPU: pass a CPU torch.Generator (its draws "
+                                 "key the stream), or use noise_rng='torch'")
         check_no_batch_mixing(model)
         self.model = model
         self.loss_fn = loss_fn
@@ -307,9 +309,12 @@ def make_dp_step(
         bk_options: book-keeping options (``routes`` overrides, ``registry``, ``cost_model``, ...;
             see ``pdpsgd.bookkeeping.BK_OPTIONS``).
         fused: noise + scale + cast through one ``torch.compile``d function; None = on CUDA only.
-        noise_rng: the Gaussian source on CPU: "torch" (``normal_`` on ``generator``) or "mkl"
+        noise_rng: the Gaussian source on CPU: "torch" (``normal_`` on ``generator``), "mkl"
             (Intel oneMKL's Philox4x32-10 + Box–Muller, keyed by 64 bits drawn from ``generator``
-            each step; ~2.8× faster, needs ``pip install mkl``; see ``pdpsgd.mkl_rng``).
+            each step; ~2.8× faster on Intel, slower on AMD; needs ``pip install mkl``; see
+            ``pdpsgd.mkl_rng``) or "native" (pdpsgd's own vectorised Philox4x32-10 + Box–Muller,
+            keyed by 128 bits drawn from ``generator`` each step, built once per machine with the
+            system C compiler; see ``pdpsgd.native_rng``).
 
     Formal guarantee: see ``DPStep``; the returned step exposes ``sensitivity`` (C) and
     ``noise_std`` (σC).

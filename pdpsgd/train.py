@@ -154,8 +154,9 @@ class DPTrainer:
             model in train mode (dropout on) while training; False = eval mode. ``dp=False`` trains non-privately on the
             same sampled batches (mean loss over q·N, no clipping, no noise) as a baseline.
         seed: None (fresh OS entropy for every stream) or an int (reproducible runs).
-        noise_rng: "torch" or "mkl" (``make_dp_step``: oneMKL's faster CPU Gaussian, keyed from
-            the noise generator; needs ``pip install mkl``).
+        noise_rng: "torch", "mkl" or "native" (``make_dp_step``: oneMKL's or pdpsgd's own faster
+            CPU Gaussian, keyed from the noise generator; "mkl" needs ``pip install mkl``, "native"
+            a C compiler the first time).
         ledger_path: a JSON file rewritten atomically after each ``accountant.step`` and before
             the update is applied.
         accountant: default ``PRVAccountant()``. ``telemetry``: default ``Telemetry()``.

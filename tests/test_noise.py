@@ -40,12 +40,24 @@ def _mkl_available():
 needs_mkl = pytest.mark.skipif(not _mkl_available(), reason="oneMKL runtime not installed (pip install mkl)")
 
 
+def _native_available():
+    from pdpsgd import native_rng
+
+    return native_rng.available()
+
+
+needs_native = pytest.mark.skipif(not _native_available(), reason="no C compiler to build pdpsgd's native noise kernel")
+FAST_RNGS = [pytest.param("mkl", marks=needs_mkl), pytest.param("native", marks=needs_native)]
+
+
 @pytest.mark.parametrize("policy,rng", [("cpu_chunks", "torch"), ("one_draw", "torch"),
                                         pytest.param("cpu_chunks", "mkl", marks=needs_mkl),
-                                        pytest.param("one_draw", "mkl", marks=needs_mkl)])
+                                        pytest.param("one_draw", "mkl", marks=needs_mkl),
+                                        pytest.param("cpu_chunks", "native", marks=needs_native),
+                                        pytest.param("one_draw", "native", marks=needs_native)])
 def test_step_noise_is_gaussian_with_std_sigma_C(policy, rng, monkeypatch):
     """KS test of the step's noise on both streams: CPU chunks, and the accelerators' single draw
-    (forced here on CPU); from torch's generator and from oneMKL's Philox stream."""
+    (forced here on CPU); from torch's generator, oneMKL's Philox stream and pdpsgd's native one."""
     if policy == "one_draw":
         from pdpsgd import fused
 
@@ -166,8 +178,8 @@ def test_noise_policy_by_generator_device_and_consume_on_the_one_draw_path(monke
     assert got["h"].dtype == torch.bfloat16
 
 
-@needs_mkl
-def test_mkl_noise_is_keyed_by_the_generator_and_follows_draw_noise():
+@pytest.mark.parametrize("rng", FAST_RNGS)
+def test_philox_noise_is_keyed_by_the_generator_and_follows_draw_noise(rng):
     """Same generator seed: same noise (reproducible, resumable from the generator's state);
     another seed or the next call: different noise; ``draw_noise`` reproduces the stream; float64
     sums get float64 draws; consecutive calls are uncorrelated."""
@@ -178,31 +190,31 @@ def test_mkl_noise_is_keyed_by_the_generator_and_follows_draw_noise():
     dtypes = {n: torch.float32 for n in sums}
 
     def run(seed, **kw):
-        return noise_and_scale(sums, 0.3, torch.Generator().manual_seed(seed), 4.0, dtypes, compile=False, rng="mkl", **kw)
+        return noise_and_scale(sums, 0.3, torch.Generator().manual_seed(seed), 4.0, dtypes, compile=False, rng=rng, **kw)
 
     a, b, c = run(5), run(5), run(6)
-    z = draw_noise(shapes, torch.Generator().manual_seed(5), torch.float32, torch.device("cpu"), 0.3 / 4.0, "mkl")
+    z = draw_noise(shapes, torch.Generator().manual_seed(5), torch.float32, torch.device("cpu"), 0.3 / 4.0, rng)
     for n in sums:
         assert torch.equal(a[n], b[n]) and not torch.equal(a[n], c[n])
         torch.testing.assert_close(a[n], sums[n] / 4.0 + z[n])
     g = torch.Generator().manual_seed(3)
-    x = noise_and_scale({"w": torch.zeros(200_000)}, 1.0, g, 1.0, {"w": torch.float32}, compile=False, rng="mkl")["w"]
-    y = noise_and_scale({"w": torch.zeros(200_000)}, 1.0, g, 1.0, {"w": torch.float32}, compile=False, rng="mkl")["w"]
+    x = noise_and_scale({"w": torch.zeros(200_000)}, 1.0, g, 1.0, {"w": torch.float32}, compile=False, rng=rng)["w"]
+    y = noise_and_scale({"w": torch.zeros(200_000)}, 1.0, g, 1.0, {"w": torch.float32}, compile=False, rng=rng)["w"]
     assert abs(np.corrcoef(x.double().numpy(), y.double().numpy())[0, 1]) < 0.02
     d = noise_and_scale({"w": torch.zeros(100_000, dtype=torch.float64)}, 1.0, g, 1.0, {"w": torch.float64},
-                        compile=False, rng="mkl")["w"]
+                        compile=False, rng=rng)["w"]
     assert d.dtype == torch.float64 and abs(float(d.std()) - 1) < 0.02
     # the torch stream is a different one
     t = noise_and_scale(sums, 0.3, torch.Generator().manual_seed(5), 4.0, dtypes, compile=False)
     assert not torch.equal(t["big"], a["big"])
 
 
-@needs_mkl
-def test_mkl_noise_compiled_equals_eager():
+@pytest.mark.parametrize("rng", FAST_RNGS)
+def test_philox_noise_compiled_equals_eager(rng):
     sums = {"a": torch.randn(1000), "b": torch.randn(30, 7)}
     dtypes = {n: torch.float32 for n in sums}
-    e = noise_and_scale(sums, 0.5, torch.Generator().manual_seed(2), 3.0, dtypes, compile=False, rng="mkl")
-    c = noise_and_scale(sums, 0.5, torch.Generator().manual_seed(2), 3.0, dtypes, compile=True, rng="mkl")
+    e = noise_and_scale(sums, 0.5, torch.Generator().manual_seed(2), 3.0, dtypes, compile=False, rng=rng)
+    c = noise_and_scale(sums, 0.5, torch.Generator().manual_seed(2), 3.0, dtypes, compile=True, rng=rng)
     for n in sums:
         torch.testing.assert_close(c[n], e[n], rtol=1e-6, atol=1e-7)
 

@@ -1,0 +1,198 @@
+"""pdpsgd's native noise kernel (``pdpsgd.native_rng``): its Philox4x32-10 against the published
+known-answer vectors and an independent numpy implementation, its Box–Muller against float64 on
+the same words over every input class, its stream layout, keying, and its build's error and cache."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from scipy import stats
+
+from pdpsgd import native_rng
+
+pytestmark = pytest.mark.skipif(not native_rng.available(), reason="no C compiler to build the native kernel")
+
+M32 = np.uint64(0xFFFFFFFF)
+
+
+def philox_np(counters: np.ndarray, key, nonce) -> np.ndarray:
+    """Philox4x32-10 in numpy uint64 arithmetic (Salmon et al. 2011): (n,) counters -> (n, 4) words."""
+    c = counters.astype(np.uint64)
+    x = [c & M32, c >> np.uint64(32), np.full_like(c, nonce[0]), np.full_like(c, nonce[1])]
+    k0, k1 = np.uint64(key[0]), np.uint64(key[1])
+    for _ in range(10):
+        p0 = np.uint64(0xD2511F53) * x[0]
+        p1 = np.uint64(0xCD9E8D57) * x[2]
+        x = [(p1 >> np.uint64(32)) ^ x[1] ^ k0, p1 & M32, (p0 >> np.uint64(32)) ^ x[3] ^ k1, p0 & M32]
+        k0 = (k0 + np.uint64(0x9E3779B9)) & M32
+        k1 = (k1 + np.uint64(0xBB67AE85)) & M32
+    return np.stack(x, axis=1).astype(np.int64)
+
+
+def box_muller_ref(x: np.ndarray, y: np.ndarray):
+    """float64 Box–Muller on the float32 path's 24-bit uniforms."""
+    u1 = ((x >> 8) + 1) / 2.0 ** 24
+    t = 2 * np.pi * (y >> 8) / 2.0 ** 24
+    r = np.sqrt(-2 * np.log(u1))
+    return r * np.cos(t), r * np.sin(t)
+
+
+def stream_ref(nblocks, key, nonce, dtype):
+    """The documented stream layout, from raw words, in float64."""
+    w = philox_np(np.arange(nblocks * 16, dtype=np.uint64), key, nonce).reshape(nblocks, 16, 4)
+    if dtype == torch.float32:
+        c0, s0 = box_muller_ref(w[..., 0], w[..., 1])
+        c1, s1 = box_muller_ref(w[..., 2], w[..., 3])
+        return np.concatenate([c0, s0, c1, s1], axis=1).reshape(-1)
+    a = (w[..., 0] << 21) ^ (w[..., 1] >> 11)
+    b = (w[..., 2] << 21) ^ (w[..., 3] >> 11)
+    r = np.sqrt(-2 * np.log((a + 1) / 2.0 ** 53))
+    t = 2 * np.pi * (b / 2.0 ** 53)
+    return np.concatenate([r * np.cos(t), r * np.sin(t)], axis=1).reshape(-1)
+
+
+def test_philox_known_answers():
+    """Random123's published Philox4x32-10 test vectors (kat_vectors)."""
+    cases = [
+        (0, (0, 0), (0, 0), [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]),
+        ((1 << 64) - 1, (0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF), [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]),
+        (0x85A308D3_243F6A88, (0xA4093822, 0x299F31D0), (0x13198A2E, 0x03707344),
+         [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]),
+    ]
+    for counter, key, nonce, want in cases:
+        assert native_rng.philox4x32_10(1, counter, key, nonce)[0].tolist() == want
+
+
+@settings(max_examples=25, deadline=None)
+@given(nblocks=st.integers(1, 5), counter=st.one_of(st.integers(0, 2 ** 40), st.integers(2 ** 32 - 40, 2 ** 32 + 40)),
+       key=st.tuples(st.integers(0, 2 ** 32 - 1), st.integers(0, 2 ** 32 - 1)),
+       nonce=st.tuples(st.integers(0, 2 ** 32 - 1), st.integers(0, 2 ** 32 - 1)))
+def test_philox_equals_an_independent_implementation(nblocks, counter, key, nonce):
+    """Any key, nonce and counter (including the carry from the counter's low word into its high word)."""
+    got = native_rng.philox4x32_10(nblocks, counter, key, nonce).numpy()
+    want = philox_np(np.arange(counter, counter + nblocks * 16, dtype=np.uint64), key, nonce)
+    assert np.array_equal(got, want)
+
+
+def test_box_muller_matches_float64_over_every_input_class():
+    """Every 97th of the 2^24 angle inputs and of the radius inputs (each quadrant and its rounding
+    boundaries, each exponent of u1 down to 2^-24), plus the extremes: < 1e-6 absolute from float64
+    Box–Muller on the same words, std scaling exact to float rounding."""
+    k = np.unique(np.concatenate([np.arange(0, 1 << 24, 97), [0, 1, (1 << 24) - 1],
+                                  [q * (1 << 22) + d for q in range(5) for d in (-(1 << 21) - 1, -(1 << 21), -1, 0, 1,
+                                                                                 (1 << 21) - 1, 1 << 21)],
+                                  [(1 << e) - 1 for e in range(25)], [1 << e for e in range(24)]]))
+    k = k[(k >= 0) & (k < 1 << 24)]
+    words = k << 8 | (k & 0xFF)  # the low 8 bits are dropped by the transform
+    rng = np.random.default_rng(0)
+    for x, y in ((words, rng.permutation(words)), (rng.permutation(words), words)):
+        c, s = native_rng.box_muller_f32(torch.from_numpy(x), torch.from_numpy(y))
+        rc, rs = box_muller_ref(x, y)
+        assert np.abs(c.double().numpy() - rc).max() < 1e-6
+        assert np.abs(s.double().numpy() - rs).max() < 1e-6
+        c3, _ = native_rng.box_muller_f32(torch.from_numpy(x), torch.from_numpy(y), std=3.0)
+        np.testing.assert_allclose(c3.double().numpy(), 3 * c.double().numpy(), rtol=1e-6, atol=1e-7)
+    top = native_rng.box_muller_f32(torch.tensor([0]), torch.tensor([0]))[0]  # u1 = 2^-24: the largest radius
+    assert abs(float(top) - math.sqrt(48 * math.log(2))) < 1e-5
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 700), splits=st.lists(st.integers(1, 300), max_size=4),
+       dtype=st.sampled_from([torch.float32, torch.float64]), std=st.floats(0.01, 100.0), seed=st.integers(0, 2 ** 31))
+def test_stream_follows_its_documented_layout_across_calls(n, splits, dtype, std, seed):
+    """A stream's draws in successive calls of any sizes: call i starts at the first block the
+    previous calls did not touch; each equals float64 Box–Muller on the documented words."""
+    s = native_rng.NativeStream(torch.Generator().manual_seed(seed))
+    sizes = [n] + splits
+    per = 64 if dtype == torch.float32 else 32
+    blocks = sum(-(-m // per) for m in sizes)
+    ref = stream_ref(blocks, s.key, s.nonce, dtype) * std
+    at = 0
+    tol = 1e-6 * std if dtype == torch.float32 else 1e-12 * std
+    for m in sizes:
+        z = s.fill_(torch.empty(m, dtype=dtype), std)
+        assert np.abs(z.double().numpy() - ref[at * per: at * per + m]).max() <= tol
+        at += -(-m // per)
+    assert s.counter == blocks * 16
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 500), dtype=st.sampled_from([torch.float32, torch.float64]), scale=st.floats(-4.0, 4.0),
+       seed=st.integers(0, 2 ** 31))
+def test_fused_add_is_scaled_input_plus_the_same_draws(n, dtype, scale, seed):
+    x = torch.randn(n, dtype=dtype)
+    z = native_rng.NativeStream(torch.Generator().manual_seed(seed)).fill_(torch.empty(n, dtype=dtype), 0.7)
+    y = x.clone()
+    native_rng.NativeStream(torch.Generator().manual_seed(seed)).add_(y, 0.7, scale)
+    torch.testing.assert_close(y, x * scale + z)
+
+
+def test_keyed_by_128_bits_of_the_generator():
+    """The stream's key and nonce are the generator's next four 32-bit draws: the generator is the
+    one source of entropy (same state, same noise) and advances by exactly those draws."""
+    g = torch.Generator().manual_seed(9)
+    words = torch.randint(0, 1 << 32, (4,), generator=torch.Generator().manual_seed(9), dtype=torch.int64).tolist()
+    s = native_rng.NativeStream(g)
+    assert (s.key, s.nonce) == (tuple(words[:2]), tuple(words[2:]))
+    after = torch.Generator().manual_seed(9)
+    torch.randint(0, 1 << 32, (4,), generator=after, dtype=torch.int64)
+    assert torch.equal(g.get_state(), after.get_state())
+
+
+def test_distribution_moments_and_pairs():
+    """10^6 draws: KS against N(0, σ²), the fourth moment, and no correlation between the cos and
+    sin members of a Box–Muller pair or between neighbouring coordinates."""
+    z = native_rng.NativeStream(torch.Generator().manual_seed(1)).fill_(torch.empty(1 << 20), 2.0).double().numpy()
+    assert stats.kstest(z, "norm", args=(0.0, 2.0)).pvalue > 1e-3
+    assert abs(np.mean(z ** 4) / 16 - 3) < 0.05
+    b = z.reshape(-1, 4, 16)  # per block: cos(w0,w1), sin(w0,w1), cos(w2,w3), sin(w2,w3)
+    assert abs(np.corrcoef(b[:, 0].ravel(), b[:, 1].ravel())[0, 1]) < 0.01
+    assert abs(np.corrcoef(b[:, 0].ravel() ** 2, b[:, 1].ravel() ** 2)[0, 1]) < 0.01  # same radius, but independent
+    assert abs(np.corrcoef(z[:-1], z[1:])[0, 1]) < 0.01
+    assert abs(np.mean(np.abs(z) > 8.0) - 2 * stats.norm.sf(4.0)) < 2e-4  # 4σ tails
+
+
+def test_bad_input_is_refused():
+    s = native_rng.NativeStream(torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="contiguous"):
+        s.fill_(torch.empty(10, 2)[:, 0], 1.0)
+    with pytest.raises(ValueError, match="float32/float64"):
+        s.fill_(torch.empty(4, dtype=torch.bfloat16), 1.0)
+    with pytest.raises(ValueError, match="std must be > 0"):
+        s.fill_(torch.empty(4), 0.0)
+
+
+def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
+    """A fresh cache directory gets exactly one library (no temporary left behind); the next load
+    takes it from the cache without running the compiler."""
+    monkeypatch.setenv("PDPSGD_CACHE_DIR", str(tmp_path))
+    path = native_rng._build()
+    assert path.parent == tmp_path and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+    real = native_rng._run
+
+    def version_only(cmd):
+        if "--version" in cmd:
+            return real(cmd)
+        raise AssertionError(f"compiled again: {cmd}")
+
+    monkeypatch.setattr(native_rng, "_run", version_only)
+    assert native_rng._build() == path
+
+
+def test_missing_compiler_gives_a_clear_error(tmp_path, monkeypatch):
+    import pdpsgd
+    from torch import nn
+
+    monkeypatch.setenv("PDPSGD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(native_rng, "_LIB", None)
+    monkeypatch.setattr(native_rng, "_ERR", None)
+    with pytest.raises(RuntimeError, match="needs a C compiler.*noise_rng='torch'"):
+        pdpsgd.make_dp_step(nn.Linear(2, 2), lambda m, b: m(b["x"]).sum(1), max_grad_norm=1.0, noise_multiplier=1.0,
+                            noise_rng="native")
+    monkeypatch.setenv("CC", "false")  # a "compiler" that runs and fails
+    monkeypatch.setattr(native_rng, "_ERR", None)
+    with pytest.raises(RuntimeError, match="building the C kernel failed"):
+        native_rng.require()
