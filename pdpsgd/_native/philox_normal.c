@@ -117,7 +117,7 @@ static inline void sincos_turns24(uint32_t k, float *c, float *s) {
 static inline void box_muller_f32(const uint32_t *restrict x, const uint32_t *restrict y, float *restrict oc,
                                   float *restrict os, float std, int n) {
     for (int j = 0; j < n; j++) {
-        float u1 = (float)((x[j] >> 8) + 1u) * (1.0f / 16777216.0f);  /* (0, 1], exact */
+        float u1 = (float)(int32_t)((x[j] >> 8) + 1u) * (1.0f / 16777216.0f);  /* (0, 1], exact */
         float r = sqrtf(-2.0f * log_f32(u1)) * std;
         float c, s;
         sincos_turns24(y[j] >> 8, &c, &s);
