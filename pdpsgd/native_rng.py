@@ -112,8 +112,12 @@ def _build() -> Path:
         out = cache_dir() / f"philox_normal-{key}.so"
         if out.exists():
             return out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
+        except OSError as err:
+            raise RuntimeError(f"noise_rng='native': cannot write the compiled kernel to {out.parent} ({err}); "
+                               "set PDPSGD_CACHE_DIR to a writable directory, or use noise_rng='torch'") from err
         os.close(fd)
         try:
             res = _run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"])

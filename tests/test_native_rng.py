@@ -196,3 +196,11 @@ def test_missing_compiler_gives_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(native_rng, "_ERR", None)
     with pytest.raises(RuntimeError, match="building the C kernel failed"):
         native_rng.require()
+
+
+def test_unwritable_cache_gives_a_clear_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("PDPSGD_CACHE_DIR", str(blocker / "cache"))
+    with pytest.raises(RuntimeError, match="PDPSGD_CACHE_DIR"):
+        native_rng._build()
