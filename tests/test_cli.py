@@ -312,15 +312,16 @@ def test_default_method_auto_runs(tiny, tmp_path, capsys):
     assert json.loads((out / "report.json").read_text())["method"] in ("auto", "vmap")
 
 
-def test_noise_rng_mkl_runs_and_is_reproducible(tiny, tmp_path, capsys):
-    """--noise-rng mkl: the run trains, the same --seed gives the same noise (same final loss), and
-    torch's stream gives another."""
-    from pdpsgd import mkl_rng
+@pytest.mark.parametrize("fast", ["mkl", "native"])
+def test_noise_rng_philox_runs_and_is_reproducible(fast, tiny, tmp_path, capsys):
+    """--noise-rng mkl / native: the run trains, the same --seed gives the same noise (same final
+    loss), and torch's stream gives another."""
+    from pdpsgd import mkl_rng, native_rng
 
-    if not mkl_rng.available():
-        pytest.skip("oneMKL runtime not installed (pip install mkl)")
+    if not (mkl_rng if fast == "mkl" else native_rng).available():
+        pytest.skip(f"noise_rng={fast!r} is not available here (mkl: pip install mkl; native: a C compiler)")
     losses = []
-    for k, rng in enumerate(("mkl", "mkl", "torch")):
+    for k, rng in enumerate((fast, fast, "torch")):
         out = tmp_path / f"run{k}"
         args = tiny_args(tiny, out, "--epochs", "0.5", "--train-params", "top-1", "--seed", "3") + ["--noise-rng", rng]
         rc, _, err = run_cli(args, capsys)
