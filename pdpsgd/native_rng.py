@@ -88,8 +88,9 @@ def _run(cmd) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
 
 
-def _build() -> Path:
-    """The compiled library for this machine: from the cache, else built and renamed into place."""
+def _build(variants=(["-march=native"], [])) -> Path:
+    """The compiled library for this machine: from the cache, else built and renamed into place
+    (``variants``: extra flags to try in order; the first that compiles is taken)."""
     if os.name == "nt":
         raise RuntimeError("noise_rng='native' builds with a Unix C compiler; on Windows use noise_rng='torch' "
                            "or 'mkl'")
@@ -105,7 +106,7 @@ def _build() -> Path:
                            "working one, or use noise_rng='torch'") from err
     base = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-std=c99"]
     errors = []
-    for extra in (["-march=native"], []):  # -march=native where the compiler takes it
+    for extra in variants:  # by default -march=native where the compiler takes it
         flags = base + extra
         key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), " ".join(version).encode(),
                                          _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:20]
@@ -132,25 +133,29 @@ def _build() -> Path:
                        + " | ".join(errors))
 
 
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    u32, i64, u64 = ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64
+    for fn, ft in (("pdpsgd_normal_f32", ctypes.c_float), ("pdpsgd_normal_f64", ctypes.c_double)):
+        f = getattr(lib, fn)
+        f.argtypes = [ctypes.c_void_p, i64, u64, u32, u32, u32, u32, ft, ctypes.c_int, ft]
+        f.restype = i64
+    lib.pdpsgd_philox_raw.argtypes = [ctypes.c_void_p, i64, u64, u32, u32, u32, u32]
+    lib.pdpsgd_philox_raw.restype = None
+    lib.pdpsgd_box_muller_f32.argtypes = [ctypes.c_void_p] * 4 + [i64, ctypes.c_float]
+    lib.pdpsgd_box_muller_f32.restype = None
+    return lib
+
+
 def _load() -> Optional[ctypes.CDLL]:
     global _LIB, _ERR
     with _LOCK:
         if _LIB is not None or _ERR is not None:
             return _LIB
         try:
-            lib = ctypes.CDLL(str(_build()))
+            lib = _bind(ctypes.CDLL(str(_build())))
         except (RuntimeError, OSError, subprocess.SubprocessError) as err:
             _ERR = str(err)
             return None
-        u32, i64, u64 = ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64
-        for fn, ft in (("pdpsgd_normal_f32", ctypes.c_float), ("pdpsgd_normal_f64", ctypes.c_double)):
-            f = getattr(lib, fn)
-            f.argtypes = [ctypes.c_void_p, i64, u64, u32, u32, u32, u32, ft, ctypes.c_int, ft]
-            f.restype = i64
-        lib.pdpsgd_philox_raw.argtypes = [ctypes.c_void_p, i64, u64, u32, u32, u32, u32]
-        lib.pdpsgd_philox_raw.restype = None
-        lib.pdpsgd_box_muller_f32.argtypes = [ctypes.c_void_p] * 4 + [i64, ctypes.c_float]
-        lib.pdpsgd_box_muller_f32.restype = None
         _LIB = lib
         return lib
 

@@ -204,3 +204,26 @@ def test_unwritable_cache_gives_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PDPSGD_CACHE_DIR", str(blocker / "cache"))
     with pytest.raises(RuntimeError, match="PDPSGD_CACHE_DIR"):
         native_rng._build()
+
+
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"), reason="x86-64 flags")
+def test_portable_build_draws_the_same_stream(tmp_path, monkeypatch):
+    """The kernel built without AVX2 (its scalar Philox, compiler-chosen vector width) gives the
+    same words and, the transform's float ops being the same in the same order (ISO C: no FMA
+    contraction), the same normals bit for bit as the build in use."""
+    import ctypes
+
+    monkeypatch.setenv("PDPSGD_CACHE_DIR", str(tmp_path))
+    plain = native_rng._bind(ctypes.CDLL(str(native_rng._build(variants=(["-mno-avx2", "-mno-fma"],)))))
+    fast = native_rng.require()
+    for lib in (plain, fast):
+        assert lib is not None
+    words = [torch.empty(64 * 37, dtype=torch.int32) for _ in range(2)]
+    for lib, w in zip((plain, fast), words):
+        lib.pdpsgd_philox_raw(w.data_ptr(), 37, 2 ** 32 - 100, 11, 22, 33, 44)
+    assert torch.equal(words[0], words[1])
+    for dtype, f in ((torch.float32, "pdpsgd_normal_f32"), (torch.float64, "pdpsgd_normal_f64")):
+        outs = [torch.ones(5000, dtype=dtype) for _ in range(2)]
+        for lib, o in zip((plain, fast), outs):
+            getattr(lib, f)(o.data_ptr(), o.numel(), 7, 1, 2, 3, 4, 0.5, 1, 3.0)
+        assert torch.equal(outs[0], outs[1])
