@@ -32,14 +32,16 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -51,7 +53,7 @@ BLOCK = 16  # Philox counters per block (BLK in the C source)
 _PER_BLOCK = {torch.float32: 64, torch.float64: 32}
 
 _LIB: Optional[ctypes.CDLL] = None
-_ERR: Optional[str] = None
+_ERR: Optional[Tuple] = None  # (the failure's circumstances, its message)
 _LOCK = threading.Lock()
 
 
@@ -62,54 +64,70 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdpsgd"
 
 
-def _compiler() -> Optional[str]:
+def _compiler() -> List[str]:
+    """The compiler command: ``$CC`` split like a shell would (``ccache gcc``, ``gcc -m64``), else
+    the first of cc, gcc, clang on PATH."""
     cc = os.environ.get("CC")
     if cc:
-        return shutil.which(cc) or (cc if os.path.exists(cc) else None)
+        words = shlex.split(cc)
+        found = shutil.which(words[0]) if words else None
+        if found is None:
+            raise RuntimeError(f"noise_rng='native': $CC={cc!r} is not an executable on PATH; set $CC to a C "
+                               "compiler (or unset it to use cc/gcc/clang), or use noise_rng='torch'")
+        return [found, *words[1:]]
     for name in ("cc", "gcc", "clang"):
         found = shutil.which(name)
         if found:
-            return found
-    return None
+            return [found]
+    raise RuntimeError("noise_rng='native' compiles a small C kernel on first use and needs a C compiler "
+                       "(cc, gcc or clang on PATH, or $CC): install one, or use noise_rng='torch' (the default)")
 
 
-def _cpu_flags() -> str:
+def _cpu_flags() -> Optional[str]:
+    """The CPU's feature flags (Linux), or None where they cannot be read: then the kernel is built
+    without -march=native, so a cache shared with another CPU cannot hold an unusable build."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
+                if line.split(":", 1)[0].strip() in ("flags", "Features", "isa", "features"):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor()
+    return None
 
 
 def _run(cmd) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
 
 
-def _build(variants=(["-march=native"], [])) -> Path:
+# -std=c99 and -ffp-contract=off: no fused multiply-adds (gcc's ISO mode default, clang's is on),
+# so builds for different instruction sets draw bit-identical normals
+BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-std=c99", "-ffp-contract=off"]
+NATIVE_VARIANTS = (["-march=native"], [])
+
+
+def _build(variants=None) -> Path:
     """The compiled library for this machine: from the cache, else built and renamed into place
-    (``variants``: extra flags to try in order; the first that compiles is taken)."""
+    (``variants``: extra flags to try in order, the first that compiles is taken; by default
+    -march=native, where the CPU's flags are known, then none)."""
     if os.name == "nt":
         raise RuntimeError("noise_rng='native' builds with a Unix C compiler; on Windows use noise_rng='torch' "
                            "or 'mkl'")
     cc = _compiler()
-    if cc is None:
-        raise RuntimeError("noise_rng='native' compiles a small C kernel on first use and needs a C compiler "
-                           "(cc, gcc or clang on PATH, or $CC): install one, or use noise_rng='torch' (the default)")
+    cpu = _cpu_flags()
+    if variants is None:
+        variants = NATIVE_VARIANTS if cpu is not None else ([],)
     src = SOURCE.read_bytes()
     try:
-        version = _run([cc, "--version"]).stdout.splitlines()[:1]
+        version = _run([*cc, "--version"]).stdout.splitlines()[:1]
     except (OSError, subprocess.SubprocessError) as err:
-        raise RuntimeError(f"noise_rng='native': the C compiler {cc!r} does not run ({err}); set $CC to a "
-                           "working one, or use noise_rng='torch'") from err
-    base = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-std=c99"]
+        raise RuntimeError(f"noise_rng='native': the C compiler {' '.join(cc)!r} does not run ({err}); set $CC to "
+                           "a working one, or use noise_rng='torch'") from err
     errors = []
-    for extra in variants:  # by default -march=native where the compiler takes it
-        flags = base + extra
-        key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), " ".join(version).encode(),
-                                         _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:20]
+    for extra in variants:
+        flags = BASE_FLAGS + list(extra)
+        key = hashlib.sha256(b"\0".join([src, " ".join(cc[1:] + flags).encode(), " ".join(version).encode(),
+                                         (cpu or "").encode(), platform.machine().encode()])).hexdigest()[:20]
         out = cache_dir() / f"philox_normal-{key}.so"
         if out.exists():
             return out
@@ -121,16 +139,49 @@ def _build(variants=(["-march=native"], [])) -> Path:
                                "set PDPSGD_CACHE_DIR to a writable directory, or use noise_rng='torch'") from err
         os.close(fd)
         try:
-            res = _run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"])
+            res = _run([*cc, *flags, str(SOURCE), "-o", tmp, "-lm"])
             if res.returncode == 0:
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(tmp, 0o755 & ~umask)  # mkstemp made it 0600: readable by all who share the cache
                 os.replace(tmp, out)  # atomic: never a partial library under the final name
                 return out
-            errors.append(f"{' '.join([cc, *flags])}: {res.stderr.strip()[-500:]}")
+            errors.append(f"{' '.join([*cc, *flags])}: {res.stderr.strip()[-500:]}")
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     raise RuntimeError("noise_rng='native': building the C kernel failed; use noise_rng='torch'. "
                        + " | ".join(errors))
+
+
+def _dlopen_fresh(path: Path) -> ctypes.CDLL:
+    """dlopen a rebuilt library under a new name: the dynamic loader matches an already-loaded
+    object by its name, so reopening the damaged one's path would hand back the old mapping."""
+    fd, tmp = tempfile.mkstemp(prefix=".load-", suffix=".so", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(path.read_bytes())
+        return ctypes.CDLL(tmp)
+    finally:
+        os.unlink(tmp)  # the mapping stays
+
+
+def _open_library(path: Path) -> ctypes.CDLL:
+    """Load and bind a built library; a cached one that does not load (truncated, damaged) is
+    removed and built again, once."""
+    try:
+        return _bind(ctypes.CDLL(str(path)))
+    except (OSError, AttributeError) as err:
+        try:
+            path.unlink()
+        except OSError as rm:
+            raise RuntimeError(f"noise_rng='native': the cached kernel {path} does not load ({err}) and cannot be "
+                               f"removed ({rm}); delete it or set PDPSGD_CACHE_DIR elsewhere") from err
+        try:
+            return _bind(_dlopen_fresh(_build()))
+        except (OSError, AttributeError) as err2:
+            raise RuntimeError(f"noise_rng='native': the rebuilt kernel {path} does not load ({err2}); "
+                               "use noise_rng='torch'") from err2
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -146,25 +197,32 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def _failure_key():
+    return (str(cache_dir()), os.environ.get("CC"), os.environ.get("PATH"))
+
+
 def _load() -> Optional[ctypes.CDLL]:
+    """The library, built and loaded once per process; a failure is remembered only while its
+    circumstances (cache directory, $CC, PATH) stay the same, so fixing them lets a retry work."""
     global _LIB, _ERR
     with _LOCK:
-        if _LIB is not None or _ERR is not None:
+        if _LIB is not None:
             return _LIB
-        try:
-            lib = _bind(ctypes.CDLL(str(_build())))
-        except (RuntimeError, OSError, subprocess.SubprocessError) as err:
-            _ERR = str(err)
+        if _ERR is not None and _ERR[0] == _failure_key():
             return None
-        _LIB = lib
-        return lib
+        try:
+            _LIB = _open_library(_build())
+            _ERR = None
+        except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+            _ERR = (_failure_key(), str(err))
+        return _LIB
 
 
 def require() -> ctypes.CDLL:
     """The loaded library (built on first use), or a RuntimeError that names the problem and the fix."""
     lib = _load()
     if lib is None:
-        raise RuntimeError(_ERR)
+        raise RuntimeError(_ERR[1])
     return lib
 
 
@@ -217,16 +275,26 @@ class NativeStream:
         self.key = (int(words[0]), int(words[1]))
         self.nonce = (int(words[2]), int(words[3]))
         self.counter = 0
+        self._lock = threading.Lock()  # counters are reserved under it: threads sharing a stream never overlap
 
     def _draw(self, out: Tensor, std: float, add: bool, scale: float) -> Tensor:
         _cpu_contiguous(out, (torch.float32, torch.float64), "NativeStream")
-        if not std > 0:
-            raise ValueError(f"NativeStream: std must be > 0, got {std}")
+        ctype = ctypes.c_float if out.dtype == torch.float32 else ctypes.c_double
+        if not (std > 0 and math.isfinite(std)) or not ctype(std).value > 0:
+            raise ValueError(f"NativeStream: std must be a finite number > 0 that {out.dtype} can hold, got {std}")
+        if not math.isfinite(scale):
+            raise ValueError(f"NativeStream: scale must be finite, got {scale}")
+        n = out.numel()
+        need = -(-n // _PER_BLOCK[out.dtype]) * BLOCK  # whole blocks of counters
+        with self._lock:
+            start = self.counter
+            if start + need > 1 << 64:
+                raise RuntimeError("NativeStream: counter space exhausted (2^64 counters); open a new stream")
+            self.counter = start + need
         f = self.lib.pdpsgd_normal_f32 if out.dtype == torch.float32 else self.lib.pdpsgd_normal_f64
-        used = f(out.data_ptr(), out.numel(), self.counter, *self.key, *self.nonce, std, int(add), scale)
-        self.counter += used
-        if self.counter >= 1 << 64:
-            raise RuntimeError("NativeStream: counter space exhausted (2^64 counters); open a new stream")
+        used = f(out.data_ptr(), n, start, *self.key, *self.nonce, std, int(add), scale)
+        if used != need:  # the C side's block count disagrees with the reservation: never reuse counters
+            raise RuntimeError(f"NativeStream: the kernel used {used} counters for {n} draws, {need} reserved")
         return out
 
     def fill_(self, out: Tensor, std: float) -> Tensor:

@@ -107,7 +107,7 @@ class DPStep:
             raise TypeError("generator must be a torch.Generator (or None for OS entropy)")
         if noise_rng not in RNGS:
             raise ValueError(f"noise_rng={noise_rng!r} is unknown: use one of {RNGS}")
-        if noise_rng != "torch":
+        if noise_rng != "torch" and float(noise_multiplier) > 0:  # (σ = 0 draws nothing: no library needed)
             if noise_rng == "mkl":
                 from . import mkl_rng as lib
             else:
@@ -159,8 +159,9 @@ class DPStep:
         )
 
     def _generator(self, device: torch.device) -> torch.Generator:
-        if self.generator is None:
-            self.generator = entropy_generator("cpu" if device.type == "cpu" else device)
+        if self.generator is None:  # the CPU noise sources ("mkl", "native") are keyed from a CPU generator
+            on_cpu = device.type == "cpu" or self.noise_rng != "torch"
+            self.generator = entropy_generator("cpu" if on_cpu else device)
         return self.generator
 
     def plan(self, batch: Batch, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, str]:

@@ -159,7 +159,7 @@ def test_bad_input_is_refused():
         s.fill_(torch.empty(10, 2)[:, 0], 1.0)
     with pytest.raises(ValueError, match="float32/float64"):
         s.fill_(torch.empty(4, dtype=torch.bfloat16), 1.0)
-    with pytest.raises(ValueError, match="std must be > 0"):
+    with pytest.raises(ValueError, match="std must be a finite number > 0"):
         s.fill_(torch.empty(4), 0.0)
 
 
@@ -182,20 +182,106 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
 
 
 def test_missing_compiler_gives_a_clear_error(tmp_path, monkeypatch):
+    """No compiler, a $CC that is not one, a compiler that fails: each a clear error at
+    construction (not at the first step) naming the fix; σ = 0 needs no kernel at all."""
     import pdpsgd
     from torch import nn
 
+    make = lambda sigma=1.0: pdpsgd.make_dp_step(nn.Linear(2, 2), lambda m, b: m(b["x"]).sum(1), max_grad_norm=1.0,
+                                                 noise_multiplier=sigma, noise_rng="native")
     monkeypatch.setenv("PDPSGD_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setattr(native_rng, "_LIB", None)
     monkeypatch.setattr(native_rng, "_ERR", None)
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(RuntimeError, match="needs a C compiler.*noise_rng='torch'"):
-        pdpsgd.make_dp_step(nn.Linear(2, 2), lambda m, b: m(b["x"]).sum(1), max_grad_norm=1.0, noise_multiplier=1.0,
-                            noise_rng="native")
-    monkeypatch.setenv("CC", "false")  # a "compiler" that runs and fails
+        make()
+    make(sigma=0.0)  # no noise is drawn: no library needed
+    monkeypatch.setenv("CC", "no-such-cc")
+    with pytest.raises(RuntimeError, match=r"\$CC='no-such-cc' is not an executable"):
+        native_rng.require()
+    monkeypatch.undo()
+    monkeypatch.setenv("PDPSGD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native_rng, "_LIB", None)
     monkeypatch.setattr(native_rng, "_ERR", None)
+    monkeypatch.setenv("CC", "false")  # a "compiler" that runs and fails
     with pytest.raises(RuntimeError, match="building the C kernel failed"):
         native_rng.require()
+
+
+def test_cc_with_arguments_is_split_like_a_shell(tmp_path, monkeypatch):
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    monkeypatch.setenv("PDPSGD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", f"{cc} -O2")
+    lib = native_rng._open_library(native_rng._build())
+    out = torch.empty(64)
+    lib.pdpsgd_normal_f32(out.data_ptr(), 64, 0, 1, 2, 3, 4, 1.0, 0, 0.0)
+    assert torch.isfinite(out).all() and out.std() > 0.3
+
+
+def test_a_failure_is_not_remembered_once_its_cause_is_fixed(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setattr(native_rng, "_LIB", None)
+    monkeypatch.setattr(native_rng, "_ERR", None)
+    monkeypatch.setenv("PDPSGD_CACHE_DIR", str(blocker / "cache"))
+    assert not native_rng.available()
+    monkeypatch.setenv("PDPSGD_CACHE_DIR", str(tmp_path / "cache"))
+    assert native_rng.available()
+
+
+def test_a_damaged_cached_library_is_rebuilt(tmp_path, monkeypatch):
+    """A truncated library under the final name (a partial copy of a cache, a full disk) is
+    removed and built again; the build is readable by everyone sharing the cache (not mkstemp's 0600)."""
+    import stat
+
+    monkeypatch.setenv("PDPSGD_CACHE_DIR", str(tmp_path))
+    path = native_rng._build()
+    mode = stat.S_IMODE(path.stat().st_mode)
+    assert mode & 0o044 == 0o044 & ~_umask()
+    path.write_bytes(path.read_bytes()[:100])
+    lib = native_rng._open_library(path)
+    assert path.stat().st_size > 1000
+    # a library that loads but is another one (no such symbols), already loaded under that name
+    import ctypes
+    import subprocess
+
+    subprocess.run([native_rng._compiler()[0], "-shared", "-fPIC", "-x", "c", "-", "-o", str(path)],
+                   input="int foo(void){return 0;}", text=True, check=True)
+    ctypes.CDLL(str(path))
+    lib = native_rng._open_library(path)
+    assert path.stat().st_size > 1000
+    w = torch.empty(64, dtype=torch.int32)
+    lib.pdpsgd_philox_raw(w.data_ptr(), 1, 0, 0, 0, 0, 0)
+    assert (w[0].item() & 0xFFFFFFFF) == 0x6627E8D5
+
+
+def _umask():
+    import os
+
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+def test_std_that_the_dtype_cannot_hold_is_refused():
+    s = native_rng.NativeStream(torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="can hold"):
+        s.fill_(torch.empty(8), 1e-50)  # 0 in float32: no noise at all
+    assert s.fill_(torch.empty(8, dtype=torch.float64), 1e-50).abs().max() > 0
+
+
+def test_sums_off_the_cpu_take_the_scratch_path():
+    """A CPU generator with sums on another device (``meta`` standing in for CUDA): the noise is
+    drawn on the CPU and moved, as for the other CPU sources."""
+    from pdpsgd.fused import noise_and_scale
+
+    sums = {"w": torch.empty(100, device="meta"), "b": torch.empty(3, 4, device="meta")}
+    out = noise_and_scale(sums, 1.0, torch.Generator().manual_seed(0), 2.0, {n: torch.float32 for n in sums},
+                          compile=False, rng="native")
+    assert {n: (t.device.type, t.shape) for n, t in out.items()} == {n: ("meta", s.shape) for n, s in sums.items()}
 
 
 def test_unwritable_cache_gives_a_clear_error(tmp_path, monkeypatch):
