@@ -12,6 +12,7 @@ import math
 import os
 import platform
 import signal
+import statistics
 import sys
 import time
 import warnings
@@ -397,7 +398,7 @@ def run_train(a: argparse.Namespace) -> int:
     # ---- final evaluation and report -------------------------------------------------------------
     ev = evaluate(model, test_data, batch_size=2 * a.max_physical_batch, device=device)
     telemetry.record_eval(trainer.step_count, accuracy=ev["accuracy"], loss=ev["loss"], epsilon=trainer.last_epsilon)
-    step_time = sum(trainer.step_times) / max(1, len(trainer.step_times))
+    step_time = statistics.median(trainer.step_times) if trainer.step_times else 0.0
     nonpriv = trainer.nonprivate_step_time() if not a.no_dp else step_time
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="PRV accounting unreliable")
