@@ -38,16 +38,24 @@ def _final(out: Path):
     return rep["results"], params
 
 
-def test_interrupt_and_resume_is_identical(tiny, tmp_path, capsys):
+@pytest.mark.parametrize("rng", ["torch", "native"])
+def test_interrupt_and_resume_is_identical(rng, tiny, tmp_path, capsys):
+    """Also with pdpsgd's own noise kernel, whose stream is keyed from the (checkpointed) generator."""
+    if rng == "native":
+        from pdpsgd import native_rng
+
+        if not native_rng.available():
+            pytest.skip("no C compiler to build the native noise kernel")
     a, b = tmp_path / "straight", tmp_path / "resumed"
-    assert main(_args(tiny, a)) == 0
-    assert main(_args(tiny, b, "--interrupt-after", "6")) == 130  # simulated Ctrl-C after step 6
+    extra = ("--noise-rng", rng)
+    assert main(_args(tiny, a, *extra)) == 0
+    assert main(_args(tiny, b, *extra, "--interrupt-after", "6")) == 130  # simulated Ctrl-C after step 6
     err = capsys.readouterr().err
     assert "interrupted at step 6/12" in err and "--resume" in err
     st = load_checkpoint(b / "checkpoint.pt")
     assert st["trainer"]["step"] == 6 and json.loads(st["trainer"]["accountant"])["history"][0][2] == 6
     assert json.loads((b / "ledger.json").read_text())["steps_released"] == 6
-    assert main(_args(tiny, b, "--resume")) == 0
+    assert main(_args(tiny, b, *extra, "--resume")) == 0
     ra, pa = _final(a)
     rb, pb = _final(b)
     assert ra["steps"] == rb["steps"] == 12
