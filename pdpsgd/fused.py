@@ -188,7 +188,8 @@ def noise_and_scale(
                 out[n] = o.to(dtypes[n])
                 continue
             flat = o.view(-1)
-            if add is not None and flat.dtype == ndt and flat.device.type == "cpu":  # the stream's fused pass: same draws as draw_noise
+            # the stream's own fused pass (CPU sums in the draw dtype): the same draws as draw_noise
+            if add is not None and flat.dtype == ndt and flat.device.type == "cpu":
                 for a, b in _chunks(flat.numel()):
                     add(flat[a:b], zstd, inv)  # s/denom + N(0, (std/denom)²), in place
                 out[n] = o.to(dtypes[n])

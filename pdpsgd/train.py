@@ -23,9 +23,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import statistics
 import os
 import secrets
+import statistics
 import time
 import warnings
 from pathlib import Path
