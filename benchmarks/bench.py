@@ -46,6 +46,10 @@ CONFIGS = {
     "launch-proxy": ("gpt2", 12, 64, 2, 512, 16, 2),
     # BERT-shaped at negligible compute, right-padded like bert-128: the engine's fixed cost per step
     "bert-tiny": ("bert", 4, 16, 2, 512, 8, 2),
+    # T5-shaped encoder-decoder (not an issue config): 4 + 4 layers, width 256, 128 source and 32 target
+    # tokens; its relative attention bias (one table per stack) is an embedding looked up on (T, T)
+    # position buckets and broadcast over the batch
+    "t5-128": ("t5", 4, 256, 4, 8192, 128, 8),
 }
 FUSED = False
 AMP = False  # bf16 torch.autocast around every variant's model call (--amp)
@@ -73,6 +77,13 @@ def build(cfg_name, device, dtype=torch.float32, untied=False):
                         max_position_embeddings=max(T, 32), word_embed_proj_dim=d, dropout=0.0,
                         attention_dropout=0.0, tie_word_embeddings=not untied)
         model = OPTForCausalLM(cfg)
+    elif fam == "t5":
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        cfg = T5Config(num_layers=L, num_decoder_layers=L, d_model=d, num_heads=h, d_kv=d // h, d_ff=4 * d,
+                       vocab_size=V, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+                       tie_word_embeddings=not untied)
+        model = T5ForConditionalGeneration(cfg)
     else:
         from transformers import BertConfig, BertForSequenceClassification
 
@@ -91,7 +102,8 @@ def build(cfg_name, device, dtype=torch.float32, untied=False):
     elif fam == "bert":
         lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
         am = (torch.arange(T)[None] < lengths[:, None]).long()
-    batch = {"input_ids": ids, "attention_mask": am, "labels": torch.randint(0, 2, (B,), generator=g),
+    labels = torch.randint(1, V, (B, T // 4), generator=g) if fam == "t5" else torch.randint(0, 2, (B,), generator=g)
+    batch = {"input_ids": ids, "attention_mask": am, "labels": labels,
              "position_ids": torch.arange(T).expand(B, T).contiguous()}
     batch = {k: v.to(device) for k, v in batch.items()}
     return fam, model, batch
@@ -122,7 +134,13 @@ def _make_loss(fam, explicit_pos=False):
         logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"], **kw).logits
         return F.cross_entropy(logits.float(), b["labels"], reduction="none")
 
-    return gpt2_loss if fam in ("gpt2", "opt") else bert_loss
+    def t5_loss(m, b):  # per-sequence summed token CE of the target (teacher forcing)
+        logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                   decoder_input_ids=m._shift_right(b["labels"])).logits
+        tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b["labels"].reshape(-1), reduction="none")
+        return tok.view(b["labels"].shape).sum(1)
+
+    return {"gpt2": gpt2_loss, "opt": gpt2_loss, "t5": t5_loss}.get(fam, bert_loss)
 
 
 def make_step(variant, cfg_name, device, compile_noise=False):

@@ -531,6 +531,12 @@ def _bound(u: Use, terms: Tensor, bounds: Dict[int, Tensor], tokens: Optional[Di
         tokens[id(u)] = torch.count_nonzero(terms, dim=1)  # one kernel (a GPU step is launch-bound)
 
 
+# Two index uses (an embedding's lookups) take the equal-ids mask (B, T, S) only while T·S is at most
+# this many times the table's rows; beyond it (a few rows looked up at many positions, e.g. T5's
+# relative bias buckets at T² positions) the per-example tables (B, rows, d) are smaller and cheaper.
+INDEX_GHOST_MAX_RATIO = 4
+
+
 def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[_GramMemo] = None,
            rows: Optional[Dict[int, Tensor]] = None, bounds: Optional[Dict[int, Tensor]] = None,
            compact: Optional[Dict[int, _Compact]] = None, tokens: Optional[Dict[int, Tensor]] = None) -> Tensor:
@@ -580,7 +586,8 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
         if u is v and bounds is not None:
             _bound(u, torch.linalg.vector_norm(u.L.to(acc), dim=-1), bounds, tokens, squared=False)  # ‖L_t‖ (B, T)
         return (u.L.to(acc).sum(1) * v.L.to(acc).sum(1)).sum(1)  # (B, P0) · (B, P0) -> (B,)
-    if isinstance(u, Index) and isinstance(v, Index) and u.R.shape[-1] == v.R.shape[-1]:
+    if isinstance(u, Index) and isinstance(v, Index) and u.R.shape[-1] == v.R.shape[-1] \
+            and u.T * v.T <= INDEX_GHOST_MAX_RATIO * u.num_rows:
         eq = (u.ids.unsqueeze(2) == v.ids.unsqueeze(1)).to(acc)  # (B, T, 1) == (B, 1, S) -> (B, T, S)
         gr = _gram(u.R.to(acc), v.R.to(acc))  # (B, T, d) x (B, S, d) -> (B, T, S)
         if u is v and bounds is not None:
@@ -1152,6 +1159,25 @@ class _EvalFlags:
 _OOM = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if t)
 
 
+@contextlib.contextmanager
+def _adapted(model: nn.Module, registry: RuleRegistry, B: int) -> Iterator[None]:
+    """The registry's ``CaptureAdapter`` methods installed (instance attributes) on the modules they
+    accept, for a capture or probe of B examples; removed after, also on error. A module that has
+    its own instance attribute of that name already is left as it is."""
+    done: List[Tuple[nn.Module, str]] = []
+    if registry.has_adapters():
+        for m in model.modules():
+            a = registry.adapter_for(m)
+            if a is not None and a.method not in m.__dict__:
+                m.__dict__[a.method] = a.wrap(m, B)
+                done.append((m, a.method))
+    try:
+        yield
+    finally:
+        for m, name in done:
+            m.__dict__.pop(name, None)
+
+
 def _out_dim(output: Any) -> Optional[int]:
     return int(output.shape[0]) if isinstance(output, Tensor) and output.dim() > 0 else None
 
@@ -1163,7 +1189,7 @@ def _probe_key(batch: Batch, B: int, training: bool):
 
 
 def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
-                      ruled: Dict[nn.Module, Tuple[str, Rule, Dict[str, str]]], B: int):
+                      ruled: Dict[nn.Module, Tuple[str, Rule, Dict[str, str]]], B: int, registry: RuleRegistry):
     """(probe size, {module name: (first dim, its whole-view base's first dim) of its calls, in order}),
     or (probe size, error text)."""
     Bp = PROBE_B if B != PROBE_B else PROBE_B + 1
@@ -1182,7 +1208,8 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m, (_, rule, _) in ruled.items()
                if not getattr(rule, "custom_forward", False)]  # (custom-forward rules check their own layout)
     try:
-        with torch.no_grad(), preserve_module_state(loss_module.model), _own_rng(params):
+        with torch.no_grad(), preserve_module_state(loss_module.model), _own_rng(params), \
+                _adapted(loss_module.model, registry, Bp):
             functional_call(loss_module, LossModule.prefixed({**constants, **{n: v.detach() for n, v in params.items()}}),
                             (probe,))
     except Exception as err:  # a model that cannot run the probe: nothing is verified
@@ -1403,7 +1430,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         # a checkpoint recomputation runs its whole segment (no early stop), so every layer's
         # parameter swap is undone as its forward returns before anything else is recomputed
         # (preserve_module_state: also undoes a parameter swap a failing forward left half done)
-        with _no_checkpoint_early_stop(), preserve_module_state(model):
+        with _no_checkpoint_early_stop(), preserve_module_state(model), _adapted(model, registry, B):
             losses, grads, early, call_targets = functional_call(
                 scope, {"m." + k: v for k, v in LossModule.prefixed({**constants, **leaves}).items()},
                 (forward_backward,))
@@ -1427,7 +1454,8 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         old = probe_memo.get(dkey, (frozenset(), {})) if probe_memo is not None else (frozenset(), {})
         _memo_put(probe_memo, dkey, (old[0] | frozenset(bad), {**old[1], **bad}))
         return _apply_order(col, order, loss_module, batch, probe_memo, params)
-    _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo)
+    _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo,
+                      registry)
     n_call = sum(len(t) for t in call_targets)
     for n, g in zip(leaf_names, grads[n_call:]):
         if g is not None:
@@ -1792,7 +1820,8 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
     return _order_verdicts(known)
 
 
-def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo):
+def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo,
+                      registry):
     """Send to the vmap fallback every parameter of a call whose input's first dimension equals B
     but did not follow the probe's batch size (see ``PROBE_B``)."""
     todo = [c for c in calls if c.capture is None and (real_dims[c.mname][c.k] == B or c.rows)
@@ -1804,7 +1833,7 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
            if probe_memo is not None else None)
     got = probe_memo.get(key) if key is not None else None
     if got is None:
-        got = _probe_first_dims(loss_module, params, constants, batch, ruled, B)
+        got = _probe_first_dims(loss_module, params, constants, batch, ruled, B, registry)
         if key is not None and not isinstance(got[1], str):
             _memo_put(probe_memo, key, got)
     Bp, seen = got

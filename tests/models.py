@@ -122,3 +122,47 @@ def tiny_bert(vocab=40, dim=16, layers=2, classes=3, seed=0):
                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         m = BertForSequenceClassification(cfg)
     return m.eval()
+
+
+def assert_checkpointed_exact(plain, loss_fn, batch, methods=("bk", "auto"), max_grad_norm=0.5):
+    """Book-keeping on a checkpointed copy of ``plain`` (float64, train mode, where Hugging Face
+    checkpoints) equals the naive loop on ``plain`` itself, on the rules (no vmap)."""
+    from pdpsgd import make_dp_step
+    from pdpsgd.testing import naive_clipped_sum
+
+    params = {n: p.detach() for n, p in plain.named_parameters()}
+    norms, sums = naive_clipped_sum(plain, loss_fn, batch, max_grad_norm=max_grad_norm, params=params)
+    model, calls = checkpointed_copy(plain)
+    for method in methods:
+        calls.clear()
+        step = make_dp_step(model, loss_fn, max_grad_norm=max_grad_norm, noise_multiplier=0.0,
+                            expected_batch_size=1.0, method=method)
+        part = step.clipped_sum({n: p.detach() for n, p in model.named_parameters()}, batch)
+        assert calls, "Hugging Face did not checkpoint"
+        assert "vmap" not in part.routes.values(), part.routes
+        torch.testing.assert_close(part.per_sample_norms, norms, rtol=1e-9, atol=0)
+        for n in sums:
+            torch.testing.assert_close(part.sums[n], sums[n], rtol=1e-9, atol=1e-12)
+
+
+def checkpointed_copy(model):
+    """A copy of a Hugging Face model with non-reentrant activation checkpointing on, in train mode, and
+    the list that each checkpointed call appends to (so a test can see that it checkpointed)."""
+    import copy
+
+    calls = []
+
+    def counted(f):
+        def g(*a, **k):
+            calls.append(1)
+            return f(*a, **k)
+        return g
+
+    out = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for m in out.modules():
+        if callable(getattr(m, "_gradient_checkpointing_func", None)):
+            m._gradient_checkpointing_func = counted(m._gradient_checkpointing_func)
+    return out.train(), calls

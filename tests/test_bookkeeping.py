@@ -1071,38 +1071,8 @@ def test_gpt2_hf_gradient_checkpointing_in_train_mode_exact():
     """As above, in train mode, where Hugging Face actually checkpoints (``assert_exact`` compares
     in eval mode); dropout is 0, so train mode is deterministic. Oracle: the naive loop on the same
     model without checkpointing."""
-    from pdpsgd.testing import naive_clipped_sum
-
-    calls = []
-
-    def counted(f):
-        def g(*a, **k):
-            calls.append(1)
-            return f(*a, **k)
-        return g
-
-    plain = to_float64(models.tiny_gpt2()).train()
-    batch = to_float64(_gpt2_batch())
-    params = {n: p.detach() for n, p in plain.named_parameters()}
-    norms, sums = naive_clipped_sum(plain, models.hf_lm_loss, batch, max_grad_norm=0.5, params=params)
-    model = copy.deepcopy(plain)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for m in model.modules():
-        if callable(getattr(m, "_gradient_checkpointing_func", None)):
-            m._gradient_checkpointing_func = counted(m._gradient_checkpointing_func)
-    model.train()
-    for method in ("bk", "auto"):
-        calls.clear()
-        step = make_dp_step(model, models.hf_lm_loss, max_grad_norm=0.5, noise_multiplier=0.0,
-                            expected_batch_size=1.0, method=method)
-        part = step.clipped_sum({n: p.detach() for n, p in model.named_parameters()}, batch)
-        assert calls, "Hugging Face did not checkpoint"
-        assert "vmap" not in part.routes.values(), part.routes
-        torch.testing.assert_close(part.per_sample_norms, norms, rtol=1e-9, atol=0)
-        for n in sums:
-            torch.testing.assert_close(part.sums[n], sums[n], rtol=1e-9, atol=1e-12)
+    models.assert_checkpointed_exact(to_float64(models.tiny_gpt2()).train(), models.hf_lm_loss,
+                                     to_float64(_gpt2_batch()))
 
 
 def test_fallback_reasons_name_the_cause():

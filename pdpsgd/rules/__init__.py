@@ -1,5 +1,6 @@
 """Per-layer book-keeping rules: one small file per layer type, collected in ``registry``."""
-from .base import Dense, Explicit, Index, Rule, Use
+from .base import CaptureAdapter, Dense, Explicit, Index, Rule, Use
 from .registry import DEFAULT_REGISTRY, RuleRegistry, default_registry
 
-__all__ = ["Rule", "Use", "Dense", "Index", "Explicit", "RuleRegistry", "default_registry", "DEFAULT_REGISTRY"]
+__all__ = ["Rule", "Use", "Dense", "Index", "Explicit", "CaptureAdapter", "RuleRegistry", "default_registry",
+           "DEFAULT_REGISTRY"]

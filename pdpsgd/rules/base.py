@@ -23,7 +23,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from torch import Tensor, nn
 
-__all__ = ["Dense", "Index", "Explicit", "Use", "Rule", "as_btd", "first_input"]
+__all__ = ["Dense", "Index", "Explicit", "Use", "Rule", "CaptureAdapter", "as_btd", "first_input"]
 
 
 @dataclass
@@ -125,4 +125,27 @@ class Rule:
         grad_output: Tensor,
         batch_size: int,
     ) -> Optional[Dict[str, Use]]:
+        raise NotImplementedError
+
+
+class CaptureAdapter:
+    """Replaces one method of a (non-layer) module while the engine captures, so that a ruled layer
+    inside it is called on batched input where the model would broadcast a batch-free result.
+
+    Example: T5 looks its relative attention bias up once per forward on (T, T) position buckets
+    and broadcasts the (1, H, T, T) result over the batch; its gradient then is the batch's sum and
+    no rule can split it by example. The adapter (``rules.t5_relative_bias``) looks the same buckets
+    up expanded to (B, T, T): the same values, now with a batch dimension, so the embedding's own
+    rule gives each example's gradient.
+
+    Contract: ``wrap(module, batch_size)`` returns the replacement for ``module.<method>``, which
+    must return the same values as the original (broadcast to the batch, at most) or call the
+    original unchanged, never anything else; the engine's batch-dimension probe and example-order
+    check then apply to the ruled layers it calls as to any other.
+    """
+
+    name = "adapter"
+    method = ""  # the name of the module's method that ``wrap`` replaces
+
+    def wrap(self, module: nn.Module, batch_size: int):  # pragma: no cover - interface
         raise NotImplementedError

@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Type
 
 from torch import nn
 
-from .base import Rule
+from .base import CaptureAdapter, Rule
 
 __all__ = ["RuleRegistry", "default_registry", "DEFAULT_REGISTRY"]
 
@@ -26,6 +26,7 @@ class RuleRegistry:
     def __init__(self) -> None:
         self._by_type: Dict[type, Rule] = {}
         self._predicates: List[Tuple[str, Callable[[nn.Module], bool], Rule]] = []
+        self._adapters: List[Tuple[str, Callable[[nn.Module], bool], CaptureAdapter]] = []
 
     def register(self, module_type: Type[nn.Module], rule: Rule, *, override: bool = False) -> None:
         if not isinstance(module_type, type):
@@ -49,6 +50,31 @@ class RuleRegistry:
                 return
         self._predicates.append((name, predicate, rule))
 
+    def register_adapter(self, name: str, predicate: Callable[[nn.Module], bool], adapter: CaptureAdapter,
+                         *, override: bool = False) -> None:
+        """A ``CaptureAdapter`` for the modules ``predicate`` accepts (see ``rules.base``)."""
+        if not isinstance(adapter, CaptureAdapter):
+            raise TypeError(f"adapter must be a pdpsgd.rules.CaptureAdapter, got {type(adapter).__name__}")
+        if not adapter.method:
+            raise ValueError(f"adapter {name!r} names no method to replace (CaptureAdapter.method)")
+        for i, (n, _, _) in enumerate(self._adapters):
+            if n == name:
+                if not override:
+                    raise ValueError(f"an adapter named {name!r} exists; pass override=True to replace it")
+                self._adapters[i] = (name, predicate, adapter)
+                return
+        self._adapters.append((name, predicate, adapter))
+
+    def has_adapters(self) -> bool:
+        return bool(self._adapters)
+
+    def adapter_for(self, module: nn.Module) -> Optional[CaptureAdapter]:
+        """The first registered adapter whose predicate accepts ``module``, or None."""
+        for _, pred, a in self._adapters:
+            if pred(module):
+                return a
+        return None
+
     def lookup(self, module: nn.Module) -> Optional[Rule]:
         t = type(module)
         rule = self._by_type.get(t)
@@ -66,6 +92,7 @@ class RuleRegistry:
         new = RuleRegistry()
         new._by_type = dict(self._by_type)
         new._predicates = list(self._predicates)
+        new._adapters = list(self._adapters)
         return new
 
     def __contains__(self, module_type: type) -> bool:
@@ -74,7 +101,7 @@ class RuleRegistry:
 
 def _build() -> RuleRegistry:
     from . import (conv, embedding, hf_conv1d, layernorm, linear, matmul_linear, positional_embedding, rmsnorm,
-                   rnn, scaled_embedding)
+                   rnn, scaled_embedding, t5_relative_bias)
 
     reg = RuleRegistry()
     for t in linear.TYPES:
@@ -96,6 +123,8 @@ def _build() -> RuleRegistry:
         reg.register(t, conv.ConvRule())
     for t in rnn.TYPES:
         reg.register(t, rnn.RNNRule())
+    reg.register_adapter("t5_relative_bias", t5_relative_bias.is_t5_relative_attention,
+                         t5_relative_bias.T5RelativeBiasAdapter())
     return reg
 
 

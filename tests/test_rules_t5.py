@@ -1,0 +1,229 @@
+"""T5's relative attention bias on book-keeping (rules/t5_relative_bias.py): looked up per example
+while the engine captures, exact against the naive float64 loop, and the exact fallback whenever the
+model's compute_bias is not the lookup the adapter knows."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import models
+import pdpsgd
+import pdpsgd.bookkeeping as bk
+from pdpsgd.rules import CaptureAdapter, default_registry
+from pdpsgd.rules.base import Index
+from pdpsgd.rules.t5_relative_bias import is_t5_relative_attention
+from pdpsgd.testing import assert_exact
+
+V = 30
+BIAS = "relative_attention_bias"
+
+
+def _t5(layers=1, buckets=8, max_distance=16, tie=True, attn="eager", encoder_only=False):
+    import transformers as tf
+
+    cfg = tf.T5Config(vocab_size=V, d_model=16, d_ff=32, d_kv=4, num_layers=layers, num_decoder_layers=layers,
+                      num_heads=4, relative_attention_num_buckets=buckets, relative_attention_max_distance=max_distance,
+                      decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0, tie_word_embeddings=tie)
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = (tf.T5EncoderModel if encoder_only else tf.T5ForConditionalGeneration)(cfg)
+    return m.eval()
+
+
+def seq2seq_loss(m, b):  # per-sequence summed token CE of the target, teacher forcing
+    lg = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+           decoder_input_ids=m._shift_right(b["labels"])).logits
+    return F.cross_entropy(lg.reshape(-1, V), b["labels"].reshape(-1), reduction="none").view(b["labels"].shape).sum(1)
+
+
+def encoder_loss(m, b):
+    h = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).last_hidden_state  # (B, T, d)
+    return (h * b["attention_mask"].unsqueeze(-1)).sum((1, 2)).pow(2)
+
+
+def _batch(B, T, S, seed, padded=True):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (B, T), generator=g)
+    lengths = torch.randint(1, T + 1, (B,), generator=g) if padded else torch.full((B,), T)
+    am = (torch.arange(T)[None] < lengths[:, None]).long()
+    return {"input_ids": ids, "attention_mask": am, "labels": torch.randint(1, V, (B, S), generator=g)}
+
+
+def _bias_routes(r):
+    return {n: v for n, v in r.routes.items() if BIAS in n}
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(B=st.integers(1, 5), T=st.integers(1, 12), S=st.integers(1, 9), seed=st.integers(0, 2**20),
+       C=st.sampled_from([1e-3, 0.3, 1e3]), method=st.sampled_from(["bk", "auto"]),
+       buckets=st.sampled_from([4, 8, 32]), attn=st.sampled_from(["eager", "sdpa"]))
+def test_t5_relative_bias_exact_on_its_rule(B, T, S, seed, C, method, buckets, attn):
+    """Encoder (bidirectional buckets) and decoder (causal) tables: per-example norms and clipped sums
+    equal the naive float64 loop's, and no parameter of the model takes the vmap fallback."""
+    m = _t5(buckets=buckets, attn=attn)
+    r = assert_exact(m, seq2seq_loss, _batch(B, T, S, seed), method=method, max_grad_norm=C)
+    assert {n for n, v in r.routes.items() if v == "vmap"} == set(), r.routes
+    assert len(_bias_routes(r)) == 2 and set(_bias_routes(r).values()) <= {"explicit", "ghost"}, r.routes
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(B=st.integers(2, 4), T=st.integers(2, 40), seed=st.integers(0, 2**20))
+def test_t5_encoder_long_sequences_exact(B, T, seed):
+    """Long sequences (T² positions over 8 buckets: the per-example tables, not the equal-ids mask),
+    two layers sharing the first one's bias, encoder only, untied."""
+    m = _t5(layers=2, tie=False, encoder_only=True)
+    r = assert_exact(m, encoder_loss, _batch(B, T, 1, seed), method="bk", max_grad_norm=0.5)
+    assert {n for n, v in r.routes.items() if v == "vmap"} == set(), r.routes
+
+
+def test_t5_relative_bias_clipped_contribution_bounded():
+    """Every example's clipped contribution, the bias tables included, is at most C; and changing one
+    example moves the clipped sum by at most 2C (one contribution out, another in)."""
+    m = _t5()
+    b = _batch(4, 9, 5, seed=3, padded=False)
+    params = pdpsgd.trainable_params(m)
+    C = 0.01
+    step = pdpsgd.make_dp_step(m, seq2seq_loss, max_grad_norm=C, noise_multiplier=0.0, method="bk")
+    for i in range(4):
+        mask = torch.zeros(4, dtype=torch.bool)
+        mask[i] = True
+        s = step.clipped_sum(params, b, mask=mask).sums
+        total = torch.sqrt(sum(t.double().pow(2).sum() for t in s.values()))
+        assert total <= C * (1 + 1e-5), (i, float(total))
+        assert float(s[f"encoder.block.0.layer.0.SelfAttention.{BIAS}.weight"].abs().sum()) > 0  # it is trained
+    b2 = {k: v.clone() for k, v in b.items()}
+    b2["input_ids"][2] = torch.randint(1, V, (9,), generator=torch.Generator().manual_seed(9))
+    s1, s2 = step.clipped_sum(params, b).sums, step.clipped_sum(params, b2).sums
+    moved = torch.sqrt(sum((s1[n].double() - s2[n].double()).pow(2).sum() for n in s1))
+    assert moved <= 2 * C * (1 + 1e-5)
+
+
+def test_without_the_adapter_the_bias_falls_back_and_stays_exact():
+    """The adapter is what puts the tables on a rule: a registry without it sends them to the exact
+    fallback (the previous behaviour), with the reason named."""
+    from pdpsgd.rules.registry import RuleRegistry
+
+    reg = default_registry()
+    bare = RuleRegistry()
+    bare._by_type, bare._predicates = dict(reg._by_type), list(reg._predicates)  # (the same rules, no adapters)
+    m = _t5()
+    r = assert_exact(m, seq2seq_loss, _batch(3, 6, 4, seed=1), method="bk", bk_options={"registry": bare})
+    assert set(_bias_routes(r).values()) == {"vmap"}, r.routes
+
+
+class _Scaled:
+    """compute_bias variants the adapter must not take for the lookup it knows."""
+
+    @staticmethod
+    def doubled(self, *a, **k):
+        return 2 * type(self).__mro__[1].compute_bias(self, *a, **k)
+
+    @staticmethod
+    def detached(self, *a, **k):
+        return type(self).__mro__[1].compute_bias(self, *a, **k).detach()
+
+    @staticmethod
+    def twice(self, *a, **k):  # two lookups
+        x = type(self).__mro__[1].compute_bias(self, *a, **k)
+        return 0.5 * (x + type(self).__mro__[1].compute_bias(self, *a, **k))
+
+    @staticmethod
+    def gradient_scaled(self, *a, **k):  # the same values, three times the gradient: the adjoint check sees it
+        x = type(self).__mro__[1].compute_bias(self, *a, **k)
+        return x + (2 * x - 2 * x.detach())
+
+    @staticmethod
+    def flipped(self, *a, **k):  # the same values' multiset, other places: the values check sees it
+        return type(self).__mro__[1].compute_bias(self, *a, **k).flip(-1)
+
+
+@pytest.mark.parametrize("variant", ["doubled", "detached", "twice", "gradient_scaled", "flipped"])
+def test_a_compute_bias_other_than_the_lookup_falls_back_exactly(variant):
+    """A model whose compute_bias is not the permuted lookup (scaled, cut off the gradient, two
+    lookups, the gradient scaled behind equal values, positions moved) gets its tables by the exact fallback, never a wrong per-example
+    gradient."""
+    from transformers.models.t5 import modeling_t5 as mt5
+
+    sub = type("PatchedT5Attention", (mt5.T5Attention,), {"compute_bias": getattr(_Scaled, variant)})
+    m = _t5()
+    for mod in m.modules():
+        if isinstance(mod, mt5.T5Attention):
+            mod.__class__ = sub
+    assert any(is_t5_relative_attention(mod) for mod in m.modules())
+    b = _batch(3, 6, 4, seed=2)
+    r = assert_exact(m, seq2seq_loss, b, method="bk")
+    routes = _bias_routes(r)
+    if variant == "detached":  # no gradient reaches the tables at all: their clipped sums are exactly 0
+        step = pdpsgd.make_dp_step(m, seq2seq_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+        sums = step.clipped_sum(pdpsgd.trainable_params(m), b).sums
+        assert all(not bool(sums[n].any()) for n in routes), routes
+    else:
+        assert set(routes.values()) == {"vmap"}, routes
+
+
+def test_adapter_is_removed_after_the_step_and_on_error():
+    m = _t5()
+    b = _batch(2, 5, 3, seed=4)
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, seq2seq_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    step.clipped_sum(params, b)
+    assert not any("compute_bias" in mod.__dict__ for mod in m.modules())
+
+    def bad_loss(mm, bb):
+        seq2seq_loss(mm, bb)
+        raise KeyError("boom")
+
+    step2 = pdpsgd.make_dp_step(m, bad_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    with pytest.raises(KeyError):
+        step2.clipped_sum(params, b)
+    assert not any("compute_bias" in mod.__dict__ for mod in m.modules())
+    assert not any(BIAS in mod.__dict__ for mod in m.modules())
+
+
+def test_t5_with_gradient_checkpointing_in_train_mode_exact():
+    """Hugging Face activation checkpointing (non-reentrant), in train mode where it checkpoints
+    (dropout 0): the recomputed blocks run the adapter again; exact against the naive loop on the
+    same model without checkpointing."""
+    from pdpsgd.testing import to_float64
+
+    models.assert_checkpointed_exact(to_float64(_t5(layers=2)).train(), seq2seq_loss, to_float64(_batch(3, 7, 4, seed=5)))
+
+
+def test_registry_refuses_silent_adapter_overwrite():
+    reg = default_registry()
+    a = reg.adapter_for(_t5().encoder.block[0].layer[0].SelfAttention)
+    assert a is not None and a.name == "t5_relative_bias"
+    with pytest.raises(ValueError, match="exists"):
+        reg.register_adapter("t5_relative_bias", is_t5_relative_attention, a)
+    reg.register_adapter("t5_relative_bias", is_t5_relative_attention, a, override=True)
+    with pytest.raises(TypeError, match="CaptureAdapter"):
+        reg.register_adapter("x", is_t5_relative_attention, object())
+    with pytest.raises(ValueError, match="names no method"):
+        reg.register_adapter("y", is_t5_relative_attention, CaptureAdapter())
+    assert reg.copy().adapter_for(_t5().decoder.block[0].layer[0].SelfAttention) is a
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(B=st.integers(1, 4), T=st.integers(1, 30), S=st.integers(1, 30), rows=st.integers(1, 12),
+       d=st.integers(1, 5), seed=st.integers(0, 2**20))
+def test_index_inner_tables_equal_equal_ids_mask(B, T, S, rows, d, seed):
+    """⟨G_u, G_v⟩ of two index uses: the per-example tables (many positions, few rows) and the
+    equal-ids mask give the same values, float64."""
+    g = torch.Generator().manual_seed(seed)
+    u = Index(torch.randint(0, rows, (B, T), generator=g), torch.randn(B, T, d, generator=g, dtype=torch.float64), rows)
+    v = Index(torch.randint(0, rows, (B, S), generator=g), torch.randn(B, S, d, generator=g, dtype=torch.float64), rows)
+    shape = torch.Size([rows, d])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bk, "INDEX_GHOST_MAX_RATIO", 10**9)
+        mask_uv, mask_uu = bk._inner(u, v, shape, torch.float64), bk._inner(u, u, shape, torch.float64)
+        mp.setattr(bk, "INDEX_GHOST_MAX_RATIO", 0)
+        tab_uv, tab_uu = bk._inner(u, v, shape, torch.float64), bk._inner(u, u, shape, torch.float64)
+    naive_u = torch.zeros(B, rows, d, dtype=torch.float64).scatter_add_(1, u.ids.unsqueeze(-1).expand(B, T, d), u.R)
+    naive_v = torch.zeros(B, rows, d, dtype=torch.float64).scatter_add_(1, v.ids.unsqueeze(-1).expand(B, S, d), v.R)
+    want_uv, want_uu = (naive_u * naive_v).sum((1, 2)), (naive_u * naive_u).sum((1, 2))
+    for got, want in ((mask_uv, want_uv), (tab_uv, want_uv), (mask_uu, want_uu), (tab_uu, want_uu)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
