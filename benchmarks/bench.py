@@ -50,6 +50,11 @@ CONFIGS = {
     # tokens; its relative attention bias (one table per stack) is an embedding looked up on (T, T)
     # position buckets and broadcast over the batch
     "t5-128": ("t5", 4, 256, 4, 8192, 128, 8),
+    # LLaMA-shaped decoder (not an issue config): RMS norms, rotary positions, SwiGLU (4·d hidden), untied head
+    "llama-128": ("llama", 4, 256, 4, 8192, 128, 8),
+    # DeBERTa-v3-shaped classifier (not an issue config): relative positions (256 buckets), shared
+    # attention keys; its relative-position parameters take the exact vmap fallback (benchmarks/README.md)
+    "deberta-128": ("deberta", 4, 256, 4, 8192, 128, 8),
 }
 FUSED = False
 AMP = False  # bf16 torch.autocast around every variant's model call (--amp)
@@ -77,6 +82,22 @@ def build(cfg_name, device, dtype=torch.float32, untied=False):
                         max_position_embeddings=max(T, 32), word_embed_proj_dim=d, dropout=0.0,
                         attention_dropout=0.0, tie_word_embeddings=not untied)
         model = OPTForCausalLM(cfg)
+    elif fam == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(num_hidden_layers=L, hidden_size=d, num_attention_heads=h, num_key_value_heads=h,
+                          intermediate_size=4 * d, vocab_size=V, max_position_embeddings=max(T, 32),
+                          attention_dropout=0.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+        model = LlamaForCausalLM(cfg)
+    elif fam == "deberta":
+        from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+        cfg = DebertaV2Config(num_hidden_layers=L, hidden_size=d, num_attention_heads=h, intermediate_size=4 * d,
+                              vocab_size=V, num_labels=2, max_position_embeddings=max(T, 32), relative_attention=True,
+                              position_buckets=256, norm_rel_ebd="layer_norm", share_att_key=True,
+                              pos_att_type=["p2c", "c2p"], max_relative_positions=-1, position_biased_input=False,
+                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = DebertaV2ForSequenceClassification(cfg)
     elif fam == "t5":
         from transformers import T5Config, T5ForConditionalGeneration
 
@@ -99,7 +120,7 @@ def build(cfg_name, device, dtype=torch.float32, untied=False):
         lengths = (8 + torch.empty(B).exponential_(1 / 24, generator=g)).long().clamp_(max=T)
         lengths[0] = T
         am = (torch.arange(T)[None] < lengths[:, None]).long()
-    elif fam == "bert":
+    elif fam in ("bert", "deberta"):
         lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
         am = (torch.arange(T)[None] < lengths[:, None]).long()
     labels = torch.randint(1, V, (B, T // 4), generator=g) if fam == "t5" else torch.randint(0, 2, (B,), generator=g)
@@ -140,7 +161,7 @@ def _make_loss(fam, explicit_pos=False):
         tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b["labels"].reshape(-1), reduction="none")
         return tok.view(b["labels"].shape).sum(1)
 
-    return {"gpt2": gpt2_loss, "opt": gpt2_loss, "t5": t5_loss}.get(fam, bert_loss)
+    return {"gpt2": gpt2_loss, "opt": gpt2_loss, "llama": gpt2_loss, "t5": t5_loss}.get(fam, bert_loss)
 
 
 def make_step(variant, cfg_name, device, compile_noise=False):
