@@ -156,8 +156,8 @@ def _make_loss(fam, explicit_pos=False):
         return F.cross_entropy(logits.float(), b["labels"], reduction="none")
 
     def t5_loss(m, b):  # per-sequence summed token CE of the target (teacher forcing)
-        logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                   decoder_input_ids=m._shift_right(b["labels"])).logits
+        dec = torch.cat([torch.zeros_like(b["labels"][:, :1]), b["labels"][:, :-1]], 1)  # decoder start token 0
+        logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"], decoder_input_ids=dec).logits
         tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b["labels"].reshape(-1), reduction="none")
         return tok.view(b["labels"].shape).sum(1)
 
@@ -255,7 +255,7 @@ def _make_step(variant, fam, model, batch, device):
                   "position_ids": batch["position_ids"]}
             with torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16, enabled=AMP):
                 logits = gsm(**kw).logits
-            if fam in ("gpt2", "opt"):
+            if fam in ("gpt2", "opt", "llama"):
                 lg = logits[:, :-1]
                 loss = crit(lg.reshape(-1, lg.shape[-1]), batch["input_ids"][:, 1:].reshape(-1), shape=lg.shape)
             else:

@@ -20,6 +20,12 @@ factor rows are exactly zero at many positions (padding; a classifier's last lay
 first token's gradient is non-zero) has its Grams computed over each example's non-zero rows
 only, the examples grouped by their counts (``_compaction``): Σ_g B_g·K_g² instead of B·T².
 
+A layer that the model calls once for the whole batch and broadcasts (T5's relative attention bias,
+looked up on (T, T) position buckets) has no per-example output gradient; a ``CaptureAdapter`` of
+the registry (``rules.t5_relative_bias``) replaces the model method around it during the capture
+and the probes so that the layer is called on the batch (the same values per example), checked
+against the model's own method on every call, and its rule then applies as to any batched call.
+
 Uses of the same parameter (tied weights such as GPT-2's wte/lm_head, a layer called twice) are
 summed *before* the norm, so cross terms are included exactly (Embedding × Linear cross terms
 are a gather of the logits' gradient at the token ids). Layers without a rule, ruled parameters

@@ -1,6 +1,7 @@
 """T5's relative attention bias on book-keeping (rules/t5_relative_bias.py): looked up per example
 while the engine captures, exact against the naive float64 loop, and the exact fallback whenever the
 model's compute_bias is not the lookup the adapter knows."""
+import types
 import warnings
 
 import pytest
@@ -227,3 +228,15 @@ def test_index_inner_tables_equal_equal_ids_mask(B, T, S, rows, d, seed):
     want_uv, want_uu = (naive_u * naive_v).sum((1, 2)), (naive_u * naive_u).sum((1, 2))
     for got, want in ((mask_uv, want_uv), (tab_uv, want_uv), (mask_uu, want_uu), (tab_uu, want_uu)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_an_instance_level_compute_bias_is_left_alone():
+    """A compute_bias the user set on the module itself is not replaced (the adapter knows only the
+    class's): that table takes the exact fallback, the other stays on its rule."""
+    m = _t5()
+    att = m.encoder.block[0].layer[0].SelfAttention
+    att.compute_bias = types.MethodType(type(att).compute_bias, att)  # (rebound to the copy by deepcopy)
+    r = assert_exact(m, seq2seq_loss, _batch(3, 6, 4, seed=6), method="bk")
+    assert _bias_routes(r) == {f"encoder.block.0.layer.0.SelfAttention.{BIAS}.weight": "vmap",
+                               f"decoder.block.0.layer.0.SelfAttention.{BIAS}.weight": "explicit"}, r.routes
+    assert "compute_bias" in att.__dict__  # (still the user's)
