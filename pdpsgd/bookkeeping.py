@@ -46,6 +46,7 @@ to cancellation (crafted inputs) is replaced by an upper bound (``_Guard``).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import math
 import types
@@ -537,10 +538,18 @@ def _bound(u: Use, terms: Tensor, bounds: Dict[int, Tensor], tokens: Optional[Di
         tokens[id(u)] = torch.count_nonzero(terms, dim=1)  # one kernel (a GPU step is launch-bound)
 
 
-# Two index uses (an embedding's lookups) take the equal-ids mask (B, T, S) only while T·S is at most
-# this many times the table's rows; beyond it (a few rows looked up at many positions, e.g. T5's
-# relative bias buckets at T² positions) the per-example tables (B, rows, d) are smaller and cheaper.
+# Two index uses (an embedding's lookups) take the equal-ids mask (B, T, S) while T·S is at most this
+# many times the elements of the per-example tables they would otherwise build (B, rows, d), one
+# table for a self pair, two for a cross pair; beyond it (a few rows looked up at many positions:
+# T5's relative bias, 32 buckets at T² positions) the tables are the smaller and cheaper ones. A word
+# embedding (rows·d in the millions) keeps the mask at any practical T.
 INDEX_GHOST_MAX_RATIO = 4
+
+
+def _index_tables(u: Index, v: Index) -> bool:
+    """Whether ``_inner`` of these two index uses builds the per-example tables (else the mask)."""
+    tables = (1 if u is v else 2) * u.num_rows * int(u.R.shape[-1])
+    return u.T * v.T > INDEX_GHOST_MAX_RATIO * tables
 
 
 def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[_GramMemo] = None,
@@ -593,7 +602,15 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
             _bound(u, torch.linalg.vector_norm(u.L.to(acc), dim=-1), bounds, tokens, squared=False)  # ‖L_t‖ (B, T)
         return (u.L.to(acc).sum(1) * v.L.to(acc).sum(1)).sum(1)  # (B, P0) · (B, P0) -> (B,)
     if isinstance(u, Index) and isinstance(v, Index) and u.R.shape[-1] == v.R.shape[-1] \
-            and u.T * v.T <= INDEX_GHOST_MAX_RATIO * u.num_rows:
+            and u.num_rows == v.num_rows and _index_tables(u, v):
+        Gu = _materialise(u, shape, acc)  # (B, rows, d)
+        Gv = Gu if u is v else _materialise(v, shape, acc)
+        if u is v and bounds is not None:
+            # the bound from the rows' terms ‖R_t‖, as on the mask path: the clipped sum is taken from the
+            # factors, so a table that cancels (+M and -M on one row) must not count as a small norm
+            _bound(u, u.R.to(acc).pow(2).sum(-1), bounds, tokens)  # ‖e_{id_t}‖²‖R_t‖² (B, T)
+        return (Gu.reshape(Gu.shape[0], -1) * Gv.reshape(Gv.shape[0], -1)).sum(1)  # (B, rows·d) · -> (B,)
+    if isinstance(u, Index) and isinstance(v, Index) and u.R.shape[-1] == v.R.shape[-1]:
         eq = (u.ids.unsqueeze(2) == v.ids.unsqueeze(1)).to(acc)  # (B, T, 1) == (B, 1, S) -> (B, T, S)
         gr = _gram(u.R.to(acc), v.R.to(acc))  # (B, T, d) x (B, S, d) -> (B, T, S)
         if u is v and bounds is not None:
@@ -1165,13 +1182,25 @@ class _EvalFlags:
 _OOM = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if t)
 
 
+# Set (for the duration of one capture, its checks and probes included) when a capture with the
+# registry's adapters failed and runs again without them (see ``_collect``).
+_ADAPTERS_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("pdpsgd_adapters_off", default=False)
+
+
+def _adapters_apply(model: nn.Module, registry: RuleRegistry) -> bool:
+    """Whether some module of the model would get a ``CaptureAdapter`` (and adapters are on)."""
+    return (not _ADAPTERS_OFF.get() and registry.has_adapters()
+            and any(registry.adapter_for(m) is not None for m in model.modules()))
+
+
 @contextlib.contextmanager
 def _adapted(model: nn.Module, registry: RuleRegistry, B: int) -> Iterator[None]:
     """The registry's ``CaptureAdapter`` methods installed (instance attributes) on the modules they
     accept, for a capture or probe of B examples; removed after, also on error. A module that has
-    its own instance attribute of that name already is left as it is."""
+    its own instance attribute of that name already is left as it is. Nothing while a capture runs
+    without adapters (``_ADAPTERS_OFF``)."""
     done: List[Tuple[nn.Module, str]] = []
-    if registry.has_adapters():
+    if registry.has_adapters() and not _ADAPTERS_OFF.get():
         for m in model.modules():
             a = registry.adapter_for(m)
             if a is not None and a.method not in m.__dict__:
@@ -1230,7 +1259,46 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
              registry: RuleRegistry, overrides: Mapping[str, str], probe_memo: Optional[Dict] = None,
              check_broadcast: bool = True, loss_weights: Optional[Tensor] = None,
              no_expand: Optional[Mapping[str, str]] = None, check_order: bool = True) -> _Collected:
-    """Forward with the ruled layers' forwards wrapped, backward to the captured outputs; uses per ruled parameter."""
+    """Forward with the ruled layers' forwards wrapped, backward to the captured outputs; uses per ruled parameter.
+
+    With the registry's capture adapters installed (``rules.base.CaptureAdapter``) while some module takes one.
+    A capture that fails with them (e.g. a model whose inner batch is not B, such as multiple choice run as
+    (B·C, T), against an adapter's (B, ...) result) runs again without them: the layers they served take the
+    exact fallback, and that is memoised per batch shape (without B). If it fails without them too, the
+    first error is raised (the model's own)."""
+    args = (loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast, loss_weights,
+            no_expand, check_order)
+    if not _adapters_apply(loss_module.model, registry):
+        return _collect_once(*args)
+    key = ("adapters off", _duplicates_key(loss_module, batch, batch_size(batch)))
+    if probe_memo is None or key not in probe_memo:
+        try:
+            return _collect_once(*args)
+        except Exception as err:
+            if isinstance(err, _OOM):
+                raise
+            first = err
+    else:
+        first = None
+    tok = _ADAPTERS_OFF.set(True)
+    try:
+        col = _collect_once(*args)
+    except Exception:
+        if first is not None:
+            raise first
+        raise
+    finally:
+        _ADAPTERS_OFF.reset(tok)
+    if first is not None:
+        _memo_put(probe_memo, key, True)
+    return col
+
+
+def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
+                  registry: RuleRegistry, overrides: Mapping[str, str], probe_memo: Optional[Dict] = None,
+                  check_broadcast: bool = True, loss_weights: Optional[Tensor] = None,
+                  no_expand: Optional[Mapping[str, str]] = None, check_order: bool = True) -> _Collected:
+    """``_collect``'s one attempt (with the adapters as ``_ADAPTERS_OFF`` says)."""
     model = loss_module.model
     B = batch_size(batch)
     ruled, fallback, owner = _model_layout(model, params, registry, overrides)

@@ -16,7 +16,7 @@ from .clipping import Clipping, make_groups, make_weights_fn, sum_sq_norms
 from .functional import LossModule, ParamIndex, check_no_batch_mixing, model_constants
 from .fused import RNGS, noise_and_scale
 from .noise import entropy_generator
-from .per_sample import batch_size, vmap_engine
+from .per_sample import acc_dtype, batch_size, vmap_engine
 
 __all__ = ["make_dp_step", "DPStep", "ClippedSum", "StepOutput"]
 
@@ -198,6 +198,8 @@ class DPStep:
                 raise ValueError(f"mask must be a bool tensor of shape [{B}] (the batch size), got {getattr(mask, 'shape', mask)}")
             mask = mask.to(device=device, dtype=torch.bool)
         check_no_batch_mixing(self.model)
+        if B == 0:  # an empty (Poisson-sampled) batch: every sum is 0, the step is noise alone
+            return self._empty_sum(params, device)
         detached = {n: p.detach() for n, p in params.items()}
         constants = model_constants(self.model, detached)
         groups = make_groups(list(detached), self.clipping, self.max_grad_norm, budget=self.clip_budget)
@@ -230,6 +232,13 @@ class DPStep:
                 clipped = torch.ones_like(mask)
         return ClippedSum(res.clipped_sum, norms, res.losses, kept, clipped & kept, mask, res.routes)
 
+    @staticmethod
+    def _empty_sum(params: Mapping[str, Tensor], device: torch.device) -> ClippedSum:
+        sums = {n: torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=p.device) for n, p in params.items()}
+        none = torch.zeros(0, dtype=torch.bool, device=device)
+        empty = torch.zeros(0, device=device)
+        return ClippedSum(sums, empty, empty, none, none, none, {n: "skipped" for n in params})
+
     def finalize(self, partial: ClippedSum, *, params: Optional[Mapping[str, Tensor]] = None) -> StepOutput:
         """Add the noise once and scale: turns an (accumulated) ``ClippedSum`` into a step output
         (``partial`` is not modified)."""
@@ -239,6 +248,9 @@ class DPStep:
         sums = partial.sums
         first = next(iter(sums.values()))
         n_real = partial.mask.sum()
+        if self.expected_batch_size is None and partial.mask.numel() == 0:
+            raise ValueError("an empty batch has no size to divide by: pass expected_batch_size (q·N under Poisson "
+                             "sampling) to make_dp_step, and the step is the noise alone divided by it")
         denom = float(self.expected_batch_size) if self.expected_batch_size is not None else float(partial.mask.numel())
         dtypes = {n: (params[n].dtype if params is not None and n in params else s.dtype) for n, s in sums.items()}
         gen = self._generator(first.device) if self.noise_std > 0 else None

@@ -138,11 +138,19 @@ class _Scaled:
         return x + (2 * x - 2 * x.detach())
 
     @staticmethod
+    def first_gradient_scaled(self, *a, **k):  # equal values, element [0, 0, 0, 0]'s gradient ×3
+        x = type(self).__mro__[1].compute_bias(self, *a, **k)
+        m = torch.zeros(x.shape, dtype=x.dtype)
+        m[0, 0, 0, 0] = 2.0
+        return x + m * (x - x.detach())
+
+    @staticmethod
     def flipped(self, *a, **k):  # the same values' multiset, other places: the values check sees it
         return type(self).__mro__[1].compute_bias(self, *a, **k).flip(-1)
 
 
-@pytest.mark.parametrize("variant", ["doubled", "detached", "twice", "gradient_scaled", "flipped"])
+@pytest.mark.parametrize("variant", ["doubled", "detached", "twice", "gradient_scaled", "first_gradient_scaled",
+                                     "flipped"])
 def test_a_compute_bias_other_than_the_lookup_falls_back_exactly(variant):
     """A model whose compute_bias is not the permuted lookup (scaled, cut off the gradient, two
     lookups, the gradient scaled behind equal values, positions moved) gets its tables by the exact fallback, never a wrong per-example
@@ -240,3 +248,88 @@ def test_an_instance_level_compute_bias_is_left_alone():
     assert _bias_routes(r) == {f"encoder.block.0.layer.0.SelfAttention.{BIAS}.weight": "vmap",
                                f"decoder.block.0.layer.0.SelfAttention.{BIAS}.weight": "explicit"}, r.routes
     assert "compute_bias" in att.__dict__  # (still the user's)
+
+
+def test_a_model_whose_inner_batch_is_not_b_runs_without_the_adapter():
+    """Multiple choice run as (B·C, T) rows, and a per-example loop inside the loss: the adapter's
+    (B, H, T, T) bias does not fit their inner batch, so the capture runs again without adapters and
+    the table takes the exact fallback (memoised: a second step does not try again)."""
+    m = _t5(encoder_only=True)
+
+    def choices_loss(mm, b):  # 2 choices per example
+        B, T = b["input_ids"].shape
+        ids = torch.stack([b["input_ids"], b["input_ids"].flip(1)], 1).reshape(2 * B, T)
+        am = b["attention_mask"].repeat_interleave(2, 0)
+        return mm(input_ids=ids, attention_mask=am).last_hidden_state.reshape(B, 2, T, -1).sum((2, 3)).logsumexp(1)
+
+    def loop_loss(mm, b):
+        return torch.cat([encoder_loss(mm, {k: v[i:i + 1] for k, v in b.items()}) for i in range(b["input_ids"].shape[0])])
+
+    for fn in (choices_loss, loop_loss):
+        r = assert_exact(m, fn, _batch(4, 6, 1, seed=7), method="bk")
+        assert set(_bias_routes(r).values()) == {"vmap"}, r.routes
+    calls = []
+    orig = bk._collect_once
+
+    def counted(*a, **k):
+        calls.append(bk._ADAPTERS_OFF.get())
+        return orig(*a, **k)
+
+    step = pdpsgd.make_dp_step(m, choices_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk",
+                               bk_options={"check_order": False})
+    b = _batch(4, 6, 1, seed=8)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bk, "_collect_once", counted)
+        step.clipped_sum(pdpsgd.trainable_params(m), b)
+        first = list(calls)
+        calls.clear()
+        step.clipped_sum(pdpsgd.trainable_params(m), b)
+    assert first[:2] == [False, True] and calls and all(calls), (first, calls)
+
+
+def test_index_tables_keep_the_cancellation_guard():
+    """Float32, the per-example tables' path (2 rows, T² > 4·rows·d): an example whose own table row
+    cancels exactly (+M and -M on one row: norm 0) must not escape its clip through the clipped sum,
+    which is taken from the factors (where its ±M wipes out the other examples' rows): with it and
+    without it, the clipped sums differ by at most C."""
+    from torch import nn
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(2, 1)
+            with torch.no_grad():
+                self.emb.weight.fill_(1.0)
+
+        def forward(self, ids, coef):
+            return (self.emb(ids)[..., 0] * coef).sum(1)  # loss_i = Σ_t coef[i, t] W[ids[i, t]]
+
+    B, T, C = 64, 8, 1.0
+    ids = torch.zeros(B, T, dtype=torch.long)
+    coef = torch.zeros(B, T)
+    coef[:, 0] = 1.0 / 8
+    coef[-1, 0], coef[-1, 1] = 1e12, -1e12
+    b = {"ids": ids, "coef": coef}
+    m = M()
+    loss = lambda mm, bb: mm(bb["ids"], bb["coef"])  # noqa: E731
+    p = pdpsgd.trainable_params(m)
+    keep = torch.ones(B, dtype=torch.bool)
+    keep[-1] = False
+    for kw in ({"method": "bk", "bk_options": {"routes": {"emb.weight": "ghost"}}}, {"method": "auto"}):
+        step = pdpsgd.make_dp_step(m, loss, max_grad_norm=C, noise_multiplier=0.0, **kw)
+        full, without = step.clipped_sum(p, b), step.clipped_sum(p, b, mask=keep)
+        assert full.routes["emb.weight"] == "ghost"
+        assert float((full.sums["emb.weight"] - without.sums["emb.weight"]).norm()) <= C * (1 + 1e-6)
+
+
+def test_index_tables_only_where_smaller_than_the_mask():
+    """T5's bias buckets (32 rows × 12 heads at T² positions) take the tables; a word embedding
+    (32000 × 512 at T = 512, or GPT-2's vocabulary at T = 1024) keeps the (B, T, T) mask."""
+    def use(T, rows, d):
+        return Index(torch.zeros(1, T, dtype=torch.long), torch.zeros(1, T, d), rows)
+
+    t5 = use(128 * 128, 32, 12)
+    assert bk._index_tables(t5, t5)
+    for T, rows, d in ((512, 32000, 512), (1024, 50257, 768), (2048, 32000, 4096)):
+        u, v = use(T, rows, d), use(T, rows, d)
+        assert not bk._index_tables(u, u) and not bk._index_tables(u, v)

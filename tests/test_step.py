@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, strategies as st
 from torch import nn
 
@@ -425,3 +426,24 @@ def test_buffers_and_frozen_parameters_are_read_at_call_time():
             torch.testing.assert_close(got.sums[n], sums[n], rtol=1e-9, atol=1e-12)
         m.scale = torch.tensor(1.0, dtype=torch.float64)
         m.a.weight.requires_grad_(True)
+
+
+@pytest.mark.parametrize("method", ["vmap", "bk", "auto"])
+def test_an_empty_batch_is_a_noise_only_step(method):
+    """A Poisson-sampled batch can be empty: the clipped sums are 0 and the step is the noise alone
+    (std σC / expected_batch_size, as any step's); without expected_batch_size there is nothing to
+    divide by, and the error says so."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(30, 40), nn.Tanh(), nn.Linear(40, 2))
+    loss = lambda mm, b: F.cross_entropy(mm(b["x"]), b["y"], reduction="none")  # noqa: E731
+    b = {"x": torch.zeros(0, 30), "y": torch.zeros(0, dtype=torch.long)}
+    params = pdpsgd.trainable_params(m)
+    quiet = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4, method=method)
+    out = quiet(params, b)
+    assert all(not bool(g.any()) for g in out.grads.values()) and int(out.num_examples) == 0 and float(out.loss) == 0
+    noisy = pdpsgd.make_dp_step(m, loss, max_grad_norm=2.0, noise_multiplier=1.5, expected_batch_size=4, method=method,
+                                generator=torch.Generator().manual_seed(1))
+    g = noisy(params, b).grads["0.weight"]  # 1200 draws of N(0, (1.5·2 / 4)²)
+    assert abs(float(g.std()) / 0.75 - 1) < 0.1, float(g.std())
+    with pytest.raises(ValueError, match="expected_batch_size"):
+        pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)(params, b)

@@ -96,7 +96,8 @@ def _batched(emb: nn.Embedding, stub: _Lookup, ref, B: int):
     if looked.requires_grad:  # the map's adjoint on a probe gradient must be the permutation's
         if not ref.requires_grad:
             return None  # the model cut the bias off the gradient: so must we (fallback)
-        probe = torch.arange(ref.numel(), dtype=ref.dtype, device=ref.device).view(ref.shape)
+        # no zero entry (a zero would hide that element's gradient from the check)
+        probe = torch.arange(1, ref.numel() + 1, dtype=ref.dtype, device=ref.device).view(ref.shape)
         (back,) = torch.autograd.grad(ref, looked, probe, allow_unused=True)
         if back is None or not torch.equal(back, probe[0].permute(1, 2, 0)):
             return None
