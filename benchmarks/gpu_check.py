@@ -32,13 +32,19 @@ def main() -> int:
     cases = [("gpt2 tied", models.tiny_gpt2().to(dev), models.hf_lm_loss, lm),
              ("bert", models.tiny_bert().to(dev), models.hf_cls_loss, cls),
              ("tied lm", models.TiedLM().to(dev), models.lm_loss_fn, {"input_ids": ids.clamp(max=19).to(dev),
-                                                                       "labels": ids.clamp(max=19).to(dev)})]
+                                                                       "labels": ids.clamp(max=19).to(dev)}),
+             # T5: its relative attention bias through the capture adapter (rules/t5_relative_bias.py)
+             ("t5", models.tiny_t5().to(dev), models.t5_loss,
+              {"input_ids": ids.clamp(max=models.T5_VOCAB - 1).to(dev), "attention_mask": am.to(dev),
+               "labels": ids[:, :5].clamp(max=models.T5_VOCAB - 1).to(dev)})]
     for name, model, loss, batch in cases:
         for method in ("bk", "auto"):
             for cm in (None, "ghost", "explicit"):
                 opts = {"cost_model": cm} if cm else {}
                 try:
                     r = assert_exact(model, loss, batch, method=method, max_grad_norm=0.5, bk_options=opts)
+                    if "vmap" in r.routes.values():  # every case here is on its rules
+                        raise AssertionError(f"vmap fallback: {[n for n, v in r.routes.items() if v == 'vmap']}")
                     print(f"ok   {name:10s} {method:4s} {cm or 'default':8s} norms {r.max_rel_err_norms:.1e} "
                           f"sums {r.max_rel_err_sum:.1e}")
                 except AssertionError as e:

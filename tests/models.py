@@ -166,3 +166,29 @@ def checkpointed_copy(model):
         if callable(getattr(m, "_gradient_checkpointing_func", None)):
             m._gradient_checkpointing_func = counted(m._gradient_checkpointing_func)
     return out.train(), calls
+
+
+T5_VOCAB = 30
+
+
+def tiny_t5(layers=1, buckets=8, max_distance=16, tie=True, attn="eager", encoder_only=False):
+    """A tiny Hugging Face T5 (its relative attention bias: ``rules/t5_relative_bias.py``), eval mode."""
+    import transformers as tf
+
+    cfg = tf.T5Config(vocab_size=T5_VOCAB, d_model=16, d_ff=32, d_kv=4, num_layers=layers, num_decoder_layers=layers,
+                      num_heads=4, relative_attention_num_buckets=buckets, relative_attention_max_distance=max_distance,
+                      decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0, tie_word_embeddings=tie)
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = (tf.T5EncoderModel if encoder_only else tf.T5ForConditionalGeneration)(cfg)
+    return m.eval()
+
+
+def t5_loss(m, b):
+    """Per-sequence summed token CE of the target ``labels`` (B, S), teacher forcing."""
+    lg = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+           decoder_input_ids=m._shift_right(b["labels"])).logits
+    tok = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), b["labels"].reshape(-1), reduction="none")
+    return tok.view(b["labels"].shape).sum(1)

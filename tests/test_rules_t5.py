@@ -2,11 +2,9 @@
 while the engine captures, exact against the naive float64 loop, and the exact fallback whenever the
 model's compute_bias is not the lookup the adapter knows."""
 import types
-import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import models
@@ -17,28 +15,12 @@ from pdpsgd.rules.base import Index
 from pdpsgd.rules.t5_relative_bias import is_t5_relative_attention
 from pdpsgd.testing import assert_exact
 
-V = 30
+V = models.T5_VOCAB
 BIAS = "relative_attention_bias"
 
 
-def _t5(layers=1, buckets=8, max_distance=16, tie=True, attn="eager", encoder_only=False):
-    import transformers as tf
-
-    cfg = tf.T5Config(vocab_size=V, d_model=16, d_ff=32, d_kv=4, num_layers=layers, num_decoder_layers=layers,
-                      num_heads=4, relative_attention_num_buckets=buckets, relative_attention_max_distance=max_distance,
-                      decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0, tie_word_embeddings=tie)
-    cfg._attn_implementation = attn
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        m = (tf.T5EncoderModel if encoder_only else tf.T5ForConditionalGeneration)(cfg)
-    return m.eval()
-
-
-def seq2seq_loss(m, b):  # per-sequence summed token CE of the target, teacher forcing
-    lg = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-           decoder_input_ids=m._shift_right(b["labels"])).logits
-    return F.cross_entropy(lg.reshape(-1, V), b["labels"].reshape(-1), reduction="none").view(b["labels"].shape).sum(1)
+_t5 = models.tiny_t5
+seq2seq_loss = models.t5_loss
 
 
 def encoder_loss(m, b):
