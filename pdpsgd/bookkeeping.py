@@ -1269,7 +1269,13 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
     args = (loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast, loss_weights,
             no_expand, check_order)
     if not _adapters_apply(loss_module.model, registry):
-        return _collect_once(*args)
+        if _ADAPTERS_OFF.get():
+            return _collect_once(*args)
+        tok = _ADAPTERS_OFF.set(True)  # (none applies: its checks and probes need not look for any either)
+        try:
+            return _collect_once(*args)
+        finally:
+            _ADAPTERS_OFF.reset(tok)
     key = ("adapters off", _duplicates_key(loss_module, batch, batch_size(batch)))
     if probe_memo is None or key not in probe_memo:
         try:

@@ -46,7 +46,8 @@ class ClippedSum(NamedTuple):
             torch.cat([self.kept, other.kept]),
             torch.cat([self.clipped, other.clipped]),
             torch.cat([self.mask, other.mask]),
-            {**self.routes, **other.routes},
+            # (an empty batch's "skipped" does not hide the route another batch took)
+            {**self.routes, **{n: r for n, r in other.routes.items() if r != "skipped" or n not in self.routes}},
         )
 
 

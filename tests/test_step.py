@@ -447,3 +447,9 @@ def test_an_empty_batch_is_a_noise_only_step(method):
     assert abs(float(g.std()) / 0.75 - 1) < 0.1, float(g.std())
     with pytest.raises(ValueError, match="expected_batch_size"):
         pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)(params, b)
+    # accumulated with a real batch, in either order: the real batch's sums, norms and routes
+    real = {"x": torch.randn(3, 30), "y": torch.tensor([0, 1, 1])}
+    part, none = quiet.clipped_sum(params, real), quiet.clipped_sum(params, b)
+    for acc in (part + none, none + part):
+        assert acc.routes == part.routes and acc.per_sample_norms.shape == (3,)
+        assert all(torch.equal(acc.sums[n], part.sums[n]) for n in part.sums)

@@ -6,7 +6,7 @@ type that already has a rule raises unless ``override=True`` (no silent replacem
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 from torch import nn
 
@@ -42,13 +42,7 @@ class RuleRegistry:
 
     def register_predicate(self, name: str, predicate: Callable[[nn.Module], bool], rule: Rule,
                            *, override: bool = False) -> None:
-        for i, (n, _, _) in enumerate(self._predicates):
-            if n == name:
-                if not override:
-                    raise ValueError(f"a predicate rule named {name!r} exists; pass override=True to replace it")
-                self._predicates[i] = (name, predicate, rule)
-                return
-        self._predicates.append((name, predicate, rule))
+        _put_named(self._predicates, (name, predicate, rule), "a predicate rule", override)
 
     def register_adapter(self, name: str, predicate: Callable[[nn.Module], bool], adapter: CaptureAdapter,
                          *, override: bool = False) -> None:
@@ -57,13 +51,7 @@ class RuleRegistry:
             raise TypeError(f"adapter must be a pdpsgd.rules.CaptureAdapter, got {type(adapter).__name__}")
         if not adapter.method:
             raise ValueError(f"adapter {name!r} names no method to replace (CaptureAdapter.method)")
-        for i, (n, _, _) in enumerate(self._adapters):
-            if n == name:
-                if not override:
-                    raise ValueError(f"an adapter named {name!r} exists; pass override=True to replace it")
-                self._adapters[i] = (name, predicate, adapter)
-                return
-        self._adapters.append((name, predicate, adapter))
+        _put_named(self._adapters, (name, predicate, adapter), "an adapter", override)
 
     def has_adapters(self) -> bool:
         return bool(self._adapters)
@@ -97,6 +85,17 @@ class RuleRegistry:
 
     def __contains__(self, module_type: type) -> bool:
         return module_type in self._by_type
+
+
+def _put_named(entries: List[Tuple[str, Any, Any]], entry: Tuple[str, Any, Any], what: str, override: bool) -> None:
+    """Append ``entry`` (name first) to ``entries``, or replace the one of that name if ``override``."""
+    for i, (n, _, _) in enumerate(entries):
+        if n == entry[0]:
+            if not override:
+                raise ValueError(f"{what} named {entry[0]!r} exists; pass override=True to replace it")
+            entries[i] = entry
+            return
+    entries.append(entry)
 
 
 def _build() -> RuleRegistry:
