@@ -59,7 +59,7 @@ CONFIGS = {
 FUSED = False
 AMP = False  # bf16 torch.autocast around every variant's model call (--amp)
 COMPILE = False
-NOISE_RNG = "torch"  # pdpsgd variants' noise source (--noise-rng)
+NOISE_RNG = "auto"  # pdpsgd variants' noise source (--noise-rng; "bk:torch" etc. name one per variant)
 BACK_TO_BACK = True
 SKEWED = {"bert-skew"}  # configs whose BERT batch has short, skewed lengths (else uniform in [T/2, T])
 VARIANTS = ["nonprivate", "bk", "auto", "vmap", "opacus", "opacus_ghost"]
@@ -377,11 +377,18 @@ def main():
     ap.add_argument("--compile", action="store_true", help="with --fused: torch.compile the fused function")
     ap.add_argument("--amp", action="store_true", help="bf16 torch.autocast around the model call (all variants)")
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--noise-rng", default="torch", choices=("torch", "mkl", "native"),
+    ap.add_argument("--noise-rng", default="auto", choices=("auto", "torch", "mkl", "native"),
                     help="pdpsgd variants' CPU noise source (mkl: pip install mkl; native: a C compiler)")
     ap.add_argument("--no-back-to-back", action="store_true",
                     help="time each variant right after the previous variant's step (old behaviour)")
+    ap.add_argument("--malloc", default="default", choices=("default", "tuned"),
+                    help="tuned: pdpsgd.malloc.tune_cpu_malloc() first (glibc: freed memory kept for the next "
+                         "step; the process-wide setting applies to every variant alike)")
     a = ap.parse_args()
+    if a.malloc == "tuned":
+        from pdpsgd.malloc import tune_cpu_malloc
+
+        print(f"malloc: {tune_cpu_malloc().reason}", file=sys.stderr if a.memory_only else sys.stdout, flush=True)
     global FUSED, COMPILE, BACK_TO_BACK, AMP, NOISE_RNG
     FUSED, COMPILE, BACK_TO_BACK, AMP = a.fused, a.compile, not a.no_back_to_back, a.amp
     NOISE_RNG = a.noise_rng
@@ -403,7 +410,7 @@ def main():
                 if str(notes.get(v, "")).startswith("error"):
                     continue
                 extra = (["--fused"] if a.fused else []) + (["--amp"] if a.amp else [])  # no --compile: same memory
-                extra += ["--noise-rng", a.noise_rng]
+                extra += ["--noise-rng", a.noise_rng, "--malloc", a.malloc]
                 r = subprocess.run([sys.executable, __file__, "--memory-only", v, cfg, "--device", a.device] + extra,
                                    capture_output=True, text=True)
                 try:

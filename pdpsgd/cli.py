@@ -74,13 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
     g.add_argument("--method", default=DEFAULTS["method"], choices=("auto", "bk", "vmap"),
                    help="per-example clipping engine")
-    g.add_argument("--noise-rng", default="torch", choices=("torch", "mkl", "native"),
-                   help="CPU Gaussian noise source: torch's normal_, oneMKL's Philox (~2.8x faster on Intel; pip "
+    g.add_argument("--noise-rng", default="auto", choices=("auto", "torch", "mkl", "native"),
+                   help="CPU Gaussian noise source: auto (native where it builds, else torch), torch's normal_, oneMKL's Philox (~2.8x faster on Intel; pip "
                         "install mkl), or pdpsgd's own vectorised Philox (built once with the C compiler)")
     g.add_argument("--dropout", action="store_true",
                    help="keep the model's dropout on while training (default: off, i.e. eval-mode forward)")
     g.add_argument("--seed", type=int, help="seed for init, sampling, noise, dropout (default: fresh OS entropy)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    g.add_argument("--malloc", default="tuned", choices=("tuned", "default"),
+                   help="on CPU, tuned: glibc keeps the memory a step frees for the next one (pdpsgd.malloc; "
+                        "fewer page faults per step); default: leave the allocator as it is")
     g = t.add_argument_group("output")
     g.add_argument("--output-dir", default="pdpsgd-run", metavar="DIR")
     g.add_argument("--resume", action="store_true", help="continue the run saved in --output-dir")
@@ -242,6 +245,11 @@ def run_train(a: argparse.Namespace) -> int:
         raise UserError(f"--device {a.device!r} is not a device (use cpu, cuda, cuda:0, ...)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {a.device}: CUDA is not available on this machine")
+    malloc = "left as it is"
+    if device.type == "cpu" and a.malloc == "tuned":
+        from .malloc import tune_cpu_malloc
+
+        malloc = tune_cpu_malloc().reason
 
     # ---- data ---------------------------------------------------------------------------------
     train_ds, test_ds = _load_data(a)
@@ -422,7 +430,7 @@ def run_train(a: argparse.Namespace) -> int:
         "data": {"name": train_ds.name, "train": N, "test": len(test_ds), "labels": train_ds.label_names},
         "method": method, "results": results, "evals": telemetry.evals, "history": telemetry.history,
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "device": str(device)},
+                    "device": str(device), "malloc": malloc},
     }
     report_path = out_dir / "report.json"
     atomic_write_json(report_path, report)

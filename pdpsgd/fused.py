@@ -72,12 +72,28 @@ def noise_chunk(gdev: torch.device) -> Optional[int]:
     return NOISE_CHUNK if gdev.type == "cpu" else None
 
 
-RNGS = ("torch", "mkl", "native")
+RNGS = ("auto", "torch", "mkl", "native")
+
+
+def resolve_rng(rng: str, gdev: torch.device, dtype: torch.dtype) -> str:
+    """The noise source that ``rng`` means for a generator on ``gdev`` drawing ``dtype``: "auto" is
+    "native" (pdpsgd's vectorised Philox + Box–Muller, ~2× torch's ``normal_`` on the CPU) for
+    float32 noise on the CPU where its kernel builds, else "torch"; the others are themselves."""
+    if rng != "auto":
+        return rng
+    if gdev.type == "cpu" and dtype == torch.float32:
+        from . import native_rng
+
+        if native_rng.available():
+            return "native"
+    return "torch"
 
 
 def _check_rng(rng: str, gdev: torch.device) -> None:
     if rng not in RNGS:
         raise ValueError(f"noise_rng={rng!r} is unknown: use one of {RNGS}")
+    if rng == "auto":
+        return
     if rng != "torch" and gdev.type != "cpu":
         raise ValueError(f"noise_rng={rng!r} draws on the CPU, but the noise is drawn on {gdev.type}: "
                          "use noise_rng='torch' there")
@@ -107,6 +123,7 @@ def draw_noise(shapes: Mapping[str, torch.Size], generator: Optional[torch.Gener
     source, "torch" or "mkl"): the reference for its stream."""
     gdev = generator.device if generator is not None else device
     _check_rng(rng, gdev)
+    rng = resolve_rng(rng, gdev, dtype)
     out = {}
     fill, close, _ = _open(rng, generator)
     if noise_chunk(gdev) is None:  # one draw for all, cut into views in order
@@ -164,6 +181,7 @@ def noise_and_scale(
     zstd = float(std) * inv  # the noise is drawn already divided by denom
     gdev = generator.device if generator is not None else first.device
     _check_rng(rng, gdev)
+    rng = resolve_rng(rng, gdev, ndt)
     if compile:
         zs = draw_noise({n: s.shape for n, s in sums.items()}, generator, ndt, first.device, zstd, rng)
         sums = {n: s.to(acc[n]) for n, s in sums.items()}

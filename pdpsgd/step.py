@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from ._types import Batch, LossFn, StepOutput
 from .clipping import Clipping, make_groups, make_weights_fn, sum_sq_norms
 from .functional import LossModule, ParamIndex, check_no_batch_mixing, model_constants
-from .fused import RNGS, noise_and_scale
+from .fused import RNGS, noise_and_scale, resolve_rng
 from .noise import entropy_generator
 from .per_sample import acc_dtype, batch_size, vmap_engine
 
@@ -84,7 +84,7 @@ class DPStep:
         on_nonfinite: str = "drop",
         bk_options: Optional[Mapping[str, Any]] = None,
         fused: Optional[bool] = None,
-        noise_rng: str = "torch",
+        noise_rng: str = "auto",
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -108,7 +108,7 @@ class DPStep:
             raise TypeError("generator must be a torch.Generator (or None for OS entropy)")
         if noise_rng not in RNGS:
             raise ValueError(f"noise_rng={noise_rng!r} is unknown: use one of {RNGS}")
-        if noise_rng != "torch" and float(noise_multiplier) > 0:  # (σ = 0 draws nothing: no library needed)
+        if noise_rng in ("mkl", "native") and float(noise_multiplier) > 0:  # (σ = 0 draws nothing: no library needed)
             if noise_rng == "mkl":
                 from . import mkl_rng as lib
             else:
@@ -161,9 +161,18 @@ class DPStep:
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if self.generator is None:  # the CPU noise sources ("mkl", "native") are keyed from a CPU generator
-            on_cpu = device.type == "cpu" or self.noise_rng != "torch"
+            on_cpu = device.type == "cpu" or self.noise_rng in ("mkl", "native")
             self.generator = entropy_generator("cpu" if on_cpu else device)
         return self.generator
+
+    def noise_source(self, device: Any = "cpu", dtype: torch.dtype = torch.float32) -> str:
+        """The Gaussian source this step draws its noise from for parameters on ``device`` with
+        noise in ``dtype`` (float32 for float32 / bf16 / fp16 models): ``noise_rng`` with "auto"
+        resolved ("native" or "torch"; see ``make_dp_step``)."""
+        device = torch.device(device)
+        gdev = self.generator.device if self.generator is not None else \
+            torch.device("cpu" if device.type == "cpu" or self.noise_rng in ("mkl", "native") else device)
+        return resolve_rng(self.noise_rng, gdev, dtype)
 
     def plan(self, batch: Batch, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, str]:
         """Which route each trained parameter takes for this batch's shapes (a pure function of
@@ -301,7 +310,7 @@ def make_dp_step(
     on_nonfinite: str = "drop",
     bk_options: Optional[Mapping[str, Any]] = None,
     fused: Optional[bool] = None,
-    noise_rng: str = "torch",
+    noise_rng: str = "auto",
 ) -> DPStep:
     """Build a DP-SGD step: ``dp_step(params, batch, mask=None) -> StepOutput``.
 
@@ -323,7 +332,9 @@ def make_dp_step(
         bk_options: book-keeping options (``routes`` overrides, ``registry``, ``cost_model``, ...;
             see ``pdpsgd.bookkeeping.BK_OPTIONS``).
         fused: noise + scale + cast through one ``torch.compile``d function; None = on CUDA only.
-        noise_rng: the Gaussian source on CPU: "torch" (``normal_`` on ``generator``), "mkl"
+        noise_rng: the Gaussian source: "auto" (default: "native" for float32 noise drawn on the
+            CPU where its kernel builds, else "torch"; ``DPStep.noise_source`` says which), "torch"
+            (``normal_`` on ``generator``), "mkl"
             (Intel oneMKL's Philox4x32-10 + Box–Muller, keyed by 64 bits drawn from ``generator``
             each step; ~2.8× faster on Intel, slower on AMD; needs ``pip install mkl``; see
             ``pdpsgd.mkl_rng``) or "native" (pdpsgd's own vectorised Philox4x32-10 + Box–Muller,

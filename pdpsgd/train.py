@@ -155,9 +155,10 @@ class DPTrainer:
             model in train mode (dropout on) while training; False = eval mode. ``dp=False`` trains non-privately on the
             same sampled batches (mean loss over q·N, no clipping, no noise) as a baseline.
         seed: None (fresh OS entropy for every stream) or an int (reproducible runs).
-        noise_rng: "torch", "mkl" or "native" (``make_dp_step``: oneMKL's or pdpsgd's own faster
-            CPU Gaussian, keyed from the noise generator; "mkl" needs ``pip install mkl``, "native"
-            a C compiler the first time).
+        noise_rng: "auto" (default: "native" on the CPU where it builds, else "torch"), "torch",
+            "mkl" or "native" (``make_dp_step``: oneMKL's or pdpsgd's own faster CPU Gaussian, keyed
+            from the noise generator; "mkl" needs ``pip install mkl``, "native" a C compiler the
+            first time).
         ledger_path: a JSON file rewritten atomically after each ``accountant.step`` and before
             the update is applied.
         accountant: default ``PRVAccountant()``. ``telemetry``: default ``Telemetry()``.
@@ -168,7 +169,7 @@ class DPTrainer:
                  dp: bool = True, seed: Optional[int] = None, ledger_path: Optional[os.PathLike] = None,
                  accountant: Any = None, telemetry: Any = None, device: Any = None, chunk_size: Optional[int] = None,
                  epsilon_every: int = 1, clipping: Any = "flat", clip_budget: Optional[Sequence[float]] = None,
-                 train_mode: bool = True, noise_rng: str = "torch"):
+                 train_mode: bool = True, noise_rng: str = "auto"):
         from .step import make_dp_step
         from .telemetry import Telemetry
 

@@ -860,9 +860,10 @@ def test_sync_free_engine_exact_with_nonfinite_masks_padding_and_groups(sync_fre
     for n in params:
         torch.testing.assert_close(got2.sums[n], ref2m.sums[n], rtol=1e-5, atol=1e-6)
     # and a whole step (noise included) reads one tensor value on the host: the non-finite check
-    # (after the first step of a batch shape, which runs the memoised probes: example order, ...)
+    # (after the first step of a batch shape, which runs the memoised probes: example order, ...);
+    # torch's noise, as on CUDA ("auto" on the CPU keys the native stream by host reads of the generator)
     step = make_dp_step(model, models.mlp_loss, method="bk", bk_options=opts, **{**kw, "noise_multiplier": 1.0},
-                        generator=torch.Generator().manual_seed(0))
+                        generator=torch.Generator().manual_seed(0), noise_rng="torch")
     step(params, b)
     install_spy()
     step(params, b)

@@ -101,6 +101,9 @@ def test_train_tiny_end_to_end_table_report_plot(tiny, tmp_path, capsys):
         assert k in h
     assert rep["history"][0]["epsilon"] < rep["history"][-1]["epsilon"]
     assert (out / "privacy_accuracy.png").stat().st_size > 1000
+    from pdpsgd.malloc import tune_cpu_malloc  # the CPU run tunes glibc's malloc by default, and says so
+
+    assert rep["machine"]["malloc"] == tune_cpu_malloc().reason
     ledger = json.loads((out / "ledger.json").read_text())
     assert ledger["steps_released"] == 4 and ledger["accountant"]["history"][0][2] == 4
 
@@ -111,6 +114,7 @@ def test_no_dp_baseline(tiny, tmp_path, capsys):
     assert rc == 0, err
     assert "none (--no-dp)" in stdout
     rep = json.loads((out / "report.json").read_text())
+    assert rep["settings"]["malloc"] == "tuned"
     assert rep["results"]["epsilon"] is None and not (out / "ledger.json").exists()
 
 

@@ -266,3 +266,53 @@ def test_mkl_noise_when_the_process_already_loaded_mkl():
     for r in outs:
         assert r.returncode == 0, r.stderr[-500:]
     assert outs[0].stdout == outs[1].stdout and len(eval(outs[0].stdout)) == 9
+
+
+def _tiny_step(dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    m = nn.Linear(40, 30).to(dtype)
+    b = {"x": torch.randn(3, 40, dtype=dtype)}
+    loss = lambda mod, bb: mod(bb["x"]).pow(2).sum(1)
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=3,
+                               generator=torch.Generator().manual_seed(5), **kw)
+    return step, pdpsgd.trainable_params(m), b
+
+
+@needs_native
+def test_auto_is_native_for_float32_on_cpu_and_torch_elsewhere():
+    """The default noise source: the native stream for float32 noise on the CPU (the same draws as
+    noise_rng='native'), torch's for float64 noise and off the CPU."""
+    step, params, b = _tiny_step()
+    assert step.noise_rng == "auto" and step.noise_source() == "native"
+    assert step.noise_source("cpu", torch.float64) == "torch"
+    assert pdpsgd.make_dp_step(nn.Linear(2, 2), lambda m, bb: m(bb).sum(1), max_grad_norm=1.0,
+                               noise_multiplier=1.0).noise_source("cuda") == "torch"
+    for want, dtype in (("native", torch.float32), ("torch", torch.float64)):
+        auto = _tiny_step(dtype)
+        named = _tiny_step(dtype, noise_rng=want)
+        other = _tiny_step(dtype, noise_rng="torch" if want == "native" else "native")
+        ga, gn, go = (s(p, bb).grads for s, p, bb in (auto, named, other))
+        for n in ga:
+            assert torch.equal(ga[n], gn[n]), (want, n)
+            assert not torch.equal(ga[n], go[n]), (want, n)
+
+
+def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch):
+    from pdpsgd import native_rng
+
+    monkeypatch.setattr(native_rng, "available", lambda: False)
+    auto = _tiny_step()
+    torch_ = _tiny_step(noise_rng="torch")
+    assert auto[0].noise_source() == "torch"
+    ga, gt = auto[0](auto[1], auto[2]).grads, torch_[0](torch_[1], torch_[2]).grads
+    for n in ga:
+        assert torch.equal(ga[n], gt[n])
+
+
+@needs_native
+def test_default_step_noise_is_gaussian_with_std_sigma_C():
+    """The KS test above, on the default source (what a user who sets nothing gets)."""
+    sigma, C = 0.9, 1.1
+    z = _noise_from_step(sigma, C, seed=13, noise_rng="auto")
+    res = stats.kstest(z, "norm", args=(0.0, sigma * C))
+    assert res.pvalue > 1e-3, res

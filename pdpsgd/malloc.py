@@ -1,0 +1,95 @@
+"""CPU allocator settings for training loops (glibc's malloc): keep freed memory for the next step.
+
+Why: glibc returns freed memory at the top of its heap to the OS once more than its trim threshold
+(128 KiB, adapted up to 64 MiB) is free, and serves blocks above its mmap threshold (128 KiB,
+adapted up to 32 MiB) by fresh ``mmap`` calls. A training step frees most of what it allocated
+(activations, output gradients, parameter-sized gradients) and allocates it again in the next
+step, so each step page-faults its working set back in: every fault is a kernel entry and a
+zeroed 4 KiB page. A book-keeping step holds every layer's output gradient until the clip factors
+are known (tens of MiB more than an ordinary backward holds at once), so it pays more of it.
+Measured on this project's CPU benchmark machine (AMD EPYC, one thread, ``benchmarks/README.md``):
+BERT-shaped ``bk`` steps took 7–19 k minor faults (25–60 ms of system time) per step, the
+non-private step 1–8 k; with the settings below, none for either.
+
+This is a process-wide setting, so nothing in pdpsgd applies it on import or inside
+``make_dp_step``: call :func:`tune_cpu_malloc` once at the start of a CPU training process (the
+``pdpsgd train`` CLI does, on CPU). What it costs: memory freed by a step stays mapped (up to
+``trim_threshold`` at the heap's top) instead of going back to the OS between steps; the peak is
+the same working set. Other allocators (jemalloc / tcmalloc through ``LD_PRELOAD``, musl, macOS,
+Windows) are left alone: it reports that it did nothing and why.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+from typing import NamedTuple, Optional
+
+__all__ = ["MallocSettings", "tune_cpu_malloc"]
+
+M_TRIM_THRESHOLD = -1  # glibc's <malloc.h> parameter numbers
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses more on 64-bit (HEAP_MAX_SIZE / 2)
+
+
+class MallocSettings(NamedTuple):
+    applied: bool
+    mmap_threshold: Optional[int]  # bytes; blocks this large or larger come from mmap
+    trim_threshold: Optional[int]  # bytes of free heap top kept mapped
+    reason: str  # what was done, or why nothing was
+
+
+def _glibc() -> Optional[ctypes.CDLL]:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        version = libc.gnu_get_libc_version  # glibc only
+    except (OSError, AttributeError):
+        return None
+    version.restype = ctypes.c_char_p
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    libc.mallopt.restype = ctypes.c_int
+    return libc
+
+
+def _preloaded_allocator() -> Optional[str]:
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return None
+    for name in ("jemalloc", "tcmalloc", "mimalloc"):
+        if f"lib{name}" in maps:
+            return name
+    return None
+
+
+def tune_cpu_malloc(*, mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: int = 1 << 30) -> MallocSettings:
+    """Sets glibc's mmap threshold and trim threshold for this process (``mallopt``), so that the
+    memory a training step frees is reused by the next one instead of being unmapped and faulted
+    in again. Idempotent; returns what it did as :class:`MallocSettings`.
+
+    ``mmap_threshold``: blocks at least this large are mmapped (at most 32 MiB, glibc's limit);
+    ``trim_threshold``: free memory at the heap's top up to this is kept. Setting either turns off
+    glibc's own adaptation of both (a documented glibc behaviour). Raises ``ValueError`` for
+    values glibc cannot take, rather than leaving a half-applied setting.
+    """
+    if not 0 < mmap_threshold <= MMAP_THRESHOLD_MAX:
+        raise ValueError(f"mmap_threshold must be in (0, {MMAP_THRESHOLD_MAX}] bytes (glibc's limit on 64-bit "
+                         f"systems), got {mmap_threshold}")
+    if not 0 < trim_threshold < 1 << 31:
+        raise ValueError(f"trim_threshold must be in (0, 2**31) bytes (mallopt takes a C int), got {trim_threshold}")
+    other = _preloaded_allocator()
+    if other is not None:
+        return MallocSettings(False, None, None, f"{other} is the process allocator; glibc's settings would not apply")
+    libc = _glibc()
+    if libc is None:
+        return MallocSettings(False, None, None, "not glibc's malloc (only glibc's is tuned)")
+    if not libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold):
+        raise ValueError(f"glibc refused mmap_threshold={mmap_threshold}")
+    if not libc.mallopt(M_TRIM_THRESHOLD, trim_threshold):
+        raise ValueError(f"glibc refused trim_threshold={trim_threshold}")
+    return MallocSettings(True, mmap_threshold, trim_threshold,
+                          f"glibc {libc.gnu_get_libc_version().decode()}: mmap threshold {mmap_threshold >> 20} MiB, "
+                          f"trim threshold {trim_threshold >> 20} MiB")
