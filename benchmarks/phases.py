@@ -43,7 +43,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="gpt2-32,gpt2-128,bert-128")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--variant", default="bk", choices=("bk", "auto", "bk:native", "auto:native"))
+    ap.add_argument("--variant", default="bk", choices=("bk", "auto", "bk:native", "auto:native", "bk:torch", "auto:torch"))
     a = ap.parse_args()
     torch.set_num_threads(1)
     for n in ("_collect", "_weighted_use_sum", "_inner"):

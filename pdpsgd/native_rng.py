@@ -10,7 +10,8 @@ pass) is built once per machine with the system C compiler, on first use, and lo
 (plain C, no torch headers: about a second to build). Philox4x32-10 is the generator torch itself
 uses on CUDA; like torch's mt19937 it is a statistical, not a cryptographic, PRNG.
 
-Use: ``make_dp_step(..., noise_rng="native")``. Needs a C compiler (``cc``/``gcc``/``clang``, or
+Use: the default of ``make_dp_step`` (``noise_rng="auto"``) for float32 noise on the CPU, whenever
+this kernel builds (else torch's ``normal_``), or ``noise_rng="native"`` to require it. Needs a C compiler (``cc``/``gcc``/``clang``, or
 ``$CC``) the first time on each machine; the library goes to ``$PDPSGD_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/pdpsgd`` or ``~/.cache/pdpsgd``), named by a hash of the source, the flags, the
 compiler and the CPU's flags, written to a temporary file and renamed into place (atomic: a
