@@ -93,7 +93,7 @@ def run(cfg, seed, broken: bool):
         step = make_dp_step(model, loss_fn, max_grad_norm=math.inf, noise_multiplier=0.0, expected_batch_size=q * n)
     else:
         step = make_dp_step(model, loss_fn, max_grad_norm=C, noise_multiplier=sigma, expected_batch_size=q * n,
-                            generator=noise_gen)
+                            generator=noise_gen, noise_rng="torch")  # the stored results' noise stream
     scores = torch.zeros(m, dtype=torch.float64)
     t0 = time.perf_counter()
     for _ in range(steps):

@@ -461,7 +461,8 @@ def train(task_or_model, loss_fn, data, *, epochs: int, batch_size: int, lr: flo
                                 noise_multiplier=float(dp.noise_multipliers[e]), expected_batch_size=q * n,
                                 method=dp.method, chunk_size=dp.chunk_size,
                                 generator=torch.Generator().manual_seed(seed * 1000 + e + 7), clipping=dp.clipping,
-                                bk_options=dp.bk_options if dp.method != "vmap" else None)
+                                bk_options=dp.bk_options if dp.method != "vmap" else None,
+                                noise_rng="torch")  # the stream the stored results were drawn from
             for idx in poisson_batches(n, q, steps, gen):
                 if idx.numel() == 0:  # an empty Poisson batch still releases pure noise
                     idx = torch.zeros(1, dtype=torch.long)

@@ -430,7 +430,8 @@ def run_train(a: argparse.Namespace) -> int:
         "data": {"name": train_ds.name, "train": N, "test": len(test_ds), "labels": train_ds.label_names},
         "method": method, "results": results, "evals": telemetry.evals, "history": telemetry.history,
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "device": str(device), "malloc": malloc},
+                    "device": str(device), "malloc": malloc,
+                    "noise_source": "none (--no-dp)" if a.no_dp else trainer.dp_step.noise_source(device)},
     }
     report_path = out_dir / "report.json"
     atomic_write_json(report_path, report)

@@ -120,7 +120,9 @@ def draw_noise(shapes: Mapping[str, torch.Size], generator: Optional[torch.Gener
                device: torch.device, std: float = 1.0, rng: str = "torch") -> Dict[str, Tensor]:
     """Normals N(0, std²) for each shape, in the order given, drawn exactly as ``noise_and_scale``
     draws them (``noise_chunk`` of the generator's device; it passes std/denom; ``rng`` the noise
-    source, "torch" or "mkl"): the reference for its stream."""
+    source, one of ``RNGS``; "auto" resolved by ``resolve_rng``): the reference for its stream.
+    Its default, "torch", is not the step's: a default ``DPStep`` ("auto") draws the native stream
+    for float32 noise on the CPU (``DPStep.noise_source`` says which)."""
     gdev = generator.device if generator is not None else device
     _check_rng(rng, gdev)
     rng = resolve_rng(rng, gdev, dtype)
@@ -161,8 +163,10 @@ def noise_and_scale(
 
     ``consume=True``: the caller hands the sums over (they are not used again), so a float32 (or
     wider) sum is overwritten in place and returned instead of copied. ``rng``: the noise source
-    for a CPU generator, "torch" (``normal_``) or "mkl" (oneMKL's Philox4x32-10 keyed from
-    ``generator``; see ``pdpsgd.mkl_rng``).
+    for a CPU generator, "torch" (``normal_``; this function's default), "mkl" (oneMKL's
+    Philox4x32-10 keyed from ``generator``; see ``pdpsgd.mkl_rng``), "native" (pdpsgd's own
+    Philox4x32-10; ``pdpsgd.native_rng``) or "auto" (``resolve_rng``: native for float32 noise on
+    the CPU where it builds, else torch; the default of ``make_dp_step``).
     """
     if not sums:
         return {}

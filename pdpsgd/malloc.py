@@ -9,19 +9,24 @@ zeroed 4 KiB page. A book-keeping step holds every layer's output gradient until
 are known (tens of MiB more than an ordinary backward holds at once), so it pays more of it.
 Measured on this project's CPU benchmark machine (AMD EPYC, one thread, ``benchmarks/README.md``):
 BERT-shaped ``bk`` steps took 7–19 k minor faults (25–60 ms of system time) per step, the
-non-private step 1–8 k; with the settings below, none for either.
+non-private step 1–8 k; with the settings below, none for either (blocks of 32 MiB or more, e.g.
+a large vocabulary's embedding gradient, are still mmapped by glibc and fault in every step).
 
 This is a process-wide setting, so nothing in pdpsgd applies it on import or inside
 ``make_dp_step``: call :func:`tune_cpu_malloc` once at the start of a CPU training process (the
 ``pdpsgd train`` CLI does, on CPU). What it costs: memory freed by a step stays mapped (up to
-``trim_threshold`` at the heap's top) instead of going back to the OS between steps; the peak is
-the same working set. Other allocators (jemalloc / tcmalloc through ``LD_PRELOAD``, musl, macOS,
-Windows) are left alone: it reports that it did nothing and why.
+``trim_threshold`` at the heap's top) instead of going back to the OS between steps, and blocks
+that glibc used to mmap now share its heap, where fragmentation can raise the peak RSS (not
+measurably at T = 128 in round 13's A/B, ``benchmarks/README.md``; torch's allocated bytes are the
+same). Another allocator interposed over glibc's
+``malloc`` (jemalloc / tcmalloc through ``LD_PRELOAD``), musl, macOS and Windows are left alone,
+and so is a glibc that refuses the values: it reports that it did nothing and why.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 from typing import NamedTuple, Optional
 
@@ -29,7 +34,8 @@ __all__ = ["MallocSettings", "tune_cpu_malloc"]
 
 M_TRIM_THRESHOLD = -1  # glibc's <malloc.h> parameter numbers
 M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses more on 64-bit (HEAP_MAX_SIZE / 2)
+# glibc refuses more (HEAP_MAX_SIZE / 2): 32 MiB where long is 64-bit, 512 KiB on 32-bit systems
+MMAP_THRESHOLD_MAX = (32 << 20) if ctypes.sizeof(ctypes.c_long) == 8 else (512 << 10)
 
 
 class MallocSettings(NamedTuple):
@@ -54,15 +60,32 @@ def _glibc() -> Optional[ctypes.CDLL]:
 
 
 def _preloaded_allocator() -> Optional[str]:
-    try:
-        with open("/proc/self/maps") as f:
-            maps = f.read()
-    except OSError:
+    """The file of a ``malloc`` interposed over glibc's (``LD_PRELOAD``-ed jemalloc, tcmalloc, ...),
+    or None: the process's ``malloc`` symbol resolves into libc itself."""
+    libc = _glibc()
+    if libc is None:
         return None
-    for name in ("jemalloc", "tcmalloc", "mimalloc"):
-        if f"lib{name}" in maps:
-            return name
-    return None
+    try:
+        dl = ctypes.CDLL(None)
+        own = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        used = ctypes.cast(dl.malloc, ctypes.c_void_p).value
+        if used == ctypes.cast(own.malloc, ctypes.c_void_p).value:
+            return None
+    except (OSError, AttributeError):
+        return None
+
+    class _Info(ctypes.Structure):
+        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+    try:  # the interposer's file, for the message
+        dl.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Info)]
+        info = _Info()
+        if dl.dladdr(used, ctypes.byref(info)) and info.dli_fname:
+            return os.path.basename(info.dli_fname.decode(errors="replace"))
+    except (OSError, AttributeError):
+        pass
+    return "another allocator"
 
 
 def tune_cpu_malloc(*, mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: int = 1 << 30) -> MallocSettings:
@@ -73,23 +96,26 @@ def tune_cpu_malloc(*, mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold:
     ``mmap_threshold``: blocks at least this large are mmapped (at most 32 MiB, glibc's limit);
     ``trim_threshold``: free memory at the heap's top up to this is kept. Setting either turns off
     glibc's own adaptation of both (a documented glibc behaviour). Raises ``ValueError`` for
-    values glibc cannot take, rather than leaving a half-applied setting.
+    values outside glibc's documented ranges (before changing anything); a glibc that refuses a
+    value anyway is reported in the result (``applied=False``), not raised.
     """
     if not 0 < mmap_threshold <= MMAP_THRESHOLD_MAX:
         raise ValueError(f"mmap_threshold must be in (0, {MMAP_THRESHOLD_MAX}] bytes (glibc's limit on 64-bit "
                          f"systems), got {mmap_threshold}")
     if not 0 < trim_threshold < 1 << 31:
         raise ValueError(f"trim_threshold must be in (0, 2**31) bytes (mallopt takes a C int), got {trim_threshold}")
-    other = _preloaded_allocator()
-    if other is not None:
-        return MallocSettings(False, None, None, f"{other} is the process allocator; glibc's settings would not apply")
     libc = _glibc()
     if libc is None:
         return MallocSettings(False, None, None, "not glibc's malloc (only glibc's is tuned)")
-    if not libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold):
-        raise ValueError(f"glibc refused mmap_threshold={mmap_threshold}")
+    other = _preloaded_allocator()
+    if other is not None:
+        return MallocSettings(False, None, None, f"malloc is {other}'s, not glibc's: glibc's settings would not apply")
+    # trim first: were the mmap threshold refused after it, glibc would keep its own (adapting) one
     if not libc.mallopt(M_TRIM_THRESHOLD, trim_threshold):
-        raise ValueError(f"glibc refused trim_threshold={trim_threshold}")
+        return MallocSettings(False, None, None, f"glibc refused trim_threshold={trim_threshold}; nothing changed")
+    if not libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold):
+        return MallocSettings(False, None, trim_threshold, f"glibc refused mmap_threshold={mmap_threshold}; "
+                                                           f"only the trim threshold is set")
     return MallocSettings(True, mmap_threshold, trim_threshold,
                           f"glibc {libc.gnu_get_libc_version().decode()}: mmap threshold {mmap_threshold >> 20} MiB, "
                           f"trim threshold {trim_threshold >> 20} MiB")

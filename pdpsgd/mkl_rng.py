@@ -123,7 +123,7 @@ def require() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError(
             "noise_rng='mkl' needs Intel oneMKL's runtime (libmkl_rt): `pip install mkl` (x86-64; the "
-            f"'fast-noise' extra), or use noise_rng='torch' (the default). ({_ERR})"
+            f"'fast-noise' extra), or use noise_rng='torch' (or 'auto', the default, which falls back to it). ({_ERR})"
         )
     return lib
 

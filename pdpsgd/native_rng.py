@@ -11,9 +11,9 @@ pass) is built once per machine with the system C compiler, on first use, and lo
 uses on CUDA; like torch's mt19937 it is a statistical, not a cryptographic, PRNG.
 
 Use: the default of ``make_dp_step`` (``noise_rng="auto"``) for float32 noise on the CPU, whenever
-this kernel builds (else torch's ``normal_``), or ``noise_rng="native"`` to require it. Needs a C compiler (``cc``/``gcc``/``clang``, or
-``$CC``) the first time on each machine; the library goes to ``$PDPSGD_CACHE_DIR`` (default
-``$XDG_CACHE_HOME/pdpsgd`` or ``~/.cache/pdpsgd``), named by a hash of the source, the flags, the
+this kernel builds (else torch's ``normal_``), or ``noise_rng="native"`` to require it. Needs a C
+compiler (``cc``/``gcc``/``clang``, or ``$CC``) the first time on each machine; the library goes
+to ``$PDPSGD_CACHE_DIR`` (default ``$XDG_CACHE_HOME/pdpsgd`` or ``~/.cache/pdpsgd``), named by a hash of the source, the flags, the
 compiler and the CPU's flags, written to a temporary file and renamed into place (atomic: a
 concurrent or interrupted build never leaves a partial library under the final name).
 
@@ -81,7 +81,8 @@ def _compiler() -> List[str]:
         if found:
             return [found]
     raise RuntimeError("noise_rng='native' compiles a small C kernel on first use and needs a C compiler "
-                       "(cc, gcc or clang on PATH, or $CC): install one, or use noise_rng='torch' (the default)")
+                       "(cc, gcc or clang on PATH, or $CC): install one, or use noise_rng='torch' (or 'auto', "
+                       "the default, which falls back to it)")
 
 
 def _cpu_flags() -> Optional[str]:
@@ -214,8 +215,9 @@ def _load() -> Optional[ctypes.CDLL]:
         try:
             _LIB = _open_library(_build())
             _ERR = None
-        except (RuntimeError, OSError, subprocess.SubprocessError) as err:
-            _ERR = (_failure_key(), str(err))
+        except Exception as err:  # noqa: BLE001 - any build failure (a malformed $CC, undecodable compiler
+            # output, ...) means "not available": "auto" then falls back to torch, "native" raises it
+            _ERR = (_failure_key(), f"{type(err).__name__}: {err}" if not isinstance(err, RuntimeError) else str(err))
         return _LIB
 
 

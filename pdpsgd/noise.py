@@ -2,8 +2,9 @@
 
 The noise itself (N(0, (σC/B)²) per coordinate in float32 or wider, added to the clipped sums
 divided by the expected batch size B) is ``pdpsgd.fused.noise_and_scale``; on CPU its draws come
-from the generator through torch's ``normal_``, or through oneMKL's faster Philox stream keyed from
-it (``noise_rng="mkl"``, ``pdpsgd.mkl_rng``).
+from the generator: by default (``noise_rng="auto"``) through pdpsgd's own vectorised Philox stream
+keyed from it (``pdpsgd.native_rng``) for float32 noise where that kernel builds, else torch's
+``normal_``; or as chosen: ``"torch"``, ``"native"``, or oneMKL's Philox (``"mkl"``, ``pdpsgd.mkl_rng``).
 """
 from __future__ import annotations
 

@@ -117,6 +117,10 @@ class DPStep:
             if generator is not None and generator.device.type != "cpu":
                 raise ValueError(f"noise_rng={noise_rng!r} draws on the CPU: pass a CPU torch.Generator (its draws "
                                  "key the stream), or use noise_rng='torch'")
+        elif noise_rng == "auto" and float(noise_multiplier) > 0 and (generator is None or generator.device.type == "cpu"):
+            from . import native_rng
+
+            native_rng.available()  # build (or find) the kernel now, not inside the first step's timing
         check_no_batch_mixing(model)
         self.model = model
         self.loss_fn = loss_fn
