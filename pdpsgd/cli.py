@@ -75,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", default=DEFAULTS["method"], choices=("auto", "bk", "vmap"),
                    help="per-example clipping engine")
     g.add_argument("--noise-rng", default="auto", choices=("auto", "torch", "mkl", "native"),
-                   help="CPU Gaussian noise source: auto (native where it builds, else torch), torch's normal_, oneMKL's Philox (~2.8x faster on Intel; pip "
-                        "install mkl), or pdpsgd's own vectorised Philox (built once with the C compiler)")
+                   help="CPU Gaussian noise source: auto (native where it builds, else torch), torch's normal_, "
+                        "oneMKL's Philox (~2.8x faster on Intel; pip install mkl), or pdpsgd's own vectorised "
+                        "Philox (built once with the C compiler)")
     g.add_argument("--dropout", action="store_true",
                    help="keep the model's dropout on while training (default: off, i.e. eval-mode forward)")
     g.add_argument("--seed", type=int, help="seed for init, sampling, noise, dropout (default: fresh OS entropy)")

@@ -18,9 +18,9 @@ This is a process-wide setting, so nothing in pdpsgd applies it on import or ins
 ``trim_threshold`` at the heap's top) instead of going back to the OS between steps, and blocks
 that glibc used to mmap now share its heap, where fragmentation can raise the peak RSS (not
 measurably at T = 128 in round 13's A/B, ``benchmarks/README.md``; torch's allocated bytes are the
-same). Another allocator interposed over glibc's
-``malloc`` (jemalloc / tcmalloc through ``LD_PRELOAD``), musl, macOS and Windows are left alone,
-and so is a glibc that refuses the values: it reports that it did nothing and why.
+same). Another allocator interposed over glibc's ``malloc`` (jemalloc / tcmalloc through
+``LD_PRELOAD``), musl, macOS and Windows are left alone, and so is a glibc that refuses the values:
+it reports that it did nothing and why.
 """
 from __future__ import annotations
 
@@ -62,9 +62,6 @@ def _glibc() -> Optional[ctypes.CDLL]:
 def _preloaded_allocator() -> Optional[str]:
     """The file of a ``malloc`` interposed over glibc's (``LD_PRELOAD``-ed jemalloc, tcmalloc, ...),
     or None: the process's ``malloc`` symbol resolves into libc itself."""
-    libc = _glibc()
-    if libc is None:
-        return None
     try:
         dl = ctypes.CDLL(None)
         own = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -100,8 +97,8 @@ def tune_cpu_malloc(*, mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold:
     value anyway is reported in the result (``applied=False``), not raised.
     """
     if not 0 < mmap_threshold <= MMAP_THRESHOLD_MAX:
-        raise ValueError(f"mmap_threshold must be in (0, {MMAP_THRESHOLD_MAX}] bytes (glibc's limit on 64-bit "
-                         f"systems), got {mmap_threshold}")
+        raise ValueError(f"mmap_threshold must be in (0, {MMAP_THRESHOLD_MAX}] bytes (glibc's limit on this "
+                         f"platform), got {mmap_threshold}")
     if not 0 < trim_threshold < 1 << 31:
         raise ValueError(f"trim_threshold must be in (0, 2**31) bytes (mallopt takes a C int), got {trim_threshold}")
     libc = _glibc()
@@ -110,7 +107,7 @@ def tune_cpu_malloc(*, mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold:
     other = _preloaded_allocator()
     if other is not None:
         return MallocSettings(False, None, None, f"malloc is {other}'s, not glibc's: glibc's settings would not apply")
-    # trim first: were the mmap threshold refused after it, glibc would keep its own (adapting) one
+    # one at a time: a refusal of the second leaves the first set, and the result says so
     if not libc.mallopt(M_TRIM_THRESHOLD, trim_threshold):
         return MallocSettings(False, None, None, f"glibc refused trim_threshold={trim_threshold}; nothing changed")
     if not libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold):

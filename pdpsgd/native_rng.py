@@ -13,9 +13,10 @@ uses on CUDA; like torch's mt19937 it is a statistical, not a cryptographic, PRN
 Use: the default of ``make_dp_step`` (``noise_rng="auto"``) for float32 noise on the CPU, whenever
 this kernel builds (else torch's ``normal_``), or ``noise_rng="native"`` to require it. Needs a C
 compiler (``cc``/``gcc``/``clang``, or ``$CC``) the first time on each machine; the library goes
-to ``$PDPSGD_CACHE_DIR`` (default ``$XDG_CACHE_HOME/pdpsgd`` or ``~/.cache/pdpsgd``), named by a hash of the source, the flags, the
-compiler and the CPU's flags, written to a temporary file and renamed into place (atomic: a
-concurrent or interrupted build never leaves a partial library under the final name).
+to ``$PDPSGD_CACHE_DIR`` (default ``$XDG_CACHE_HOME/pdpsgd`` or ``~/.cache/pdpsgd``), named by a
+hash of the source, the flags, the compiler and the CPU's flags, written to a temporary file and
+renamed into place (atomic: a concurrent or interrupted build never leaves a partial library under
+the final name).
 
 Keying: every call to ``noise_and_scale`` opens a new stream whose 64-bit key and 64-bit nonce are
 drawn from the step's ``torch.Generator`` (four 32-bit words), so the generator stays the one

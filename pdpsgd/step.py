@@ -163,20 +163,24 @@ class DPStep:
             f"{self.noise_multiplier}, clipping={self.clipping!r}, clip_fn={self.clip_fn!r})"
         )
 
+    def _generator_device(self, device: torch.device) -> torch.device:
+        """Where the noise generator is (or will be made) for parameters on ``device``: the CPU noise
+        sources ("mkl", "native") are keyed from a CPU generator."""
+        if self.generator is not None:
+            return self.generator.device
+        on_cpu = device.type == "cpu" or self.noise_rng in ("mkl", "native")
+        return torch.device("cpu") if on_cpu else device
+
     def _generator(self, device: torch.device) -> torch.Generator:
-        if self.generator is None:  # the CPU noise sources ("mkl", "native") are keyed from a CPU generator
-            on_cpu = device.type == "cpu" or self.noise_rng in ("mkl", "native")
-            self.generator = entropy_generator("cpu" if on_cpu else device)
+        if self.generator is None:
+            self.generator = entropy_generator(self._generator_device(device))
         return self.generator
 
     def noise_source(self, device: Any = "cpu", dtype: torch.dtype = torch.float32) -> str:
         """The Gaussian source this step draws its noise from for parameters on ``device`` with
         noise in ``dtype`` (float32 for float32 / bf16 / fp16 models): ``noise_rng`` with "auto"
         resolved ("native" or "torch"; see ``make_dp_step``)."""
-        device = torch.device(device)
-        gdev = self.generator.device if self.generator is not None else \
-            torch.device("cpu" if device.type == "cpu" or self.noise_rng in ("mkl", "native") else device)
-        return resolve_rng(self.noise_rng, gdev, dtype)
+        return resolve_rng(self.noise_rng, self._generator_device(torch.device(device)), dtype)
 
     def plan(self, batch: Batch, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, str]:
         """Which route each trained parameter takes for this batch's shapes (a pure function of
