@@ -28,29 +28,39 @@ static void key_schedule(uint32_t k0, uint32_t k1, uint32_t *ka, uint32_t *kb) {
 
 #ifdef __AVX2__
 #include <immintrin.h>
-/* 4 counters per vector, each 32-bit word in a 64-bit lane: _mm256_mul_epu32 is the 32x32->64 product */
+/* 4 counters per vector, each 32-bit word in a 64-bit lane: _mm256_mul_epu32 is the 32x32->64 product.
+ * The block's 16 counters are 4 independent vectors, taken through the rounds together so that the
+ * multiplies of one overlap the dependent chain of another (one vector alone waits on its chain). */
+#define PH_ROUND(q) do { \
+        __m256i p0 = _mm256_mul_epu32(M0, c0[q]), p1 = _mm256_mul_epu32(M1, c2[q]); \
+        __m256i m0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), c1[q]), K0); \
+        __m256i m2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), c3[q]), K1); \
+        c1[q] = p1; c3[q] = p0; c0[q] = m0; c2[q] = m2; } while (0)
+/* the low 32-bit words of two vectors of 4 counters (a: j..j+3, b: j+4..j+7) as 8 words in counter order */
+static inline void store_lo(uint32_t *restrict o, __m256i a, __m256i b) {
+    const __m256i ORD = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    __m256i ab = _mm256_blend_epi32(a, _mm256_slli_epi64(b, 32), 0xAA);  /* a0 b0 a1 b1 a2 b2 a3 b3 */
+    _mm256_storeu_si256((__m256i *)o, _mm256_permutevar8x32_epi32(ab, ORD));
+}
 static inline void philox_block(uint64_t ctr, uint32_t n0, uint32_t n1, const uint32_t *restrict ka,
                                 const uint32_t *restrict kb, uint32_t *restrict o0, uint32_t *restrict o1,
                                 uint32_t *restrict o2, uint32_t *restrict o3) {
     const __m256i M0 = _mm256_set1_epi64x(0xD2511F53), M1 = _mm256_set1_epi64x(0xCD9E8D57);
     const __m256i LO = _mm256_set1_epi64x(0xFFFFFFFF);
-    for (int j = 0; j < BLK; j += 4) {
+    __m256i c0[4], c1[4], c2[4], c3[4];
+    for (int q = 0; q < 4; q++) {
+        int j = 4 * q;
         __m256i c = _mm256_add_epi64(_mm256_set1_epi64x((long long)ctr), _mm256_set_epi64x(j + 3, j + 2, j + 1, j));
-        __m256i c0 = _mm256_and_si256(c, LO), c1 = _mm256_srli_epi64(c, 32);
-        __m256i c2 = _mm256_set1_epi64x(n0), c3 = _mm256_set1_epi64x(n1);
-        for (int r = 0; r < 10; r++) {
-            __m256i p0 = _mm256_mul_epu32(M0, c0), p1 = _mm256_mul_epu32(M1, c2);  /* low 32 bits of c0, c2 */
-            __m256i m0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), c1), _mm256_set1_epi64x(ka[r]));
-            __m256i m2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), c3), _mm256_set1_epi64x(kb[r]));
-            c1 = p1; c3 = p0; c0 = m0; c2 = m2;  /* c1, c3: only their low 32 bits are read again */
-        }
-        uint64_t t0[4], t1[4], t2[4], t3[4];
-        _mm256_storeu_si256((__m256i *)t0, c0); _mm256_storeu_si256((__m256i *)t1, c1);
-        _mm256_storeu_si256((__m256i *)t2, c2); _mm256_storeu_si256((__m256i *)t3, c3);
-        for (int q = 0; q < 4; q++) {
-            o0[j + q] = (uint32_t)t0[q]; o1[j + q] = (uint32_t)t1[q];
-            o2[j + q] = (uint32_t)t2[q]; o3[j + q] = (uint32_t)t3[q];
-        }
+        c0[q] = _mm256_and_si256(c, LO); c1[q] = _mm256_srli_epi64(c, 32);
+        c2[q] = _mm256_set1_epi64x(n0); c3[q] = _mm256_set1_epi64x(n1);
+    }
+    for (int r = 0; r < 10; r++) {
+        const __m256i K0 = _mm256_set1_epi64x(ka[r]), K1 = _mm256_set1_epi64x(kb[r]);
+        PH_ROUND(0); PH_ROUND(1); PH_ROUND(2); PH_ROUND(3);
+    }
+    for (int h = 0; h < 2; h++) {  /* c1, c3: only their low 32 bits are words */
+        store_lo(o0 + 8 * h, c0[2 * h], c0[2 * h + 1]); store_lo(o1 + 8 * h, c1[2 * h], c1[2 * h + 1]);
+        store_lo(o2 + 8 * h, c2[2 * h], c2[2 * h + 1]); store_lo(o3 + 8 * h, c3[2 * h], c3[2 * h + 1]);
     }
 }
 #else
