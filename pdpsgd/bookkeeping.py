@@ -263,10 +263,106 @@ def _key(X: Tensor):
     return (X.data_ptr(), tuple(X.shape), X.stride(), X.dtype, X.device)
 
 
-def _gram(X: Tensor, Y: Tensor, acc: Optional[torch.dtype] = None, cache: Optional["_GramMemo"] = None) -> Tensor:
-    """(B, T, k) x (B, S, k) -> (B, T, S), in ``acc`` if given."""
+# A self-Gram X Xᵀ is symmetric: on the devices below, for T ≥ SYM_MIN_T, only the blocks on and
+# below the diagonal of a recursive halving into blocks of ≥ SYM_BLOCK_MIN rows (at most
+# SYM_MAX_LEVELS halvings) are computed (``_SymGram``): at T = 128 (two halvings) 5/8 of the
+# products. Measured, one thread, B = 8 (``benchmarks/README.md``, round 14): 0.72–0.92× the full
+# bmm's time at T = 128 (widths 256–8192), 0.59–0.73× at T = 256–512; at T = 64 the smaller
+# matmuls lose more than the products saved (1.06–1.23×). CPU only: on CUDA each block is one
+# more launch, where the step is launch-bound (unmeasured there).
+SYM_MIN_T = 128
+SYM_BLOCK_MIN = 32
+SYM_MAX_LEVELS = 3
+SYM_GRAM_DEVICES = ("cpu",)
+
+
+def _sym_levels(X: Tensor) -> int:
+    """Halvings ``_SymGram`` takes for X (B, T, P): 0 (the full Gram) off its devices or for short T."""
+    T = X.shape[1]
+    if X.dim() != 3 or X.device.type not in SYM_GRAM_DEVICES or T < SYM_MIN_T:
+        return 0
+    levels = 0
+    while levels < SYM_MAX_LEVELS and T % (2 << levels) == 0 and (T >> (levels + 1)) >= SYM_BLOCK_MIN:
+        levels += 1
+    return levels
+
+
+class _SymGram:
+    """X Xᵀ (B, T, T) of X (B, T, P) held as its blocks on and below the diagonal of ``levels``
+    recursive halvings: ``off[l - 1]``, level l = 1..levels, is the lower-left block of each of the
+    B·2^(l-1) diagonal blocks of the level above, (B·2^(l-1), T/2^l, T/2^l); ``diag`` the B·2^levels
+    diagonal blocks of the last level, (B·2^levels, T/2^levels, T/2^levels). The blocks above the
+    diagonal are these transposed (not computed): ⟨A, A'⟩ = Σ diag·diag' + 2 Σ off·off' exactly."""
+
+    __slots__ = ("B", "T", "off", "diag")
+
+    def __init__(self, X: Tensor, levels: int):
+        B, T, P = X.shape
+        X = X.contiguous()  # (rows of one example consecutive: the block views below are views)
+        self.B, self.T = B, T
+        self.off: List[Tensor] = []
+        for lv in range(1, levels + 1):
+            h = T >> lv
+            Xv = X.view(B << (lv - 1), 2, h, P)  # (B, T, P) -> (B·2^(l-1), 2, h, P): halves of each block
+            self.off.append(torch.bmm(Xv[:, 1], Xv[:, 0].transpose(1, 2)))  # (B·2^(l-1), h, h)
+        h = T >> levels
+        Xd = X.view(B << levels, h, P)  # (B, T, P) -> (B·2^levels, h, P)
+        self.diag = torch.bmm(Xd, Xd.transpose(1, 2))  # (B·2^levels, h, h)
+
+    def diagonal(self) -> Tensor:
+        """The Gram's diagonal ‖X_t‖² (B, T)."""
+        return self.diag.diagonal(dim1=1, dim2=2).reshape(self.B, self.T)
+
+    def inner(self, other: "_SymGram") -> Tensor:
+        """Σ_{t,s} A[t, s] A'[t, s] per example (B,), for a Gram of the same blocks."""
+        def per_example(x: Tensor) -> Tensor:  # (B·m, h, h) -> (B,)
+            return x.reshape(self.B, x.numel() // self.B).sum(1) if self.B else x.new_zeros(0)
+
+        out = per_example(self.diag * other.diag)
+        for a, b in zip(self.off, other.off):
+            out = out + 2 * per_example(a * b)
+        return out
+
+    def full(self) -> Tensor:
+        """The whole Gram (B, T, T)."""
+        B, T = self.B, self.T
+        G = self.diag.new_zeros(B, T, T)
+        h = self.diag.shape[-1]
+        n = T // h  # 2^levels diagonal blocks per example
+        d = self.diag.view(B, n, h, h)
+        for j in range(n):
+            G[:, j * h:(j + 1) * h, j * h:(j + 1) * h] = d[:, j]
+        for lv, o in enumerate(self.off, start=1):
+            m, h = 1 << (lv - 1), T >> lv
+            o = o.view(B, m, h, h)
+            for j in range(m):
+                r, c = (2 * j + 1) * h, 2 * j * h
+                G[:, r:r + h, c:c + h] = o[:, j]
+                G[:, c:c + h, r:r + h] = o[:, j].transpose(1, 2)
+        return G
+
+
+def _gdiag(g) -> Tensor:
+    """The diagonal (B, T) of a Gram, full (B, T, T) or ``_SymGram``."""
+    return g.diagonal() if isinstance(g, _SymGram) else g.diagonal(dim1=1, dim2=2)
+
+
+def _ginner(a, b) -> Tensor:
+    """Σ_{t,s} a[t, s] b[t, s] per example (B,) of two Grams, full or ``_SymGram``."""
+    if isinstance(a, _SymGram) and isinstance(b, _SymGram) and a.diag.shape == b.diag.shape \
+            and len(a.off) == len(b.off):
+        return a.inner(b)
+    a = a.full() if isinstance(a, _SymGram) else a
+    b = b.full() if isinstance(b, _SymGram) else b
+    return (a * b).sum((1, 2))  # (B, T, S) -> (B,)
+
+
+def _gram(X: Tensor, Y: Tensor, acc: Optional[torch.dtype] = None, cache: Optional["_GramMemo"] = None,
+          sym: bool = False):
+    """(B, T, k) x (B, S, k) -> (B, T, S), in ``acc`` if given; with ``cache`` and X the same tensor
+    as Y, the memo's self-Gram (with ``sym``: possibly a ``_SymGram``)."""
     if cache is not None and (X is Y or _key(X) == _key(Y)):
-        return cache.self_gram(X, acc)
+        return cache.self_gram(X, acc, sym=sym)
     if acc is not None:
         X, Y = X.to(acc), Y.to(acc)
     return torch.bmm(X, Y.transpose(1, 2))  # (B, T, k) x (B, k, S) -> (B, T, S)
@@ -282,8 +378,8 @@ def _compact_grams(X: Tensor, acc: Optional[torch.dtype], comp: "_Compact") -> L
     return out
 
 
-def _gram_key(X: Tensor, acc: Optional[torch.dtype], comp: Optional["_Compact"] = None) -> Tuple:
-    return (_key(X), acc, None if comp is None else id(comp))
+def _gram_key(X: Tensor, acc: Optional[torch.dtype], comp: Optional["_Compact"] = None, sym: bool = True) -> Tuple:
+    return (_key(X), acc, None if comp is None else id(comp), sym and comp is None)
 
 
 class _GramMemo:
@@ -297,15 +393,20 @@ class _GramMemo:
         self.left = {k: c for k, c in counts.items() if c > 1}  # consumers still to come
         self.memo: Dict = {}
 
-    def self_gram(self, X: Tensor, acc: Optional[torch.dtype], comp: Optional["_Compact"] = None):
-        k = _gram_key(X, acc, comp)
+    def self_gram(self, X: Tensor, acc: Optional[torch.dtype], comp: Optional["_Compact"] = None,
+                  sym: bool = True):
+        """X Xᵀ: per group of ``comp`` (a list), else (B, T, T), or a ``_SymGram`` where ``sym`` and
+        ``_sym_levels`` say so (the self pairs of ghost uses ask for that; a cross pair of two uses
+        on one operand asks for the full Gram, under its own key)."""
+        k = _gram_key(X, acc, comp, sym)
         g = self.memo.get(k)
         if g is None:
             if comp is not None:
                 g = _compact_grams(X, acc, comp)
             else:
                 Xa = X.to(acc) if acc is not None else X
-                g = torch.bmm(Xa, Xa.transpose(1, 2))
+                levels = _sym_levels(Xa) if sym else 0
+                g = _SymGram(Xa, levels) if levels else torch.bmm(Xa, Xa.transpose(1, 2))
         left = self.left.get(k, 1) - 1
         if left > 0:
             self.memo[k] = g
@@ -349,20 +450,20 @@ def _confirm_zero_rows(X: Tensor, idx: Tensor, zero: Tensor) -> Tensor:
     return zero
 
 
-def _active_rows(u: Dense, gl: Tensor, gr: Tensor) -> Optional[Tensor]:
+def _active_rows(u: Dense, dl: Tensor, dr: Tensor) -> Optional[Tensor]:
     """Indices into the B·T rows of u's factors where neither L[t] nor R[t] is exactly zero, or
     None if that keeps more than ``ACTIVE_ROWS_FRACTION`` or the matmul is too small to pay for the
-    check (``ACTIVE_ROWS_MIN_WORK``). The self-Gram diagonals ‖L_t‖², ‖R_t‖²
+    check (``ACTIVE_ROWS_MIN_WORK``). The self-Gram diagonals ``dl`` = ‖L_t‖², ``dr`` = ‖R_t‖² (B, T)
     (free here) give the candidates; each candidate is then checked exactly (a tiny non-zero row
     whose square underflows to 0 is kept)."""
-    n = gl.shape[0] * gl.shape[1]
+    n = dl.shape[0] * dl.shape[1]
     if n * u.L.shape[-1] * u.R.shape[-1] < ACTIVE_ROWS_MIN_WORK:
         return None
     need = (1 - ACTIVE_ROWS_FRACTION) * n
-    cands = [(gx.diagonal(dim1=1, dim2=2) == 0).reshape(-1) for gx in (gl, gr)]  # ‖X_t‖² == 0: ⊇ zero rows
+    cands = [(dx == 0).reshape(-1) for dx in (dl, dr)]  # ‖X_t‖² == 0: ⊇ zero rows
     if int((cands[0] | cands[1]).sum()) < need:  # too few candidates: no need to confirm any
         return None
-    zero = torch.zeros(n, dtype=torch.bool, device=gl.device)
+    zero = torch.zeros(n, dtype=torch.bool, device=dl.device)
     for X, cand in ((u.L, cands[0]), (u.R, cands[1])):
         if not bool(cand.any()):
             continue
@@ -587,16 +688,19 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
         return full["out"][id(u)]
     if isinstance(u, Dense) and isinstance(v, Dense) and u.R is not None and v.R is not None \
             and u.L.shape[-1] == v.L.shape[-1] and u.R.shape[-1] == v.R.shape[-1]:
-        gl = _gram(u.L, v.L, acc, cache)  # (B, T, P0) x (B, S, P0) -> (B, T, S)
-        gr = _gram(u.R, v.R, acc, cache)  # (B, T, P1) x (B, S, P1) -> (B, T, S)
-        if u is v and bounds is not None:
-            # Σ_t ‖L_t‖‖R_t‖ (B,): √(‖L_t‖²‖R_t‖²), the Gram diagonals (sums of squares: ≥ 0)
-            _bound(u, gl.diagonal(dim1=1, dim2=2) * gr.diagonal(dim1=1, dim2=2), bounds, tokens)
-        if u is v and rows is not None:
-            act = _active_rows(u, gl, gr)
-            if act is not None:
-                rows[id(u)] = act
-        return (gl * gr).sum((1, 2))  # (B, T, S) -> (B,)
+        # (a self pair's Grams may be ``_SymGram``s: only their blocks on and below the diagonal)
+        gl = _gram(u.L, v.L, acc, cache, sym=u is v)  # (B, T, P0) x (B, S, P0) -> (B, T, S)
+        gr = _gram(u.R, v.R, acc, cache, sym=u is v)  # (B, T, P1) x (B, S, P1) -> (B, T, S)
+        if u is v and (bounds is not None or rows is not None):
+            dl, dr = _gdiag(gl), _gdiag(gr)  # ‖L_t‖², ‖R_t‖² (B, T)
+            if bounds is not None:
+                # Σ_t ‖L_t‖‖R_t‖ (B,): √(‖L_t‖²‖R_t‖²), the Gram diagonals (sums of squares: ≥ 0)
+                _bound(u, dl * dr, bounds, tokens)
+            if rows is not None:
+                act = _active_rows(u, dl, dr)
+                if act is not None:
+                    rows[id(u)] = act
+        return _ginner(gl, gr)  # (B, T, S) x (B, T, S) -> (B,)
     if isinstance(u, Dense) and u.R is None and isinstance(v, Dense) and v.R is None:
         if u is v and bounds is not None:
             _bound(u, torch.linalg.vector_norm(u.L.to(acc), dim=-1), bounds, tokens, squared=False)  # ‖L_t‖ (B, T)

@@ -24,7 +24,12 @@ import pytest  # noqa: E402
 def _fast_paths_on_tiny_models(monkeypatch):
     """Tests run tiny models: let the clipped sum's zero-row check act at their sizes too (in use it
     is not tried below ``ACTIVE_ROWS_MIN_WORK`` multiply-adds, where it cannot pay), so the exactness
-    tests keep reaching that path. ``test_active_rows_not_tried_on_small_layers`` checks the gate."""
+    tests keep reaching that path. ``test_active_rows_not_tried_on_small_layers`` checks the gate
+    (``test_sym_gram_levels_at_the_default_thresholds`` the symmetric Grams' one)."""
     import pdpsgd.bookkeeping as bk
 
     monkeypatch.setattr(bk, "ACTIVE_ROWS_MIN_WORK", 0)
+    # likewise the symmetric block Grams (``_SymGram``, in use from T = 128): from T = 4, blocks of
+    # ≥ 2 rows, so the exactness tests' sequence lengths take both the full and the block Grams
+    monkeypatch.setattr(bk, "SYM_MIN_T", 4)
+    monkeypatch.setattr(bk, "SYM_BLOCK_MIN", 2)

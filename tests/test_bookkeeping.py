@@ -516,7 +516,7 @@ def test_active_rows_not_tried_on_small_layers(monkeypatch):
         L[:, T // 2:] = 0  # half the rows exactly zero
         u = bk.Dense(L, R)
         gl, gr = bk._gram(L, L), bk._gram(R, R)
-        rows = bk._active_rows(u, gl, gr)
+        rows = bk._active_rows(u, gl.diagonal(dim1=1, dim2=2), gr.diagonal(dim1=1, dim2=2))
         assert (rows is not None) == tried and bool(confirmed) == tried, (d, rows, confirmed)
         if tried:
             assert rows.tolist() == [b * T + t for b in range(B) for t in range(T // 2)]
@@ -1984,3 +1984,106 @@ def test_float32_guard_counts_each_examples_own_tokens(neighbour_len, grouped):
     assert float(p.per_sample_norms[0]) >= float(true) * (1 - 1e-6)
     true1 = torch.einsum("tp,tq->pq", G[1].double(), x[1].double()).norm()  # the ordinary one: as it is
     assert abs(float(p.per_sample_norms[1]) - float(true1)) <= 1e-4 * float(true1) + 1e-6, (p.per_sample_norms, true1)
+
+
+# ------------------------------------------------------------------------------------------------
+# symmetric block self-Grams (``_SymGram``)
+# ------------------------------------------------------------------------------------------------
+@settings(max_examples=30, deadline=None)
+@given(B=st.integers(0, 3), T=st.sampled_from([4, 6, 8, 12, 16, 20, 24, 40, 48, 64]), P=st.integers(1, 5),
+       seed=st.integers(0, 10**6), block_min=st.sampled_from([1, 2, 3, 5]), max_levels=st.integers(1, 4),
+       strided=st.booleans())
+def test_sym_gram_blocks_equal_the_full_gram(B, T, P, seed, block_min, max_levels, strided):
+    """The blocks on and below the diagonal give the full Gram's diagonal, the whole Gram and its
+    inner product with another Gram of the same blocks (or with a full one: mixed), in float64, for
+    every number of halvings the thresholds allow; a non-contiguous operand too; and the memo's
+    self-Gram is one where the levels say so, the full Gram where asked for a cross pair."""
+    import pdpsgd.bookkeeping as bk
+
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(B, T, P, generator=g, dtype=torch.float64)
+    Y = torch.randn(B, T, P + 1, generator=g, dtype=torch.float64)
+    if strided:
+        X = torch.randn(B, P, T, generator=g, dtype=torch.float64).transpose(1, 2)  # (B, T, P), not contiguous
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bk, "SYM_BLOCK_MIN", block_min)
+        mp.setattr(bk, "SYM_MAX_LEVELS", max_levels)
+        levels = bk._sym_levels(X)
+        memo = bk._GramMemo({})
+        got = bk._gram(X, X, None, memo, sym=True)
+        cross = bk._gram(X, X, None, memo, sym=False)
+    assert 0 <= levels <= max_levels and T % (1 << levels) == 0 and (T >> levels) >= block_min
+    assert levels == max_levels or T % (2 << levels) != 0 or (T >> (levels + 1)) < block_min  # as many as allowed
+    full_x = torch.bmm(X, X.transpose(1, 2))
+    full_y = torch.bmm(Y, Y.transpose(1, 2))
+    assert isinstance(got, bk._SymGram) == (levels > 0) and not isinstance(cross, bk._SymGram)
+    torch.testing.assert_close(cross, full_x, rtol=0, atol=0)
+    if levels == 0:
+        torch.testing.assert_close(got, full_x, rtol=0, atol=0)
+        return
+    sx, sy = bk._SymGram(X, levels), bk._SymGram(Y, levels)
+    torch.testing.assert_close(sx.full(), full_x, rtol=1e-14, atol=1e-12)
+    torch.testing.assert_close(bk._gdiag(sx), full_x.diagonal(dim1=1, dim2=2), rtol=1e-14, atol=1e-12)
+    want = (full_x * full_y).sum((1, 2))
+    for a, b in ((sx, sy), (sx, full_y), (full_x, sy), (full_x, full_y)):
+        torch.testing.assert_close(bk._ginner(a, b), want, rtol=1e-12, atol=1e-10)
+    assert bk._ginner(sx, sy).shape == (B,)
+    if levels > 1:  # blocks of different halvings do not pair up: the full Grams are taken instead
+        other = bk._SymGram(Y, levels - 1)
+        torch.testing.assert_close(bk._ginner(sx, other), want, rtol=1e-12, atol=1e-10)
+
+
+def test_sym_gram_levels_at_the_default_thresholds(monkeypatch):
+    """In use (the module's thresholds, which conftest lowers for the tiny test models): the full
+    Gram below T = 128 and off the CPU, two halvings at T = 128 (blocks of 32 rows), three from
+    T = 256; fewer where T is not divisible."""
+    import pdpsgd.bookkeeping as bk
+
+    monkeypatch.setattr(bk, "SYM_MIN_T", 128)
+    monkeypatch.setattr(bk, "SYM_BLOCK_MIN", 32)
+    want = {32: 0, 64: 0, 96: 0, 127: 0, 128: 2, 130: 1, 160: 2, 192: 2, 256: 3, 512: 3, 1024: 3}
+    assert {T: bk._sym_levels(torch.empty(2, T, 3)) for T in want} == want
+    assert bk._sym_levels(torch.empty(2, 256, 3, device="meta")) == 0  # not a SYM_GRAM_DEVICES device
+
+
+class _SameInputTwice(nn.Module):
+    """One Linear applied twice to the same input (two uses with one operand: their cross pair takes
+    the full Gram, each self pair the block Grams) and a second Linear on a padded sequence."""
+
+    def __init__(self, d=3, classes=2):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.out = nn.Linear(d, classes)
+
+    def forward(self, x, keep):
+        h = torch.tanh(self.lin(x)) * keep.unsqueeze(2) + 0.5 * self.lin(x).pow(2)
+        return self.out(h).sum(1)
+
+
+@pytest.mark.parametrize("T,defaults", [(8, False), (24, False), (128, True)])
+def test_sym_grams_exact_end_to_end(T, defaults, monkeypatch):
+    """Ghost norms and clipped sums with the block Grams equal the float64 oracle, a weight used
+    twice on one input included; at T = 128 under the thresholds in use."""
+    import pdpsgd.bookkeeping as bk
+
+    if defaults:
+        monkeypatch.setattr(bk, "SYM_MIN_T", 128)
+        monkeypatch.setattr(bk, "SYM_BLOCK_MIN", 32)
+    made = []
+    orig = bk._SymGram.__init__
+
+    def spy(self, X, levels):
+        made.append((X.shape[1], levels))
+        orig(self, X, levels)
+
+    monkeypatch.setattr(bk._SymGram, "__init__", spy)
+    torch.manual_seed(T)
+    B = 3
+    keep = (torch.arange(T) < torch.tensor([[T], [T // 2], [T - 3]])).double()
+    b = {"x": torch.randn(B, T, 3), "keep": keep, "y": torch.randint(0, 2, (B,))}
+    for method in METHODS:
+        assert_exact(_SameInputTwice(), _shared_loss, b, method=method, max_grad_norm=0.2,
+                     bk_options={"cost_model": "ghost"})
+    assert made and all(lv >= 1 for _, lv in made), made
+    if defaults:
+        assert set(made) == {(128, 2)}
