@@ -13,7 +13,8 @@ a cost model picks
   (time ∝ B·T·p·d, memory B·p·d).
 
 A self-Gram X Xᵀ whose operand several ghost-route layers share (BERT's query/key/value input) is
-computed once per batch; a ghost use's clipped-sum matmul runs over the factor rows that are not
+computed once per batch, and on the CPU for T ≥ 128 only as its blocks on and below the diagonal
+(``_SymGram``: 5/8 of the products at T = 128); a ghost use's clipped-sum matmul runs over the factor rows that are not
 exactly zero (e.g. padded tokens, whose output gradients are exactly 0) when at least 10 % are, the
 candidates read off the Gram diagonals and each confirmed exactly. On the CPU, a ghost use whose
 factor rows are exactly zero at many positions (padding; a classifier's last layer, where only the
@@ -277,10 +278,12 @@ SYM_GRAM_DEVICES = ("cpu",)
 
 
 def _sym_levels(X: Tensor) -> int:
-    """Halvings ``_SymGram`` takes for X (B, T, P): 0 (the full Gram) off its devices or for short T."""
-    T = X.shape[1]
-    if X.dim() != 3 or X.device.type not in SYM_GRAM_DEVICES or T < SYM_MIN_T:
+    """Halvings ``_SymGram`` takes for X (B, T, P): 0 (the full Gram) off its devices, for short T,
+    or where X is not contiguous (its block views would need a copy of X; bmm reads it as it is,
+    e.g. a conv layer's unfolded (B, H·W, C·k²) factor)."""
+    if X.dim() != 3 or X.device.type not in SYM_GRAM_DEVICES or X.shape[1] < SYM_MIN_T or not X.is_contiguous():
         return 0
+    T = X.shape[1]
     levels = 0
     while levels < SYM_MAX_LEVELS and T % (2 << levels) == 0 and (T >> (levels + 1)) >= SYM_BLOCK_MIN:
         levels += 1
@@ -298,7 +301,7 @@ class _SymGram:
 
     def __init__(self, X: Tensor, levels: int):
         B, T, P = X.shape
-        X = X.contiguous()  # (rows of one example consecutive: the block views below are views)
+        X = X.contiguous()  # (no copy where ``_sym_levels`` chose the levels: the blocks below are views)
         self.B, self.T = B, T
         self.off: List[Tensor] = []
         for lv in range(1, levels + 1):
