@@ -1,12 +1,16 @@
 """Self-Gram kernels at bench.py's shapes (B = 8), one thread: torch's bmm against per-example mm,
 einsum and matmul, and the ghost norm ⟨L Lᵀ, R Rᵀ⟩ from full Grams against the lower block
-triangle only (2 or 4 row blocks: ¾ or ⅝ of the products).
+triangle only (2 or 4 row blocks: ¾ or ⅝ of the products), and the engine's own block Grams
+(``bookkeeping._SymGram``: one bmm per halving level over strided views, 1–3 halvings) against the
+full bmm at T = 64–512 (round 14).
 
     python benchmarks/gram_kernels.py
 """
 import time
 
 import torch
+
+from pdpsgd.bookkeeping import _SymGram
 
 
 def median_ms(f, n=25):
@@ -55,6 +59,14 @@ def main():
             assert torch.allclose(ghost_blocks(L, R, k).double(), ref, rtol=1e-3)
         print(f"  d={d:5d} p={p:5d}  " + "  ".join(f"{k} block(s) {median_ms(lambda: ghost_blocks(L, R, k)):.2f}"
                                              for k in (1, 2, 4)))
+    print("engine block self-Grams (_SymGram, one bmm per halving level) / full bmm, X (8, T, k): time ratio")
+    for T, k in ((64, 256), (64, 8192), (128, 256), (128, 768), (128, 1024), (128, 8192), (256, 256), (512, 256),
+                 (512, 1024)):
+        X = torch.randn(8, T, k)
+        full = min(median_ms(lambda: torch.bmm(X, X.transpose(1, 2))) for _ in range(2))
+        lv = [lv for lv in (1, 2, 3) if (T >> lv) >= 16]
+        print(f"  T={T:4d} k={k:5d}  bmm {full:.2f} ms  " + "  ".join(
+            f"{lv} halving(s) {min(median_ms(lambda: _SymGram(X, lv)) for _ in range(2)) / full:.2f}" for lv in lv))
 
 
 if __name__ == "__main__":

@@ -269,19 +269,22 @@ def _key(X: Tensor):
 # SYM_MAX_LEVELS halvings) are computed (``_SymGram``): at T = 128 (two halvings) 5/8 of the
 # products. Measured, one thread, B = 8 (``benchmarks/README.md``, round 14): 0.72–0.92× the full
 # bmm's time at T = 128 (widths 256–8192), 0.59–0.73× at T = 256–512; at T = 64 the smaller
-# matmuls lose more than the products saved (1.06–1.23×). CPU only: on CUDA each block is one
-# more launch, where the step is launch-bound (unmeasured there).
+# matmuls lose more than the products saved (1.06–1.23×), and so do very wide operands (GPT-2's
+# (B, 128, 8192) logits gradient: 0.92–1.31× in two runs), hence at most SYM_MAX_WIDTH columns. CPU
+# only: on CUDA each block is one more launch, where the step is launch-bound (unmeasured there).
 SYM_MIN_T = 128
 SYM_BLOCK_MIN = 32
 SYM_MAX_LEVELS = 3
+SYM_MAX_WIDTH = 2048
 SYM_GRAM_DEVICES = ("cpu",)
 
 
 def _sym_levels(X: Tensor) -> int:
     """Halvings ``_SymGram`` takes for X (B, T, P): 0 (the full Gram) off its devices, for short T,
-    or where X is not contiguous (its block views would need a copy of X; bmm reads it as it is,
-    e.g. a conv layer's unfolded (B, H·W, C·k²) factor)."""
-    if X.dim() != 3 or X.device.type not in SYM_GRAM_DEVICES or X.shape[1] < SYM_MIN_T or not X.is_contiguous():
+    wide P, or where X is not contiguous (its block views would need a copy of X; bmm reads it as
+    it is, e.g. a conv layer's unfolded (B, H·W, C·k²) factor)."""
+    if X.dim() != 3 or X.device.type not in SYM_GRAM_DEVICES or X.shape[1] < SYM_MIN_T \
+            or X.shape[2] > SYM_MAX_WIDTH or not X.is_contiguous():
         return 0
     T = X.shape[1]
     levels = 0

@@ -2039,8 +2039,8 @@ def test_sym_gram_blocks_equal_the_full_gram(B, T, P, seed, block_min, max_level
 
 def test_sym_gram_levels_at_the_default_thresholds(monkeypatch):
     """In use (the module's thresholds, which conftest lowers for the tiny test models): the full
-    Gram below T = 128 and off the CPU, two halvings at T = 128 (blocks of 32 rows), three from
-    T = 256; fewer where T is not divisible."""
+    Gram below T = 128, off the CPU and for operands wider than 2048 columns, two halvings at T = 128
+    (blocks of 32 rows), three from T = 256; fewer where T is not divisible."""
     import pdpsgd.bookkeeping as bk
 
     monkeypatch.setattr(bk, "SYM_MIN_T", 128)
@@ -2048,6 +2048,7 @@ def test_sym_gram_levels_at_the_default_thresholds(monkeypatch):
     want = {32: 0, 64: 0, 96: 0, 127: 0, 128: 2, 130: 1, 160: 2, 192: 2, 256: 3, 512: 3, 1024: 3}
     assert {T: bk._sym_levels(torch.empty(2, T, 3)) for T in want} == want
     assert bk._sym_levels(torch.empty(2, 256, 3, device="meta")) == 0  # not a SYM_GRAM_DEVICES device
+    assert bk._sym_levels(torch.empty(2, 128, 2048)) == 2 and bk._sym_levels(torch.empty(2, 128, 2049)) == 0  # width
 
 
 class _SameInputTwice(nn.Module):
