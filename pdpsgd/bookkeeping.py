@@ -293,6 +293,14 @@ def _sym_levels(X: Tensor) -> int:
     return levels
 
 
+def _pair_levels(u: Dense) -> int:
+    """Halvings for the self pair of a dense use: its two Grams pair up block by block only if both
+    factors take the blocks (the same T, so the same levels); else 0, both full (a mixed pair
+    would have to assemble the full Gram from the blocks)."""
+    levels = _sym_levels(u.L)
+    return levels if levels and _sym_levels(u.R) == levels else 0
+
+
 class _SymGram:
     """X Xᵀ (B, T, T) of X (B, T, P) held as its blocks on and below the diagonal of ``levels``
     recursive halvings: ``off[l - 1]``, level l = 1..levels, is the lower-left block of each of the
@@ -364,11 +372,11 @@ def _ginner(a, b) -> Tensor:
 
 
 def _gram(X: Tensor, Y: Tensor, acc: Optional[torch.dtype] = None, cache: Optional["_GramMemo"] = None,
-          sym: bool = False):
+          levels: int = 0):
     """(B, T, k) x (B, S, k) -> (B, T, S), in ``acc`` if given; with ``cache`` and X the same tensor
-    as Y, the memo's self-Gram (with ``sym``: possibly a ``_SymGram``)."""
+    as Y, the memo's self-Gram (a ``_SymGram`` of ``levels`` halvings if > 0)."""
     if cache is not None and (X is Y or _key(X) == _key(Y)):
-        return cache.self_gram(X, acc, sym=sym)
+        return cache.self_gram(X, acc, levels=levels)
     if acc is not None:
         X, Y = X.to(acc), Y.to(acc)
     return torch.bmm(X, Y.transpose(1, 2))  # (B, T, k) x (B, k, S) -> (B, T, S)
@@ -384,8 +392,8 @@ def _compact_grams(X: Tensor, acc: Optional[torch.dtype], comp: "_Compact") -> L
     return out
 
 
-def _gram_key(X: Tensor, acc: Optional[torch.dtype], comp: Optional["_Compact"] = None, sym: bool = True) -> Tuple:
-    return (_key(X), acc, None if comp is None else id(comp), sym and comp is None)
+def _gram_key(X: Tensor, acc: Optional[torch.dtype], comp: Optional["_Compact"] = None, levels: int = 0) -> Tuple:
+    return (_key(X), acc, None if comp is None else id(comp), 0 if comp is not None else levels)
 
 
 class _GramMemo:
@@ -400,18 +408,17 @@ class _GramMemo:
         self.memo: Dict = {}
 
     def self_gram(self, X: Tensor, acc: Optional[torch.dtype], comp: Optional["_Compact"] = None,
-                  sym: bool = True):
-        """X Xᵀ: per group of ``comp`` (a list), else (B, T, T), or a ``_SymGram`` where ``sym`` and
-        ``_sym_levels`` say so (the self pairs of ghost uses ask for that; a cross pair of two uses
-        on one operand asks for the full Gram, under its own key)."""
-        k = _gram_key(X, acc, comp, sym)
+                  levels: int = 0):
+        """X Xᵀ: per group of ``comp`` (a list), else a ``_SymGram`` of ``levels`` halvings (> 0: a
+        self pair's ``_pair_levels``), else (B, T, T); the forms are memoised apart."""
+        levels = 0 if comp is not None else levels
+        k = _gram_key(X, acc, comp, levels)
         g = self.memo.get(k)
         if g is None:
             if comp is not None:
                 g = _compact_grams(X, acc, comp)
             else:
                 Xa = X.to(acc) if acc is not None else X
-                levels = _sym_levels(Xa) if sym else 0
                 g = _SymGram(Xa, levels) if levels else torch.bmm(Xa, Xa.transpose(1, 2))
         left = self.left.get(k, 1) - 1
         if left > 0:
@@ -694,9 +701,10 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
         return full["out"][id(u)]
     if isinstance(u, Dense) and isinstance(v, Dense) and u.R is not None and v.R is not None \
             and u.L.shape[-1] == v.L.shape[-1] and u.R.shape[-1] == v.R.shape[-1]:
-        # (a self pair's Grams may be ``_SymGram``s: only their blocks on and below the diagonal)
-        gl = _gram(u.L, v.L, acc, cache, sym=u is v)  # (B, T, P0) x (B, S, P0) -> (B, T, S)
-        gr = _gram(u.R, v.R, acc, cache, sym=u is v)  # (B, T, P1) x (B, S, P1) -> (B, T, S)
+        # (a self pair's Grams may both be ``_SymGram``s: only their blocks on and below the diagonal)
+        levels = _pair_levels(u) if u is v else 0
+        gl = _gram(u.L, v.L, acc, cache, levels)  # (B, T, P0) x (B, S, P0) -> (B, T, S)
+        gr = _gram(u.R, v.R, acc, cache, levels)  # (B, T, P1) x (B, S, P1) -> (B, T, S)
         if u is v and (bounds is not None or rows is not None):
             dl, dr = _gdiag(gl), _gdiag(gr)  # ‖L_t‖², ‖R_t‖² (B, T)
             if bounds is not None:
@@ -2248,8 +2256,9 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
         if r == "ghost":
             for u in col.uses.get(n, []):
                 if isinstance(u, Dense) and u.R is not None:
+                    levels = _pair_levels(u)  # (the form ``_inner`` asks the memo for)
                     for X in (u.L, u.R):
-                        k = _gram_key(X, _acc(params[n].dtype), compact.get(id(u)))
+                        k = _gram_key(X, _acc(params[n].dtype), compact.get(id(u)), levels)
                         counts[k] = counts.get(k, 0) + 1
     grams = _GramMemo(counts)
     active: Dict[int, Tensor] = {}  # id(dense use) -> its non-zero factor rows (when few enough)

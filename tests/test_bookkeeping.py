@@ -1996,9 +1996,9 @@ def test_float32_guard_counts_each_examples_own_tokens(neighbour_len, grouped):
 def test_sym_gram_blocks_equal_the_full_gram(B, T, P, seed, block_min, max_levels, strided):
     """The blocks on and below the diagonal give the full Gram's diagonal, the whole Gram and its
     inner product with another Gram of the same blocks (or with a full one: mixed), in float64, for
-    every number of halvings the thresholds allow; and the memo's self-Gram is one where the levels
-    say so, the full Gram where asked for a cross pair or where the operand is not contiguous (its
-    block views would copy it)."""
+    every number of halvings the thresholds allow; and the memo's self-Gram is one where the pair's
+    levels say so, the full Gram for a cross pair or where an operand is not contiguous (its block
+    views would copy it)."""
     import pdpsgd.bookkeeping as bk
 
     g = torch.Generator().manual_seed(seed)
@@ -2011,8 +2011,9 @@ def test_sym_gram_blocks_equal_the_full_gram(B, T, P, seed, block_min, max_level
         mp.setattr(bk, "SYM_MAX_LEVELS", max_levels)
         levels = bk._sym_levels(X)
         memo = bk._GramMemo({})
-        got = bk._gram(X, X, None, memo, sym=True)
-        cross = bk._gram(X, X, None, memo, sym=False)
+        pair = bk._pair_levels(bk.Dense(X, Y))  # (Y: contiguous, the same T)
+        got = bk._gram(X, X, None, memo, levels=pair)
+        cross = bk._gram(X, X, None, memo, levels=0)
     assert 0 <= levels <= max_levels and T % (1 << levels) == 0 and (levels == 0 or (T >> levels) >= block_min)
     if not X.is_contiguous():  # (a transposed (B, 1, T) or empty one still is)
         assert levels == 0
@@ -2020,7 +2021,7 @@ def test_sym_gram_blocks_equal_the_full_gram(B, T, P, seed, block_min, max_level
         assert levels == max_levels or T % (2 << levels) != 0 or (T >> (levels + 1)) < block_min  # all allowed
     full_x = torch.bmm(X, X.transpose(1, 2))
     full_y = torch.bmm(Y, Y.transpose(1, 2))
-    assert isinstance(got, bk._SymGram) == (levels > 0) and not isinstance(cross, bk._SymGram)
+    assert pair == levels and isinstance(got, bk._SymGram) == (levels > 0) and not isinstance(cross, bk._SymGram)
     torch.testing.assert_close(cross, full_x, rtol=0, atol=0)
     if levels == 0:
         torch.testing.assert_close(got, full_x, rtol=0, atol=0)
@@ -2049,6 +2050,9 @@ def test_sym_gram_levels_at_the_default_thresholds(monkeypatch):
     assert {T: bk._sym_levels(torch.empty(2, T, 3)) for T in want} == want
     assert bk._sym_levels(torch.empty(2, 256, 3, device="meta")) == 0  # not a SYM_GRAM_DEVICES device
     assert bk._sym_levels(torch.empty(2, 128, 2048)) == 2 and bk._sym_levels(torch.empty(2, 128, 2049)) == 0  # width
+    # a pair takes the blocks only with both factors: GPT-2's head (a 256 wide, g 8192) keeps full Grams
+    assert bk._pair_levels(bk.Dense(torch.empty(2, 128, 8192), torch.empty(2, 128, 256))) == 0
+    assert bk._pair_levels(bk.Dense(torch.empty(2, 128, 1024), torch.empty(2, 128, 256))) == 2
 
 
 class _SameInputTwice(nn.Module):
@@ -2082,6 +2086,9 @@ def test_sym_grams_exact_end_to_end(T, defaults, monkeypatch):
         orig(self, X, levels)
 
     monkeypatch.setattr(bk._SymGram, "__init__", spy)
+    assembled = []  # the engine pairs block Grams with block Grams only: never assembles a full one
+    full = bk._SymGram.full
+    monkeypatch.setattr(bk._SymGram, "full", lambda self: (assembled.append(1), full(self))[1])
     torch.manual_seed(T)
     B = 3
     keep = (torch.arange(T) < torch.tensor([[T], [T // 2], [T - 3]])).double()
@@ -2090,5 +2097,6 @@ def test_sym_grams_exact_end_to_end(T, defaults, monkeypatch):
         assert_exact(_SameInputTwice(), _shared_loss, b, method=method, max_grad_norm=0.2,
                      bk_options={"cost_model": "ghost"})
     assert made and all(lv >= 1 for _, lv in made), made
+    assert not assembled
     if defaults:
         assert set(made) == {(128, 2)}
