@@ -26,8 +26,7 @@ standard normal drawn in float32 or wider (never in bf16/fp16) from ``generator`
 from __future__ import annotations
 
 import math
-from collections import Counter
-from typing import Dict, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -101,7 +100,8 @@ def _check_rng(rng: str, gdev: torch.device) -> None:
 
 def _open(rng: str, generator: Optional[torch.Generator]):
     """The chunk filler ``fill(buffer, std)``, its closer, and (native only, else None) the fused
-    ``add(x, std, scale)`` writing x·scale + N(0, std²) in one pass (torch: ``normal_``; mkl and
+    ``add(xs, std, scale, chunk)`` writing x·scale + N(0, std²) in one pass over each tensor x of
+    ``xs`` in turn, chunk by chunk (``NativeStream.add_many``: one foreign call) (torch: ``normal_``; mkl and
     native: one Philox stream keyed from ``generator``, see ``pdpsgd.mkl_rng``, ``pdpsgd.native_rng``)."""
     if rng == "mkl":
         from .mkl_rng import MKLStream
@@ -112,7 +112,7 @@ def _open(rng: str, generator: Optional[torch.Generator]):
         from .native_rng import NativeStream
 
         stream = NativeStream(generator)
-        return stream.fill_, stream.close, stream.add_
+        return stream.fill_, stream.close, stream.add_many
     return (lambda buf, std: buf.normal_(0.0, std, generator=generator)), (lambda: None), None
 
 
@@ -191,8 +191,7 @@ def noise_and_scale(
         sums = {n: s.to(acc[n]) for n, s in sums.items()}
         zs = {n: z.to(device=sums[n].device, dtype=acc[n]) for n, z in zs.items()}  # each on its sum's device
         return _compiled()(sums, zs, inv, dict(dtypes))
-    ptrs = [s.untyped_storage().data_ptr() for s in sums.values()]
-    uses = Counter(ptrs)
+    shared = _overlapping(sums)
     # one draw for all off the CPU; per-chunk draws into a cache-sized scratch buffer on CPU
     whole = noise_chunk(gdev) is None
     zs = draw_noise({n: s.shape for n, s in sums.items()}, generator, ndt, first.device, zstd, rng) if whole else None
@@ -200,27 +199,63 @@ def noise_and_scale(
                                               dtype=ndt, device=gdev)
     out: Dict[str, Tensor] = {}
     fill, close, add = (None, lambda: None, None) if whole else _open(rng, generator)
+    pending: List[Tuple[str, Tensor]] = []  # sums for the stream's fused pass, drawn together in order
+
+    def flush() -> None:
+        if pending:
+            # s/denom + N(0, (std/denom)²), in place, chunk by chunk: the same draws as draw_noise
+            add([o.view(-1) for _, o in pending], zstd, inv, NOISE_CHUNK)
+            for n, o in pending:
+                out[n] = o.to(dtypes[n])
+            pending.clear()
+
     try:
-        for (n, s), ptr in zip(sums.items(), ptrs):
-            # overwrite only a sum that is the sole user of its storage (never one shared by two names)
-            owned = consume and s.dtype == acc[n] and s.is_contiguous() and uses[ptr] == 1
+        for n, s in sums.items():
+            # overwrite only a sum whose memory no other sum shares (never one tensor under two names)
+            owned = consume and s.dtype == acc[n] and s.is_contiguous() and n not in shared
             o = s if owned else s.to(acc[n], memory_format=torch.contiguous_format, copy=True)
             if whole:
                 torch.add(zs[n].to(device=o.device, dtype=o.dtype), o, alpha=inv, out=o)  # z + s/denom, in place
                 out[n] = o.to(dtypes[n])
                 continue
-            flat = o.view(-1)
-            # the stream's own fused pass (CPU sums in the draw dtype): the same draws as draw_noise
-            if add is not None and flat.dtype == ndt and flat.device.type == "cpu":
-                for a, b in _chunks(flat.numel()):
-                    add(flat[a:b], zstd, inv)  # s/denom + N(0, (std/denom)²), in place
-                out[n] = o.to(dtypes[n])
+            # the stream's own fused pass (CPU sums in the draw dtype), one call for a run of them
+            if add is not None and o.dtype == ndt and o.device.type == "cpu":
+                out[n] = o  # (its place in the order; converted once drawn)
+                pending.append((n, o))
                 continue
+            flush()  # (the draws stay in the order of the sums)
+            flat = o.view(-1)
             for a, b in _chunks(flat.numel()):
                 z = fill(scratch[: b - a], zstd)  # (b - a,) N(0, (std/denom)²), in cache
                 # z + s/denom on this chunk while it is in cache, one pass (same ops and order as unchunked)
                 torch.add(z.to(device=flat.device, dtype=flat.dtype), flat[a:b], alpha=inv, out=flat[a:b])
             out[n] = o.to(dtypes[n])
+        flush()
     finally:
         close()
     return out
+
+
+def _overlapping(sums: Mapping[str, Tensor]) -> set:
+    """Names of the sums whose memory another sum's overlaps (the same tensor under two names, or
+    views of one region); distinct regions of one storage (e.g. rows of a stacked sum) do not."""
+    spans = []
+    for n, s in sums.items():
+        if s.numel() == 0:
+            continue
+        lo = s.untyped_storage().data_ptr() + s.storage_offset() * s.element_size()
+        if s.is_contiguous():
+            hi = lo + s.numel() * s.element_size()
+        else:  # (a strided sum: all of its storage, conservatively)
+            lo = s.untyped_storage().data_ptr()
+            hi = lo + s.untyped_storage().nbytes()
+        spans.append((lo, hi, n))
+    spans.sort()
+    bad = set()
+    end, last = None, None
+    for lo, hi, n in spans:
+        if end is not None and lo < end:
+            bad.update((n, last))
+        if end is None or hi > end:
+            end, last = hi, n
+    return bad

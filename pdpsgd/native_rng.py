@@ -43,7 +43,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -193,6 +193,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         f = getattr(lib, fn)
         f.argtypes = [ctypes.c_void_p, i64, u64, u32, u32, u32, u32, ft, ctypes.c_int, ft]
         f.restype = i64
+    for fn, ft in (("pdpsgd_normal_f32_many", ctypes.c_float), ("pdpsgd_normal_f64_many", ctypes.c_double)):
+        f = getattr(lib, fn)
+        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, i64, u64, u32, u32, u32, u32, ft, ctypes.c_int, ft]
+        f.restype = i64
     lib.pdpsgd_philox_raw.argtypes = [ctypes.c_void_p, i64, u64, u32, u32, u32, u32]
     lib.pdpsgd_philox_raw.restype = None
     lib.pdpsgd_box_muller_f32.argtypes = [ctypes.c_void_p] * 4 + [i64, ctypes.c_float]
@@ -281,25 +285,65 @@ class NativeStream:
         self.counter = 0
         self._lock = threading.Lock()  # counters are reserved under it: threads sharing a stream never overlap
 
-    def _draw(self, out: Tensor, std: float, add: bool, scale: float) -> Tensor:
-        _cpu_contiguous(out, (torch.float32, torch.float64), "NativeStream")
-        ctype = ctypes.c_float if out.dtype == torch.float32 else ctypes.c_double
+    @staticmethod
+    def _check_args(dtype: torch.dtype, std: float, scale: float) -> None:
+        ctype = ctypes.c_float if dtype == torch.float32 else ctypes.c_double
         if not (std > 0 and math.isfinite(std)) or not ctype(std).value > 0:
-            raise ValueError(f"NativeStream: std must be a finite number > 0 that {out.dtype} can hold, got {std}")
+            raise ValueError(f"NativeStream: std must be a finite number > 0 that {dtype} can hold, got {std}")
         if not math.isfinite(scale):
             raise ValueError(f"NativeStream: scale must be finite, got {scale}")
-        n = out.numel()
-        need = -(-n // _PER_BLOCK[out.dtype]) * BLOCK  # whole blocks of counters
+
+    def _reserve(self, need: int) -> int:
         with self._lock:
             start = self.counter
             if start + need > 1 << 64:
                 raise RuntimeError("NativeStream: counter space exhausted (2^64 counters); open a new stream")
             self.counter = start + need
+        return start
+
+    def _draw(self, out: Tensor, std: float, add: bool, scale: float) -> Tensor:
+        _cpu_contiguous(out, (torch.float32, torch.float64), "NativeStream")
+        self._check_args(out.dtype, std, scale)
+        n = out.numel()
+        need = -(-n // _PER_BLOCK[out.dtype]) * BLOCK  # whole blocks of counters
+        start = self._reserve(need)
         f = self.lib.pdpsgd_normal_f32 if out.dtype == torch.float32 else self.lib.pdpsgd_normal_f64
         used = f(out.data_ptr(), n, start, *self.key, *self.nonce, std, int(add), scale)
         if used != need:  # the C side's block count disagrees with the reservation: never reuse counters
             raise RuntimeError(f"NativeStream: the kernel used {used} counters for {n} draws, {need} reserved")
         return out
+
+    def add_many(self, outs: Sequence[Tensor], std: float, scale: float, chunk: Optional[int] = None) -> None:
+        """``add_(piece, std, scale)`` on each piece of each tensor in turn, in one foreign call:
+        the pieces are the tensor itself, or (``chunk``) its consecutive ``chunk``-element slices.
+        Same draws as those successive calls (each piece takes whole blocks of counters from where
+        the previous one ended); all tensors contiguous, on the CPU, of one dtype (float32/float64)."""
+        outs = [t for t in outs if t.numel() > 0]  # (an empty piece takes no counters)
+        if not outs:
+            return
+        dtype = outs[0].dtype
+        for t in outs:
+            _cpu_contiguous(t, (torch.float32, torch.float64), "NativeStream")
+            if t.dtype != dtype:
+                raise ValueError(f"NativeStream.add_many: one dtype for all tensors, got {dtype} and {t.dtype}")
+        self._check_args(dtype, std, scale)
+        per, es = _PER_BLOCK[dtype], outs[0].element_size()
+        ptrs: List[int] = []
+        lens: List[int] = []
+        for t in outs:
+            n, base = t.numel(), t.data_ptr()
+            step = chunk or n
+            for a in range(0, n, step):
+                ptrs.append(base + a * es)
+                lens.append(min(step, n - a))
+        need = sum(-(-m // per) for m in lens) * BLOCK
+        start = self._reserve(need)
+        k = len(ptrs)
+        f = self.lib.pdpsgd_normal_f32_many if dtype == torch.float32 else self.lib.pdpsgd_normal_f64_many
+        used = f((ctypes.c_void_p * k)(*ptrs), (ctypes.c_int64 * k)(*lens), k, start, *self.key, *self.nonce,
+                 std, 1, scale)
+        if used != need:  # the C side's block count disagrees with the reservation: never reuse counters
+            raise RuntimeError(f"NativeStream: the kernel used {used} counters for {sum(lens)} draws, {need} reserved")
 
     def fill_(self, out: Tensor, std: float) -> Tensor:
         return self._draw(out, std, False, 0.0)

@@ -313,3 +313,39 @@ def test_portable_build_draws_the_same_stream(tmp_path, monkeypatch):
         for lib, o in zip((plain, fast), outs):
             getattr(lib, f)(o.data_ptr(), o.numel(), 7, 1, 2, 3, 4, 0.5, 1, 3.0)
         assert torch.equal(outs[0], outs[1])
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(0, 400), min_size=1, max_size=6), chunk=st.one_of(st.none(), st.integers(1, 200)),
+       dtype=st.sampled_from([torch.float32, torch.float64]), scale=st.floats(-4.0, 4.0), seed=st.integers(0, 2 ** 31))
+def test_add_many_is_successive_adds_chunk_by_chunk(sizes, chunk, dtype, scale, seed):
+    """One foreign call over many tensors (and their chunks) draws exactly what one ``add_`` per
+    chunk, in turn, draws: bit for bit, and the stream ends at the same counter."""
+    xs = [torch.randn(n, dtype=dtype) for n in sizes]
+    a, b = [x.clone() for x in xs], [x.clone() for x in xs]
+    s1 = native_rng.NativeStream(torch.Generator().manual_seed(seed))
+    s2 = native_rng.NativeStream(torch.Generator().manual_seed(seed))
+    s1.add_many(a, 0.7, scale, chunk)
+    for t in b:
+        step = chunk or max(1, t.numel())
+        for i in range(0, t.numel(), step):
+            s2.add_(t[i:i + step], 0.7, scale)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert s1.counter == s2.counter
+    if sum(sizes):
+        assert not all(torch.equal(x, y) for x, y in zip(a, xs) if x.numel())  # noise was added
+
+
+def test_add_many_refuses_bad_input():
+    s = native_rng.NativeStream(torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="one dtype"):
+        s.add_many([torch.zeros(3), torch.zeros(3, dtype=torch.float64)], 1.0, 1.0)
+    with pytest.raises(ValueError, match="not contiguous"):
+        s.add_many([torch.zeros(4, 4).t()], 1.0, 1.0)
+    with pytest.raises(ValueError, match="std must be"):
+        s.add_many([torch.zeros(3)], float("nan"), 1.0)
+    assert s.counter == 0  # nothing reserved by a refused call
+    s.add_many([], 1.0, 1.0)
+    s.add_many([torch.zeros(0)], 1.0, 1.0)
+    assert s.counter == 0

@@ -316,3 +316,41 @@ def test_default_step_noise_is_gaussian_with_std_sigma_C():
     z = _noise_from_step(sigma, C, seed=13, noise_rng="auto")
     res = stats.kstest(z, "norm", args=(0.0, sigma * C))
     assert res.pvalue > 1e-3, res
+
+
+@pytest.mark.parametrize("rng", ["torch"] + FAST_RNGS)
+def test_consume_writes_disjoint_views_of_one_storage_in_place_and_copies_overlapping_ones(rng):
+    """Rows of one stacked sum (disjoint regions of a storage) are overwritten in place like any
+    owned sum; a sum whose memory another sum's overlaps is copied (neither gets two draws); the
+    noise is what the copying path draws, in the order of the sums."""
+    from pdpsgd.fused import _overlapping
+
+    stack = torch.randn(3, 50)
+    base = torch.randn(40)
+    def make():
+        torch.manual_seed(1)
+        st2, b2 = stack.clone(), base.clone()
+        return st2, b2, {"r0": st2[0], "x": torch.randn(0), "r1": st2[1], "r2": st2[2], "o1": b2[:30], "o2": b2[20:],
+                         "f64": torch.randn(9, dtype=torch.float64), "w": torch.randn(6, 7)}
+    _, _, sums = make()
+    assert _overlapping(sums) == {"o1", "o2"}
+    assert _overlapping({"a": base, "b": base}) == {"a", "b"}
+    assert _overlapping({"a": stack[:, 0], "b": stack[1]}) == {"a", "b"}  # a strided sum: all its storage
+    dtypes = {n: s.dtype for n, s in sums.items()}
+    _, _, ref_in = make()
+    ref = noise_and_scale(ref_in, 0.3, torch.Generator().manual_seed(5), 4.0, dtypes, compile=False, rng=rng)
+    st2, b2, owned = make()
+    b2_before = b2.clone()
+    got = noise_and_scale(owned, 0.3, torch.Generator().manual_seed(5), 4.0, dtypes, compile=False, consume=True,
+                          rng=rng)
+    from pdpsgd.fused import draw_noise
+
+    z = draw_noise({n: t.shape for n, t in sums.items()}, torch.Generator().manual_seed(5), torch.float64,
+                   torch.device("cpu"), 0.3 / 4.0, rng)  # (float64 draws: one sum is float64)
+    for n in sums:
+        assert torch.equal(got[n], ref[n]), n
+        torch.testing.assert_close(got[n], (ref_in[n].double() / 4.0 + z[n]).to(dtypes[n]))
+    for j in range(3):
+        assert got[f"r{j}"].data_ptr() == st2[j].data_ptr()  # in place
+    assert torch.equal(b2, b2_before)  # the overlapping ones were copied, their storage left as it was
+    assert float((got["o1"][20:] - got["o2"][:10]).abs().min()) > 0  # two independent draws on the overlap

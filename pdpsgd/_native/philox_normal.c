@@ -184,6 +184,16 @@ int64_t pdpsgd_normal_f32(float *out, int64_t n, uint64_t ctr, uint32_t k0, uint
     return (int64_t)(c - ctr);
 }
 
+/* pdpsgd_normal_f32 over count buffers in turn, each starting where the previous one's counters
+ * ended: the same draws as count successive calls, in one call (no per-buffer foreign-call cost);
+ * returns the number of counters used in all */
+int64_t pdpsgd_normal_f32_many(float *const *outs, const int64_t *ns, int64_t count, uint64_t ctr, uint32_t k0,
+                               uint32_t k1, uint32_t n0, uint32_t n1, float std, int add, float scale) {
+    uint64_t c = ctr;
+    for (int64_t i = 0; i < count; i++) c += (uint64_t)pdpsgd_normal_f32(outs[i], ns[i], c, k0, k1, n0, n1, std, add, scale);
+    return (int64_t)(c - ctr);
+}
+
 /* float64: 53-bit uniforms from two words each, libm's log/cos/sin in double (not vectorised: the
  * float64 path is for exactness tests, not speed); same contract as pdpsgd_normal_f32 */
 int64_t pdpsgd_normal_f64(double *out, int64_t n, uint64_t ctr, uint32_t k0, uint32_t k1, uint32_t n0, uint32_t n1,
@@ -207,5 +217,13 @@ int64_t pdpsgd_normal_f64(double *out, int64_t n, uint64_t ctr, uint32_t k0, uin
         if (add) { for (int64_t j = 0; j < m; j++) out[i + j] = out[i + j] * scale + z[j]; }
         else memcpy(out + i, z, (size_t)m * sizeof(double));
     }
+    return (int64_t)(c - ctr);
+}
+
+/* pdpsgd_normal_f64 over count buffers in turn (as pdpsgd_normal_f32_many) */
+int64_t pdpsgd_normal_f64_many(double *const *outs, const int64_t *ns, int64_t count, uint64_t ctr, uint32_t k0,
+                               uint32_t k1, uint32_t n0, uint32_t n1, double std, int add, double scale) {
+    uint64_t c = ctr;
+    for (int64_t i = 0; i < count; i++) c += (uint64_t)pdpsgd_normal_f64(outs[i], ns[i], c, k0, k1, n0, n1, std, add, scale);
     return (int64_t)(c - ctr);
 }
