@@ -463,14 +463,18 @@ def _confirm_zero_rows(X: Tensor, idx: Tensor, zero: Tensor) -> Tensor:
     return zero
 
 
-def _active_rows(u: Dense, dl: Tensor, dr: Tensor) -> Optional[Tensor]:
+def _active_rows(u: Dense, dl: Tensor, dr: Tensor, counts: Optional[Tensor] = None) -> Optional[Tensor]:
     """Indices into the B·T rows of u's factors where neither L[t] nor R[t] is exactly zero, or
     None if that keeps more than ``ACTIVE_ROWS_FRACTION`` or the matmul is too small to pay for the
     check (``ACTIVE_ROWS_MIN_WORK``). The self-Gram diagonals ``dl`` = ‖L_t‖², ``dr`` = ‖R_t‖² (B, T)
     (free here) give the candidates; each candidate is then checked exactly (a tiny non-zero row
-    whose square underflows to 0 is kept)."""
+    whose square underflows to 0 is kept). ``counts`` (B,), if given: each example's number of
+    rows t with ‖L_t‖²‖R_t‖² ≠ 0 (``_bound``'s); when they add up to all B·T rows, no row is a
+    candidate (a zero row has a zero term) and nothing more is read."""
     n = dl.shape[0] * dl.shape[1]
     if n * u.L.shape[-1] * u.R.shape[-1] < ACTIVE_ROWS_MIN_WORK:
+        return None
+    if counts is not None and int(counts.sum()) == n:  # (one small reduction instead of the candidates' four ops)
         return None
     need = (1 - ACTIVE_ROWS_FRACTION) * n
     cands = [(dx == 0).reshape(-1) for dx in (dl, dr)]  # ‖X_t‖² == 0: ⊇ zero rows
@@ -711,7 +715,7 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
                 # Σ_t ‖L_t‖‖R_t‖ (B,): √(‖L_t‖²‖R_t‖²), the Gram diagonals (sums of squares: ≥ 0)
                 _bound(u, dl * dr, bounds, tokens)
             if rows is not None:
-                act = _active_rows(u, dl, dr)
+                act = _active_rows(u, dl, dr, tokens.get(id(u)) if tokens is not None and bounds is not None else None)
                 if act is not None:
                     rows[id(u)] = act
         return _ginner(gl, gr)  # (B, T, S) x (B, T, S) -> (B,)
@@ -984,7 +988,9 @@ def _whole_view_of(x: Tensor) -> Optional[Tensor]:
 
 def _normalised_dims(module: nn.Module) -> int:
     """How many trailing dims the layer normalises over (0: none; an int ``normalized_shape``: 1)."""
-    ns = getattr(module, "normalized_shape", None)
+    ns = module.__dict__.get("normalized_shape")  # (a plain attribute; a missing one: no AttributeError raised)
+    if ns is None and hasattr(type(module), "normalized_shape"):
+        ns = getattr(module, "normalized_shape", None)
     if isinstance(ns, int):
         return 1
     return len(ns) if isinstance(ns, (tuple, list, torch.Size)) else 0

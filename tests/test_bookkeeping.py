@@ -525,6 +525,38 @@ def test_active_rows_not_tried_on_small_layers(monkeypatch):
             torch.testing.assert_close(bk._weighted_use_sum(u, w, None, torch.Size([d, d]), torch.float32, rows), full)
 
 
+def test_active_rows_with_the_bound_counts_reads_no_candidates_when_every_term_is_nonzero(monkeypatch):
+    """Given ``_bound``'s per-example counts of non-zero row terms: all B·T of them non-zero means no
+    zero row, and no candidate is read; zero rows (exact, or a tiny row whose term underflows) still
+    take the exact check and give the same rows as without the counts."""
+    import pdpsgd.bookkeeping as bk
+
+    monkeypatch.setattr(bk, "ACTIVE_ROWS_MIN_WORK", 1 << 10)
+    B, T, d = 3, 8, 16
+    for zero in (None, "exact", "underflow"):
+        L, R = torch.randn(B, T, d), torch.randn(B, T, d)
+        if zero == "exact":
+            L[:, T // 2:] = 0
+        elif zero == "underflow":
+            L[:, T // 2:] = 1e-30  # ‖L_t‖² underflows to 0 in float32: a candidate, confirmed non-zero
+        u = bk.Dense(L, R)
+        dl, dr = bk._gram(L, L).diagonal(dim1=1, dim2=2), bk._gram(R, R).diagonal(dim1=1, dim2=2)
+        bounds, tokens = {}, {}
+        bk._bound(u, dl * dr, bounds, tokens)
+        reads = []
+        monkeypatch.setattr(bk, "_confirm_zero_rows", lambda *a, _o=bk._confirm_zero_rows: (reads.append(1), _o(*a))[1])
+        got = bk._active_rows(u, dl, dr, tokens[id(u)])
+        monkeypatch.undo()
+        monkeypatch.setattr(bk, "ACTIVE_ROWS_MIN_WORK", 1 << 10)
+        ref = bk._active_rows(u, dl, dr)
+        assert (got is None) == (ref is None) and (got is None or torch.equal(got, ref)), zero
+        assert bool(reads) == (zero is not None), zero
+        if zero == "exact":
+            assert got.tolist() == [b * T + t for b in range(B) for t in range(T // 2)]
+        else:
+            assert got is None
+
+
 def test_fused_noise_does_not_touch_sums_and_zero_std_is_division():
     from pdpsgd import fused
 
