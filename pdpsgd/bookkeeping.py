@@ -82,7 +82,7 @@ from .functional import LossModule, model_constants, preserve_module_state
 from .per_sample import (SQ_NORM_BLOCK, _device_of, acc_dtype, batch_size, cat_chunks, per_sample_grads, slice_batch,
                          sq_norm_per_example, weighted_dot, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
-from .rules.base import Dense, Explicit, Index, Rule, Use
+from .rules.base import Dense, Explicit, Index, Rule, Use, module_attr
 
 __all__ = ["bk_engine", "plan", "fallback_reasons", "cost", "choose_route", "COST_MODELS", "BK_OPTIONS"]
 
@@ -988,9 +988,7 @@ def _whole_view_of(x: Tensor) -> Optional[Tensor]:
 
 def _normalised_dims(module: nn.Module) -> int:
     """How many trailing dims the layer normalises over (0: none; an int ``normalized_shape``: 1)."""
-    ns = module.__dict__.get("normalized_shape")  # (a plain attribute; a missing one: no AttributeError raised)
-    if ns is None and hasattr(type(module), "normalized_shape"):
-        ns = getattr(module, "normalized_shape", None)
+    ns = module_attr(module, "normalized_shape", None)  # (a missing one: no AttributeError raised)
     if isinstance(ns, int):
         return 1
     return len(ns) if isinstance(ns, (tuple, list, torch.Size)) else 0

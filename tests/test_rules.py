@@ -330,3 +330,41 @@ def test_custom_rmsnorm_check_with_nan_rows(cls):
     y2 = y.detach().clone()
     y2[0, 0, 0] = float("nan")  # NaN in the output only
     assert rule.uses(m, (x,), {}, y2, torch.ones_like(y), 3) is None
+
+
+def test_module_attr_is_getattr_with_default():
+    """``rules.base.module_attr`` gives what ``getattr(module, name, default)`` gives: instance
+    attributes, class attributes, properties (also shadowing an instance entry), parameters,
+    buffers, submodules, a custom ``__getattr__``, and missing names."""
+    import torch
+    from torch import nn
+
+    from pdpsgd.rules.base import module_attr
+
+    class Prop(nn.Module):
+        kind = "cls"
+
+        def __init__(self):
+            super().__init__()
+            self.__dict__["shadow"] = "dict"
+            self.plain = 3
+            self.w = nn.Parameter(torch.zeros(2))
+            self.register_buffer("buf", torch.ones(1))
+            self.sub = nn.Linear(1, 1)
+
+        @property
+        def shadow(self):
+            return "property"
+
+    class Custom(nn.Module):
+        def __getattr__(self, name):
+            if name == "served":
+                return "from __getattr__"
+            return super().__getattr__(name)
+
+    cases = [(Prop(), n) for n in ("kind", "shadow", "plain", "w", "buf", "sub", "missing", "training")]
+    cases += [(Custom(), "served"), (Custom(), "missing"), (nn.LayerNorm(4), "normalized_shape"),
+              (nn.Linear(2, 2), "normalized_shape"), (nn.LayerNorm(4), "weight")]
+    for m, name in cases:
+        for default in (None, False):
+            assert module_attr(m, name, default) is getattr(m, name, default), (type(m).__name__, name)

@@ -26,19 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CaptureAdapter
+from .base import CaptureAdapter, module_attr
 
 __all__ = ["T5RelativeBiasAdapter", "is_t5_relative_attention"]
 
 
 def is_t5_relative_attention(module: nn.Module) -> bool:
     """T5-style attention that owns a relative bias table (T5, mT5, and kin: ``compute_bias``)."""
-    # (asked of every module at every step: a module's plain attribute is in its __dict__, and one
-    # its class does not have either is not there at all; nn.Module's __getattr__ would raise and
-    # catch an AttributeError per module instead)
-    if "has_relative_attention_bias" not in module.__dict__ and not hasattr(type(module), "has_relative_attention_bias"):
-        return False
-    return (getattr(module, "has_relative_attention_bias", False) is True
+    # (asked of every module at every step: ``module_attr`` raises no AttributeError per module)
+    return (module_attr(module, "has_relative_attention_bias", False) is True
             and isinstance(module._modules.get("relative_attention_bias"), nn.Embedding)
             and callable(getattr(type(module), "compute_bias", None)))
 
