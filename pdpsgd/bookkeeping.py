@@ -715,7 +715,7 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
                 # Σ_t ‖L_t‖‖R_t‖ (B,): √(‖L_t‖²‖R_t‖²), the Gram diagonals (sums of squares: ≥ 0)
                 _bound(u, dl * dr, bounds, tokens)
             if rows is not None:
-                act = _active_rows(u, dl, dr, tokens.get(id(u)) if tokens is not None and bounds is not None else None)
+                act = _active_rows(u, dl, dr, tokens.get(id(u)) if tokens is not None else None)  # (_bound's counts)
                 if act is not None:
                     rows[id(u)] = act
         return _ginner(gl, gr)  # (B, T, S) x (B, T, S) -> (B,)

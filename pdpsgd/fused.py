@@ -191,7 +191,7 @@ def noise_and_scale(
         sums = {n: s.to(acc[n]) for n, s in sums.items()}
         zs = {n: z.to(device=sums[n].device, dtype=acc[n]) for n, z in zs.items()}  # each on its sum's device
         return _compiled()(sums, zs, inv, dict(dtypes))
-    shared = _overlapping(sums)
+    shared = _overlapping(sums) if consume else set()  # (only an owned sum is overwritten)
     # one draw for all off the CPU; per-chunk draws into a cache-sized scratch buffer on CPU
     whole = noise_chunk(gdev) is None
     zs = draw_noise({n: s.shape for n, s in sums.items()}, generator, ndt, first.device, zstd, rng) if whole else None
