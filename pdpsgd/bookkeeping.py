@@ -810,6 +810,32 @@ def _zero_rows(x: Tensor, keep: Tensor) -> Tensor:
     return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+# A clipped sum Lᵀ R (P0, k) x (k, P1) with a wide P0 (a language-model head's vocabulary, e.g.
+# (8192, B·T) x (B·T, 256)) runs as row blocks of SUM_BLOCK_ROWS output rows, each written in place
+# into its slice of the result: the same products and sums, and on CPU faster than one matmul
+# that writes the whole (P0, P1) output (measured, one thread, oneMKL on AMD EPYC, B·T = 256–4096,
+# P0 = 8192, P1 = 256: 0.84–0.89× its time; no gain at P0 ≤ 1024, hence SUM_BLOCK_MIN_ROWS;
+# ``benchmarks/README.md``, round 16). CPU only (on CUDA each block is one more launch).
+SUM_BLOCK_ROWS = 512
+SUM_BLOCK_MIN_ROWS = 4096
+SUM_BLOCK_DEVICES = ("cpu",)
+
+
+def _tmm(L: Tensor, R: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """Lᵀ R for L (k, P0) and R (k, P1): (P0, P1); added into ``out`` (P0, P1) in place if given."""
+    P0 = L.shape[1]
+    if P0 < SUM_BLOCK_MIN_ROWS or L.device.type not in SUM_BLOCK_DEVICES:
+        return torch.mm(L.t(), R) if out is None else out.addmm_(L.t(), R)
+    if out is None:
+        out = torch.empty(P0, R.shape[1], dtype=torch.promote_types(L.dtype, R.dtype), device=L.device)
+        for i in range(0, P0, SUM_BLOCK_ROWS):
+            torch.mm(L[:, i:i + SUM_BLOCK_ROWS].t(), R, out=out[i:i + SUM_BLOCK_ROWS])  # (b, k) x (k, P1)
+        return out
+    for i in range(0, P0, SUM_BLOCK_ROWS):
+        out[i:i + SUM_BLOCK_ROWS].addmm_(L[:, i:i + SUM_BLOCK_ROWS].t(), R)  # += (b, k) x (k, P1)
+    return out
+
+
 def _weighted_use_sum(u: Use, w: Tensor, keep: Optional[Tensor], shape: torch.Size, acc: torch.dtype,
                       rows: Optional[Tensor] = None, out: Optional[Tensor] = None) -> Tensor:
     """Σ_i w_i G_u,i (param shape) from the factors; rows with keep False are zeroed first.
@@ -837,9 +863,9 @@ def _weighted_use_sum(u: Use, w: Tensor, keep: Optional[Tensor], shape: torch.Si
         else:
             R = R.mul_(wr)
         if out is not None:
-            out.view(P0, P1).addmm_(L.t(), R)  # += (P0, k) x (k, P1)
+            _tmm(L, R, out.view(P0, P1))  # += (P0, k) x (k, P1)
             return out
-        return torch.mm(L.t(), R).reshape(shape)  # (P0, k) x (k, P1) -> (P0, P1)
+        return _tmm(L, R).reshape(shape)  # (P0, k) x (k, P1) -> (P0, P1)
     if isinstance(u, Dense):
         L = u.L.to(acc)
         if keep is not None:
@@ -856,9 +882,9 @@ def _weighted_use_sum(u: Use, w: Tensor, keep: Optional[Tensor], shape: torch.Si
         else:
             R = R * w.view(-1, 1, 1)  # (B, T, P1) * (B, 1, 1)
         if out is not None:
-            out.view(P0, P1).addmm_(L.reshape(-1, P0).t(), R.reshape(-1, P1))  # += (P0, B·T) x (B·T, P1)
+            _tmm(L.reshape(-1, P0), R.reshape(-1, P1), out.view(P0, P1))  # += (P0, B·T) x (B·T, P1)
             return out
-        return torch.mm(L.reshape(-1, P0).t(), R.reshape(-1, P1)).reshape(shape)  # (P0, B·T) x (B·T, P1) -> (P0, P1)
+        return _tmm(L.reshape(-1, P0), R.reshape(-1, P1)).reshape(shape)  # (P0, B·T) x (B·T, P1) -> (P0, P1)
     R = u.R.to(acc)
     if keep is not None:
         R = _zero_rows(R, keep)

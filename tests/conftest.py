@@ -33,3 +33,7 @@ def _fast_paths_on_tiny_models(monkeypatch):
     # ≥ 2 rows, so the exactness tests' sequence lengths take both the full and the block Grams
     monkeypatch.setattr(bk, "SYM_MIN_T", 4)
     monkeypatch.setattr(bk, "SYM_BLOCK_MIN", 2)
+    # and the row-blocked clipped sums of wide layers (``_tmm``, in use from 4096 output rows): from
+    # 6 rows, in blocks of 5 (a last, shorter block included), so the tiny models' heads take it
+    monkeypatch.setattr(bk, "SUM_BLOCK_MIN_ROWS", 6)
+    monkeypatch.setattr(bk, "SUM_BLOCK_ROWS", 5)

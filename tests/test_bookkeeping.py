@@ -2132,3 +2132,53 @@ def test_sym_grams_exact_end_to_end(T, defaults, monkeypatch):
     assert not assembled
     if defaults:
         assert set(made) == {(128, 2)}
+
+
+@settings(max_examples=25)
+@given(k=st.integers(0, 9), P0=st.integers(1, 40), P1=st.integers(1, 7), block=st.integers(1, 12),
+       min_rows=st.integers(1, 30), into=st.booleans())
+def test_row_blocked_clipped_sum_equals_one_matmul(k, P0, P1, block, min_rows, into):
+    """``_tmm`` (Lᵀ R in row blocks for wide outputs) equals one matmul, float64, with and without a
+    sum to add into, for every block size against P0 (a shorter last block, one block, none taken)."""
+    import pdpsgd.bookkeeping as bk
+
+    torch.manual_seed(k * 1000 + P0 * 10 + P1)
+    L, R = torch.randn(k, P0, dtype=torch.float64), torch.randn(k, P1, dtype=torch.float64)
+    base = torch.randn(P0, P1, dtype=torch.float64)
+    old = bk.SUM_BLOCK_ROWS, bk.SUM_BLOCK_MIN_ROWS
+    bk.SUM_BLOCK_ROWS, bk.SUM_BLOCK_MIN_ROWS = block, min_rows
+    try:
+        got = bk._tmm(L, R, base.clone() if into else None)
+    finally:
+        bk.SUM_BLOCK_ROWS, bk.SUM_BLOCK_MIN_ROWS = old
+    want = L.t() @ R + (base if into else 0)
+    assert got.shape == (P0, P1) and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+
+
+def test_row_blocked_clipped_sum_in_use_on_wide_heads(monkeypatch):
+    """At the thresholds in use, a (4096-row) head's clipped sum runs in 512-row blocks and a
+    1024-row layer's in one matmul; the blocked sum of a GPT-2-shaped head equals the oracle."""
+    import pdpsgd.bookkeeping as bk
+
+    monkeypatch.setattr(bk, "SUM_BLOCK_MIN_ROWS", 4096)
+    monkeypatch.setattr(bk, "SUM_BLOCK_ROWS", 512)
+    calls = []
+    orig = torch.mm
+
+    class Spy:  # counts the matmuls _tmm runs (torch.mm, as the module sees it)
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def mm(*a, **k):
+            calls.append(a[0].shape)
+            return orig(*a, **k)
+
+    monkeypatch.setattr(bk, "torch", Spy())
+    L, R = torch.randn(16, 4096), torch.randn(16, 8)
+    torch.testing.assert_close(bk._tmm(L, R), L.t() @ R, rtol=1e-5, atol=1e-5)
+    assert calls == [torch.Size([512, 16])] * 8
+    calls.clear()
+    bk._tmm(torch.randn(16, 1024), R)
+    assert calls == [torch.Size([1024, 16])]
