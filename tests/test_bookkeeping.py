@@ -2158,7 +2158,7 @@ def test_row_blocked_clipped_sum_equals_one_matmul(k, P0, P1, block, min_rows, i
 
 def test_row_blocked_clipped_sum_in_use_on_wide_heads(monkeypatch):
     """At the thresholds in use, a (4096-row) head's clipped sum runs in 512-row blocks and a
-    1024-row layer's in one matmul; the blocked sum of a GPT-2-shaped head equals the oracle."""
+    1024-row layer's in one matmul; the blocked sum equals one matmul."""
     import pdpsgd.bookkeeping as bk
 
     monkeypatch.setattr(bk, "SUM_BLOCK_MIN_ROWS", 4096)
