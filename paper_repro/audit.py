@@ -28,7 +28,7 @@ from torch import nn
 from common import (DATASETS, GloveVocab, md_table, n_of, parse_mode, plt, split, take, write_results)
 from pdpsgd import make_dp_step, trainable_params
 from pdpsgd.accounting import PRVAccountant, calibrate_noise
-from pdpsgd.audit import dp_tpr_bound, mia_metrics, one_run_audit
+from pdpsgd.audit import mia_metrics, one_run_audit
 
 SETTINGS = {
     "smoke": dict(n_real=200, m=100, batch=50, epochs=2, eps=4.0),

@@ -10,7 +10,6 @@ points (a linear fit in B, checked against the largest probe).
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
 import subprocess

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from common import (DPConfig, bk_available, calibrate_schedule, epsilon_of, load_bbc, md_table, n_of, parse_mode,
-                    plt, simple_tokenize, take, train, write_results)
+                    plt, simple_tokenize, train, write_results)
 
 DELTA = 1e-5
 EPS = 3.0

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

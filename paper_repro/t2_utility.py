@@ -15,7 +15,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
-import torch
 
 from common import (DPConfig, bilstm_task, bk_available, calibrate_schedule, epsilon_of, evaluate, md_table,
                     minilm_task, parse_mode, plt, train, write_results)
