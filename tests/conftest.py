@@ -13,6 +13,16 @@ settings.register_profile(
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+# a longer, randomised search for a developer's own run: HYPOTHESIS_PROFILE=deep python -m pytest ...
+# (the profile, and ``pytest_collection_modifyitems`` below scales the tests' own max_examples by DEEP_FACTOR)
+DEEP_FACTOR = 15
+settings.register_profile(
+    "deep",
+    max_examples=12 * DEEP_FACTOR,
+    deadline=None,
+    derandomize=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
@@ -37,3 +47,16 @@ def _fast_paths_on_tiny_models(monkeypatch):
     # 6 rows, in blocks of 5 (a last, shorter block included), so the tiny models' heads take it
     monkeypatch.setattr(bk, "SUM_BLOCK_MIN_ROWS", 6)
     monkeypatch.setattr(bk, "SUM_BLOCK_ROWS", 5)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under HYPOTHESIS_PROFILE=deep: each hypothesis test's own ``@settings(max_examples=n)``
+    becomes n × DEEP_FACTOR, with a new random draw each run (CI's profile leaves them as written)."""
+    if os.environ.get("HYPOTHESIS_PROFILE") != "deep":
+        return
+    for item in items:
+        fn = getattr(item, "obj", None)
+        own = getattr(fn, "_hypothesis_internal_use_settings", None)
+        if own is not None:
+            fn._hypothesis_internal_use_settings = settings(
+                own, max_examples=own.max_examples * DEEP_FACTOR, derandomize=False, deadline=None)
