@@ -2022,29 +2022,6 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
     def rounding_only(n: str) -> bool:  # every example's gradient, in both runs, cancels to rounding
         return all(_within_rounding(sq, bd, params[n].dtype) for sq, bd in ((n1[n], bnd1[n]), (n2[n], bnd2[n])))
 
-    def finite_total(norms: Dict[str, Tensor], scale: Tensor) -> Tensor:  # each example's, all names
-        t = torch.zeros(B, dtype=torch.float64)
-        for v in norms.values():
-            v = v.detach().to(device="cpu", dtype=torch.float64) / scale
-            t = t + torch.where(torch.isfinite(v), v, torch.zeros_like(v))
-        return t
-
-    top_all = float(torch.maximum(finite_total(n1, torch.ones(B, dtype=torch.float64)).index_select(0, pi),
-                                  finite_total(n2, w2 * w2)).max()) if names else 0.0
-
-    def negligible(n: str, a: Tensor, b: Tensor) -> bool:
-        # both runs' values of this parameter, for every example, at rounding level of the largest
-        # example gradient of the whole model (float32/float64 only): a gradient that cancelled
-        # before its capture (e.g. attention q/k over one unmasked key), which its own triangle bound
-        # cannot see. Not a verdict either way: the parameter stays unverified (exact fallback
-        # whenever its gradient is not exactly zero) and is checked again on a later batch.
-        dt = params[n].dtype
-        if dt not in (torch.float32, torch.float64) or not top_all > 0:
-            return False
-        lim = (ORDER_ROUNDING_ULPS * torch.finfo(dt).eps) ** 2 * top_all
-        both = torch.cat([a.detach().double().cpu(), b.detach().double().cpu()])
-        return bool((torch.where(torch.isfinite(both), both, torch.zeros_like(both)) <= lim).all())
-
     res: Dict[str, Optional[str]] = {}
     for n in names:
         if n in fb1 or n in fb2:
@@ -2054,14 +2031,7 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         b = n2[n] / (w2 * w2).to(n2[n])  # slot p of run 2 holds example π[p]
         if not bool((torch.isfinite(a) & (a > 0)).any()):
             continue  # undecided: no finite gradient reached it in this batch; asked again
-        if not bool(differ(a, b, n).any()):
-            res[n] = None
-        elif rounding_only(n):
-            res[n] = _ROUNDING
-        elif negligible(n, a, b):
-            continue  # undecided (never trusted on it): only rounding reached it in this batch; asked again
-        else:
-            res[n] = why
+        res[n] = (_ROUNDING if rounding_only(n) else why) if bool(differ(a, b, n).any()) else None
     if any(v is not None for v in res.values()):
         # a forward that draws random numbers differs from itself (beyond rounding: kernels that
         # are not bitwise reproducible do not count): not a reordering; the check cannot tell
