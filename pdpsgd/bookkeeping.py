@@ -2042,7 +2042,9 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
             if bool(differ(v, n1[n], n).any()):
                 res[n] = None  # random: trusted, as without the check (README)
     undecided = {n: open_.get(n, 0) + 1 for n in set(names) | set(open_) if n not in res}
-    known = {**known, **res}
+    # a parameter once found attributed to another example stays so: a later batch that happens not
+    # to show it (re-checked because other parameters were undecided) must not clear the verdict
+    known = {**known, **res, **{n: v for n, v in known.items() if v is not None and v is not _ROUNDING}}
     if probe_memo is not None:
         _memo_put(probe_memo, key, (known, {**{n: c for n, c in open_.items() if n not in res}, **undecided}))
     return _order_verdicts(known)
