@@ -54,9 +54,11 @@ def pytest_collection_modifyitems(config, items):
     becomes n × DEEP_FACTOR, with a new random draw each run (CI's profile leaves them as written)."""
     if os.environ.get("HYPOTHESIS_PROFILE") != "deep":
         return
+    done = set()  # (a parametrized test's items share one function: scale it once)
     for item in items:
         fn = getattr(item, "obj", None)
         own = getattr(fn, "_hypothesis_internal_use_settings", None)
-        if own is not None:
+        if own is not None and id(fn) not in done:
+            done.add(id(fn))
             fn._hypothesis_internal_use_settings = settings(
                 own, max_examples=own.max_examples * DEEP_FACTOR, derandomize=False, deadline=None)
