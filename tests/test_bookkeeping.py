@@ -2182,3 +2182,23 @@ def test_row_blocked_clipped_sum_in_use_on_wide_heads(monkeypatch):
     calls.clear()
     bk._tmm(torch.randn(16, 1024), R)
     assert calls == [torch.Size([1024, 16])]
+
+
+def test_reordered_verdict_is_not_cleared_by_a_later_recheck():
+    """(Found by review.) A parameter the order check once found attributed to another example keeps
+    that verdict when the batch shape is checked again (as it is while another parameter is
+    undecided) on a batch that does not show it."""
+    import pdpsgd.bookkeeping as bkm
+    from pdpsgd.functional import LossModule
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    lm = LossModule(m, lambda mod, b: mod(b["x"]).squeeze(-1) ** 2)
+    params = {n: p.detach() for n, p in m.named_parameters()}
+    batch = {"x": torch.randn(4, 3)}
+    memo = {}
+    key = bkm._order_key(lm, batch, params)
+    memo[key] = ({"0.weight": "found reordered earlier"}, {"2.bias": 0})  # 2.bias: still undecided
+    bad, passed, _ = bkm._order_disagree(lm, params, {}, batch, bkm.DEFAULT_REGISTRY, {}, memo, {})
+    assert bad.get("0.weight") == "found reordered earlier" and "0.weight" not in passed, (bad, passed)
+    assert "2.weight" in passed  # the model does not reorder: the re-check passes the others
