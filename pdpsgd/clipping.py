@@ -129,4 +129,7 @@ def make_weights_fn(groups: ClipGroups, *, clip_fn: str = "abadi", gamma: float 
                 out[n] = c
         return out
 
+    # (a description of the function, read by the book-keeping engine: a parameter's clip factor is
+    # set by its group's norm; see bookkeeping._settle_pending)
+    weights_fn.clip_groups = tuple(tuple(ns) for ns in groups.names)  # type: ignore[attr-defined]
     return weights_fn

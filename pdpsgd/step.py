@@ -191,7 +191,8 @@ class DPStep:
             return {n: "vmap" for n in params}
         from .bookkeeping import plan as bk_plan
 
-        return bk_plan(self.model, self.loss_fn, params, batch, method=self.method, **self.bk_options)
+        return bk_plan(self.model, self.loss_fn, params, batch, method=self.method,
+                       clip_groups=self._clip_groups(params), **self.bk_options)
 
     def fallback_reasons(self, batch: Batch, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, str]:
         """{parameter name: why it takes the exact vmap fallback} for the parameters whose route in
@@ -201,7 +202,11 @@ class DPStep:
             return {n: "method='vmap'" for n in params}
         from .bookkeeping import fallback_reasons
 
-        return fallback_reasons(self.model, self.loss_fn, params, batch, method=self.method, **self.bk_options)
+        return fallback_reasons(self.model, self.loss_fn, params, batch, method=self.method,
+                                clip_groups=self._clip_groups(params), **self.bk_options)
+
+    def _clip_groups(self, params: Mapping[str, Tensor]):
+        return make_groups(list(params), self.clipping, self.max_grad_norm, budget=self.clip_budget).names
 
     # -- the step ---------------------------------------------------------------------------
     def clipped_sum(self, params: Mapping[str, Tensor], batch: Batch, mask: Optional[Tensor] = None) -> ClippedSum:
