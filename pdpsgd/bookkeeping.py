@@ -1994,15 +1994,17 @@ def _order_verdicts(known: Mapping[str, Optional[str]]) -> Tuple[Dict[str, str],
 def _negligible(sq: Tensor, others: Tensor, dtype: torch.dtype) -> bool:
     """Whether every example's squared norm ``sq`` (B,) of a parameter is at most
     ``ORDER_NEGLIGIBLE_ULPS`` ulps of the smallest example's norm over the other parameters
-    (``others``, (B,) squared), squared; examples with a non-finite value are left out (the step
-    drops them); float32 / float64 only. Then attributing that parameter's gradient of example j to
-    example i adds at most min(1, C/‖G_i‖)·‖g_j‖ ≤ ORDER_NEGLIGIBLE_ULPS·eps·C to i's clipped
-    contribution."""
+    (``others``, (B,) squared), squared; rows whose ``others`` is not finite are left out (the step
+    drops them), and a non-finite ``sq`` where ``others`` is finite is not negligible (that row
+    may hold another, finite example's gradient); float32 / float64 only. Then attributing that
+    parameter's gradient of example j to row i adds at most min(1, C/‖G_i‖)·‖g_j‖ ≤
+    ORDER_NEGLIGIBLE_ULPS·eps·C to row i's clipped contribution (so a changed example, which may
+    move such gradients between up to B rows, at most B times that)."""
     if dtype not in (torch.float32, torch.float64):
         return False
     sq, others = sq.detach().double().cpu(), others.detach().double().cpu()
-    keep = torch.isfinite(sq) & torch.isfinite(others)
-    if not bool(keep.any()):
+    keep = torch.isfinite(others)
+    if not bool(keep.any()) or not bool(torch.isfinite(sq[keep]).all()):
         return False
     floor = float(others[keep].min())
     return floor > 0 and float(sq[keep].max()) <= (ORDER_NEGLIGIBLE_ULPS * torch.finfo(dtype).eps) ** 2 * floor
@@ -2034,9 +2036,9 @@ def _settle_pending(col: "_Collected", params: Params, B: int,
     for n, why in col.pending.items():
         g = group_of.get(n)
         if g is not None and g not in floors:  # each example's squared norm over the group's passed ones (B,)
-            floors[g] = sum((_norm_and_bound(col.uses[m], params[m], B)[0].double() for m in g
+            floors[g] = sum((_norm_and_bound(col.uses[m], params[m], B)[0].detach().double().cpu() for m in g
                              if m in col.passed and m in col.uses and m not in col.pending),
-                            torch.zeros(B, dtype=torch.float64))
+                            torch.zeros(B, dtype=torch.float64))  # (host: one read per group)
         if g is not None and _negligible(_norm_and_bound(col.uses[n], params[n], B)[0], floors[g], params[n].dtype):
             continue  # it moves each example's clipped contribution by at most rounding of C
         col.fallback.setdefault(n, why)

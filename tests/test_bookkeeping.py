@@ -1904,6 +1904,29 @@ def test_a_verdict_that_saw_a_difference_is_not_cleared_by_a_batch_that_does_not
         assert float((out.sums[n].double() - ref).norm() / ref.norm()) < (1e-5 if dtype == torch.float32 else 1e-10)
 
 
+@pytest.mark.parametrize("bad", [0, 3, 5])
+def test_a_nonfinite_example_does_not_drop_the_example_whose_row_holds_its_negligible_gradient(bad):
+    """(Found by review.) The branch is negligible after the first batch; in the next one example
+    ``bad`` is NaN, and the branch (reordered) puts its NaN gradient in another example's row. The
+    gate must not skip that row as non-finite and keep the branch on its rules (the finite example
+    would be dropped with it): the branch falls back, and only ``bad`` is dropped."""
+    torch.manual_seed(0)
+    m, mk, loss, step, params = _sorted_setup(_SortedBehindLayerScale(), torch.float32, 6)
+    step.clipped_sum(params, mk())
+    b = mk()
+    b["x"][bad, 0, 0] = float("nan")
+    out = step.clipped_sum(params, b)
+    assert torch.isfinite(out.per_sample_norms).sum() == 5 and not torch.isfinite(out.per_sample_norms[bad])
+    _, g = naive_per_sample_grads(to_float64(m), loss, to_float64(b))
+    tot = sum(v.flatten(1).pow(2).sum(1) for v in g.values()).sqrt()
+    keep = torch.isfinite(tot)
+    assert torch.allclose(out.per_sample_norms.double()[keep], tot[keep], rtol=1e-5)
+    c = torch.where(keep, torch.clamp(0.5 / tot, max=1.0), torch.zeros_like(tot))
+    for n, v in g.items():
+        ref = (c.view(-1, *[1] * (v.dim() - 1)) * torch.nan_to_num(v)).sum(0)
+        assert float((out.sums[n].double() - ref).norm()) <= 1e-5 * (1 + float(ref.norm())), n
+
+
 @pytest.mark.parametrize("clipping", ["flat", "per_layer", "groups"])
 def test_negligible_verdict_is_bounded_by_the_clip_group(clipping):
     """A negligible gradient (float32, the small-share branch: ~1.5 ulps of the smallest example's
