@@ -186,6 +186,22 @@ def tiny_t5(layers=1, buckets=8, max_distance=16, tie=True, attn="eager", encode
     return m.eval()
 
 
+def tiny_longt5(attention="transient-global", radius=2, global_block=2, buckets=8, layers=1):
+    """A tiny Hugging Face LongT5 (encoder: local or transient-global attention, whose block-local
+    relative bias is (1, 1, H, block_len, 3·block_len); decoder: T5 attention), eval mode."""
+    import transformers as tf
+
+    cfg = tf.LongT5Config(vocab_size=T5_VOCAB, d_model=16, d_ff=32, d_kv=4, num_layers=layers, num_decoder_layers=layers,
+                          num_heads=2, encoder_attention_type=attention, local_radius=radius,
+                          global_block_size=global_block, relative_attention_num_buckets=buckets,
+                          decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = tf.LongT5ForConditionalGeneration(cfg)
+    return m.eval()
+
+
 def t5_loss(m, b):
     """Per-sequence summed token CE of the target ``labels`` (B, S), teacher forcing."""
     lg = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"],

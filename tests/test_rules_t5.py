@@ -87,6 +87,20 @@ def test_t5_encoder_long_sequences_exact(B, T, seed):
     assert {n for n, v in r.routes.items() if v == "vmap"} == set(), r.routes
 
 
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(B=st.integers(1, 4), T=st.integers(2, 14), S=st.integers(1, 5), seed=st.integers(0, 2**20),
+       attention=st.sampled_from(["local", "transient-global"]), radius=st.integers(1, 3),
+       method=st.sampled_from(["bk", "auto"]))
+def test_longt5_block_local_bias_exact_on_its_rule(B, T, S, seed, attention, radius, method):
+    """LongT5's local / transient-global encoder attention: its relative bias table (looked up as
+    (1, 1, H, block_len, 3·block_len), broadcast over the blocks) and the transient-global side
+    bias (looked up per example) are on their rules, exact (before: the exact fallback, which
+    vmap cannot run on LongT5: the step failed)."""
+    m = models.tiny_longt5(attention=attention, radius=radius)
+    r = assert_exact(m, seq2seq_loss, _batch(B, T, S, seed), method=method, max_grad_norm=0.3)
+    assert {n for n, v in r.routes.items() if v == "vmap"} == set(), r.routes
+
+
 def test_t5_relative_bias_clipped_contribution_bounded():
     """Every example's clipped contribution, the bias tables included, is at most C; and changing one
     example moves the clipped sum by at most 2C (one contribution out, another in)."""

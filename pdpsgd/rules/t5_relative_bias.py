@@ -17,7 +17,8 @@ checks that the result is the lookup, permuted (values equal, and the map's adjo
 gradient is that permutation's), then looks the buckets up again, expanded to (B, Tq, Tk), through
 the embedding itself — whose rule then gives each example's ``Index`` use (explicit route: a
 num_buckets × H gradient per example) — and returns (B, H, Tq, Tk): the same values, one copy per
-example. Anything else (not exactly one lookup, other shapes or values) and it returns the original
+example (LongT5's local and transient-global attention: (1, 1, H, block_len, 3·block_len) -> (B, 1, H, ...),
+broadcast by the model over its blocks). Anything else (not exactly one lookup, other shapes or values) and it returns the original
 ``compute_bias`` computed the ordinary way: the table then takes the exact fallback, as before.
 """
 from __future__ import annotations
@@ -76,22 +77,37 @@ class T5RelativeBiasAdapter(CaptureAdapter):
                 ref = original(module, *args, **kwargs)  # (1, H, Tq, Tk)
             finally:
                 module.__dict__.pop("relative_attention_bias", None)
-            batched = _batched(emb, stub, ref, batch_size)
+            batched = _batched(emb, stub, ref, batch_size, 2 if _block_local(module) else 1)
             return batched if batched is not None else original(module, *args, **kwargs)
 
         return compute_bias
 
 
-def _batched(emb: nn.Embedding, stub: _Lookup, ref, B: int):
+def _block_local(module: nn.Module) -> bool:
+    """LongT5's local / transient-global attention, whose bias (1, 1, H, block_len, 3·block_len) the
+    model broadcasts over (B, num_blocks, H, ...): the batch is its first dimension. (Another model's
+    (1, 1, H, Tq, Tk) could broadcast otherwise: not taken.)"""
+    try:
+        from transformers.models.longt5 import modeling_longt5 as lt5
+    except Exception:  # (transformers not installed, or renamed)
+        return False
+    kinds = tuple(getattr(lt5, k) for k in ("LongT5LocalAttention", "LongT5TransientGlobalAttention") if hasattr(lt5, k))
+    return bool(kinds) and type(module) in kinds
+
+
+def _batched(emb: nn.Embedding, stub: _Lookup, ref, B: int, leading: int = 1):
     """The lookup again on the buckets expanded to (B, Tq, Tk), through ``emb``, permuted to
-    (B, H, Tq, Tk); None if ``ref`` is not exactly the permuted lookup of one (Tq, Tk) call."""
+    (B, H, Tq, Tk) (or (B, 1, ..., H, Tq, Tk): LongT5's local and transient-global attention return
+    (1, 1, H, block_len, 3·block_len)); None if ``ref`` is not exactly the permuted lookup of one
+    (Tq, Tk) call with ``leading`` leading ones."""
     if len(stub.seen) != 1 or not isinstance(ref, torch.Tensor):
         return None
     ids, looked = stub.seen[0]  # (Tq, Tk), (Tq, Tk, H)
-    if ids.dim() != 2 or ids.is_floating_point() or ref.dim() != 4 \
-            or tuple(ref.shape) != (1, looked.shape[2], ids.shape[0], ids.shape[1]):
+    lead = ref.dim() - 3  # (1, [1, ...,] H, Tq, Tk)
+    if ids.dim() != 2 or ids.is_floating_point() or lead != leading \
+            or tuple(ref.shape) != (1,) * lead + (looked.shape[2], ids.shape[0], ids.shape[1]):
         return None
-    want = looked.permute(2, 0, 1).unsqueeze(0)  # (Tq, Tk, H) -> (1, H, Tq, Tk)
+    want = looked.permute(2, 0, 1).reshape(ref.shape)  # (Tq, Tk, H) -> (1, ..., H, Tq, Tk)
     if ref.dtype != want.dtype or not torch.equal(ref.detach(), want.detach()):
         return None
     if looked.requires_grad:  # the map's adjoint on a probe gradient must be the permutation's
@@ -100,7 +116,8 @@ def _batched(emb: nn.Embedding, stub: _Lookup, ref, B: int):
         # no zero entry (a zero would hide that element's gradient from the check)
         probe = torch.arange(1, ref.numel() + 1, dtype=ref.dtype, device=ref.device).view(ref.shape)
         (back,) = torch.autograd.grad(ref, looked, probe, allow_unused=True)
-        if back is None or not torch.equal(back, probe[0].permute(1, 2, 0)):
+        if back is None or not torch.equal(back, probe.reshape(ref.shape[lead:]).permute(1, 2, 0)):
             return None
     out = emb(ids.unsqueeze(0).expand(B, *ids.shape))  # (B, Tq, Tk) -> (B, Tq, Tk, H), captured per example
-    return out.permute(0, 3, 1, 2)  # (B, H, Tq, Tk)
+    out = out.permute(0, 3, 1, 2)  # (B, H, Tq, Tk)
+    return out.reshape((B,) + (1,) * (lead - 1) + tuple(out.shape[1:])) if lead > 1 else out
