@@ -2289,12 +2289,14 @@ def _routes(col: _Collected, params: Params, B: int, cost_model: str, overrides:
 # public entry points
 # ------------------------------------------------------------------------------------------------
 def plan(model: nn.Module, loss_fn, params: Mapping[str, Tensor], batch: Batch, *, method: str = "auto",
-         clip_groups: Optional[Sequence[Sequence[str]]] = None, **bk_options: Any) -> Dict[str, str]:
+         clip_groups: Optional[Sequence[Sequence[str]]] = None, probe_memo: Optional[Dict] = None,
+         **bk_options: Any) -> Dict[str, str]:
     """Route per trained parameter for this batch's shapes: "ghost", "explicit" or "vmap".
 
     Runs one forward and backward (to see the layers' shapes and detect uses outside a layer), plus
-    the checks a step memoises (batch-dimension probe, example order, broadcast positions; here not
-    memoised); the choice itself is a pure function of the shapes (``choose_route``), which for
+    the checks a step memoises (batch-dimension probe, example order, broadcast positions), in
+    ``probe_memo`` if given (a step passes a copy of its own: what its checks found so far is used,
+    nothing is written back), else afresh; the choice itself is a pure function of the shapes (``choose_route``), which for
     method="auto" on the CPU include each example's count of non-padded rows where the ghost norm
     would skip the padding (``_compaction``). For the whole batch as one chunk: a step with
     ``chunk_size`` decides per chunk (a parameter whose chunks differ is reported "mixed").
@@ -2305,7 +2307,7 @@ def plan(model: nn.Module, loss_fn, params: Mapping[str, Tensor], batch: Batch, 
     registry, overrides, cm = _options(method, bk_options)
     params = {n: p.detach() for n, p in params.items()}
     constants = model_constants(model, params)
-    col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides,
+    col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides, probe_memo,
                    check_order=bool(bk_options.get("check_order", True)))
     _settle_pending(col, params, batch_size(batch), clip_groups)
     dev = next(iter(params.values())).device
@@ -2314,14 +2316,14 @@ def plan(model: nn.Module, loss_fn, params: Mapping[str, Tensor], batch: Batch, 
 
 def fallback_reasons(model: nn.Module, loss_fn, params: Mapping[str, Tensor], batch: Batch, *,
                      method: str = "auto", clip_groups: Optional[Sequence[Sequence[str]]] = None,
-                     **bk_options: Any) -> Dict[str, str]:
+                     probe_memo: Optional[Dict] = None, **bk_options: Any) -> Dict[str, str]:
     """Why each trained parameter that takes the exact vmap fallback (route "vmap") takes it:
     {name: reason}, e.g. "no rule for MultiheadAttention (attn)", "also used outside its layer's
     forward". Runs the forward, backward and checks, as ``plan``."""
     registry, overrides, _ = _options(method, bk_options)
     params = {n: p.detach() for n, p in params.items()}
     constants = model_constants(model, params)
-    col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides,
+    col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides, probe_memo,
                    check_order=bool(bk_options.get("check_order", True)))
     _settle_pending(col, params, batch_size(batch), clip_groups)
     return {n: col.fallback[n] for n in params if n in col.fallback}

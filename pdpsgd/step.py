@@ -185,14 +185,15 @@ class DPStep:
     def plan(self, batch: Batch, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, str]:
         """Which route each trained parameter takes for this batch's shapes (a pure function of
         them; for method="auto" on the CPU they include each example's non-padded rows; see
-        ``pdpsgd.bookkeeping.plan``)."""
+        ``pdpsgd.bookkeeping.plan``), with what this step's checks have found so far (a verdict
+        memoised by an earlier step; the step's memo is read, not written)."""
         params = self._index.resolve(params if params is not None else dict(self.model.named_parameters()))
         if self.method == "vmap":
             return {n: "vmap" for n in params}
         from .bookkeeping import plan as bk_plan
 
         return bk_plan(self.model, self.loss_fn, params, batch, method=self.method,
-                       clip_groups=self._clip_groups(params), **self.bk_options)
+                       clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo), **self.bk_options)
 
     def fallback_reasons(self, batch: Batch, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, str]:
         """{parameter name: why it takes the exact vmap fallback} for the parameters whose route in
@@ -203,7 +204,8 @@ class DPStep:
         from .bookkeeping import fallback_reasons
 
         return fallback_reasons(self.model, self.loss_fn, params, batch, method=self.method,
-                                clip_groups=self._clip_groups(params), **self.bk_options)
+                                clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo),
+                                **self.bk_options)
 
     def _clip_groups(self, params: Mapping[str, Tensor]):
         return make_groups(list(params), self.clipping, self.max_grad_norm, budget=self.clip_budget).names

@@ -1904,6 +1904,25 @@ def test_a_verdict_that_saw_a_difference_is_not_cleared_by_a_batch_that_does_not
         assert float((out.sums[n].double() - ref).norm() / ref.norm()) < (1e-5 if dtype == torch.float32 else 1e-10)
 
 
+def test_plan_reports_the_steps_memoised_verdicts_and_does_not_write_them():
+    """(Found by review.) A step found the branch reordered on its first batch (memoised, sticky);
+    a later batch whose lengths are all equal does not reorder it: ``plan`` and ``fallback_reasons``
+    of that batch say what the step does (the fallback), not what a fresh check of that batch alone
+    would say; and they leave the step's memo as it was."""
+    torch.manual_seed(0)
+    m, mk, loss, step, params = _sorted_setup(_SortedBehindLayerScale(), torch.float64, 6)
+    step.clipped_sum(params, mk())
+    b1 = mk()
+    b1["len"] = torch.zeros(6, dtype=torch.long)
+    fresh = pdpsgd.bookkeeping.plan(m, loss, params, b1, method="bk")
+    assert fresh["fc1.weight"] != "vmap", fresh  # (alone, this batch passes the check)
+    before = dict(step._probe_memo)
+    planned, why = step.plan(b1, params), step.fallback_reasons(b1, params)
+    assert step._probe_memo.keys() == before.keys() and all(step._probe_memo[k] is v for k, v in before.items())
+    routes = step.clipped_sum(params, b1).routes
+    assert planned == routes and planned["fc1.weight"] == "vmap" and "fc1.weight" in why, (planned, routes)
+
+
 @pytest.mark.parametrize("bad", [0, 3, 5])
 def test_a_nonfinite_example_does_not_drop_the_example_whose_row_holds_its_negligible_gradient(bad):
     """(Found by review.) The branch is negligible after the first batch; in the next one example
