@@ -1072,8 +1072,8 @@ class _Collected:
     # parameters the example-order check found zero but for rounding, or negligible, whose gradient in
     # this step is not within its own triangle bound: kept on their rules only if negligible against
     # every example's norm over the passed parameters of their clip group (``_settle_pending``), with
-    # the fallback reason otherwise; and the parameters that passed the check
-    pending: Dict[str, str] = field(default_factory=dict)
+    # the fallback reason otherwise (with the step's squared norms, (B,)); and the parameters that passed the check
+    pending: Dict[str, Tuple[str, Tensor]] = field(default_factory=dict)
     passed: Set[str] = field(default_factory=set)
 
 
@@ -1775,12 +1775,13 @@ def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[st
         if n in bad:
             col.fallback.setdefault(n, bad[n])
         elif n in rounding:
-            if _rounding_only(col.uses[n], params[n], B):
-                continue  # still zero but for rounding in this step: wherever it goes, it moves rounding
             why = ("its gradient was zero but for rounding (or negligible) in the example-order check, but is "
                    "not in this step: exact fallback")
             if params[n].dtype in (torch.float32, torch.float64):
-                col.pending[n] = why  # decided by ``_settle_pending``, which knows the clip groups
+                sq, bnd = _norm_and_bound(col.uses[n], params[n], B)
+                if _within_rounding(sq, bnd, params[n].dtype):
+                    continue  # still zero but for rounding in this step: wherever it goes, it moves rounding
+                col.pending[n] = (why, sq)  # decided by ``_settle_pending``, which knows the clip groups
                 continue
             col.fallback.setdefault(n, why)
         elif n not in passed:
@@ -1959,7 +1960,7 @@ ORDER_RETRIES = 8  # a parameter no gradient reached in the check is checked aga
 
 # The order check's verdict for a parameter that differed between its runs by rounding only
 # (``ORDER_ROUNDING_ULPS``): not a pass. Each step re-checks that its gradient is still zero but for
-# rounding (``_rounding_only``), else that step takes the exact fallback for it: a gradient that
+# rounding (``_within_rounding``, in ``_apply_order``), else that step takes the exact fallback for it: a gradient that
 # cancels in the check's eval-mode runs need not cancel in training (dropout) or later (weights change).
 _ROUNDING = "rounding only"
 
@@ -1970,8 +1971,8 @@ _ROUNDING = "rounding only"
 # see (the layer's output gradient is the rounding). Each step re-checks it (``_settle_pending``):
 # it stays on its rules while its gradient is negligible against every example's norm over the
 # passed parameters of its clip group, else that step takes the exact fallback; misattributing it
-# then moves an example's clipped contribution by at most ORDER_NEGLIGIBLE_ULPS·eps·C_group
-# (``_negligible``). Like ``_ROUNDING`` and a reordering, it is never cleared to a pass by a later
+# then moves a row's clipped contribution by at most ORDER_NEGLIGIBLE_ULPS·eps·C_group
+# (``_negligible``; a changed example, at most B rows). Like ``_ROUNDING`` and a reordering, it is never cleared to a pass by a later
 # check: the check saw a difference, and a later batch may not reorder (all lengths equal, say).
 _NEGLIGIBLE = "negligible"
 # (measured on the T5 case that found this: 0.03-0.3 ulps; a branch behind a layer scale of 10⁻⁶,
@@ -2018,11 +2019,6 @@ def _within_rounding(sq: Tensor, bnd: Tensor, dtype: torch.dtype) -> bool:
         (sq <= (ORDER_ROUNDING_ULPS * torch.finfo(dtype).eps * bnd) ** 2).all())
 
 
-def _rounding_only(uses: List[Use], p: Tensor, B: int) -> bool:
-    """``_within_rounding`` for this step's uses of p."""
-    return p.dtype in (torch.float32, torch.float64) and _within_rounding(*_norm_and_bound(uses, p, B), p.dtype)
-
-
 def _settle_pending(col: "_Collected", params: Params, B: int,
                     clip_groups: Optional[Sequence[Sequence[str]]]) -> None:
     """Keep each of ``col.pending`` on its rules if its gradient in this step is negligible
@@ -2033,13 +2029,13 @@ def _settle_pending(col: "_Collected", params: Params, B: int,
         return
     group_of = {n: tuple(g) for g in (clip_groups or ()) for n in g}
     floors: Dict[Tuple[str, ...], Tensor] = {}
-    for n, why in col.pending.items():
+    for n, (why, sq) in col.pending.items():
         g = group_of.get(n)
         if g is not None and g not in floors:  # each example's squared norm over the group's passed ones (B,)
             floors[g] = sum((_norm_and_bound(col.uses[m], params[m], B)[0].detach().double().cpu() for m in g
                              if m in col.passed and m in col.uses and m not in col.pending),
                             torch.zeros(B, dtype=torch.float64))  # (host: one read per group)
-        if g is not None and _negligible(_norm_and_bound(col.uses[n], params[n], B)[0], floors[g], params[n].dtype):
+        if g is not None and _negligible(sq, floors[g], params[n].dtype):
             continue  # it moves each example's clipped contribution by at most rounding of C
         col.fallback.setdefault(n, why)
         col.uses.pop(n, None)
@@ -2098,14 +2094,16 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         return all(_within_rounding(sq, bd, params[n].dtype) for sq, bd in ((n1[n], bnd1[n]), (n2[n], bnd2[n])))
 
     agree: List[str] = []  # checked parameters whose norms agree between the runs
+    totals: List[Tensor] = []  # each example's squared norm over them, run 1 and run 2 (unweighted)
 
-    def total(norms: Dict[str, Tensor]) -> Tensor:  # each example's, over the parameters that agree
-        return sum((norms[m].detach().double().cpu() for m in agree), torch.zeros(B, dtype=torch.float64))
-
-    def negligible(n: str) -> bool:  # in both runs (run 2 unweighted), against the smallest example's norm
+    def negligible(n: str) -> bool:  # in both runs, against the smallest example's norm
         w = (w2 * w2).double()
+        if not totals:
+            totals.extend(sum((norms[m].detach().double().cpu() for m in agree), torch.zeros(B, dtype=torch.float64))
+                          for norms in (n1, n2))
+            totals[1] = totals[1] / w
         return all(_negligible(sq, tot, params[n].dtype) for sq, tot in (
-            (n1[n], total(n1)), (n2[n].detach().double().cpu() / w, total(n2) / w)))
+            (n1[n], totals[0]), (n2[n].detach().double().cpu() / w, totals[1])))
 
     res: Dict[str, Optional[str]] = {}
     differed: List[str] = []
@@ -2296,8 +2294,8 @@ def plan(model: nn.Module, loss_fn, params: Mapping[str, Tensor], batch: Batch, 
     Runs one forward and backward (to see the layers' shapes and detect uses outside a layer), plus
     the checks a step memoises (batch-dimension probe, example order, broadcast positions), in
     ``probe_memo`` if given (a step passes a copy of its own: what its checks found so far is used,
-    nothing is written back), else afresh; the choice itself is a pure function of the shapes (``choose_route``), which for
-    method="auto" on the CPU include each example's count of non-padded rows where the ghost norm
+    nothing is written back), else afresh; the choice itself is a pure function of the shapes
+    (``choose_route``), which for method="auto" on the CPU include each example's count of non-padded rows where the ghost norm
     would skip the padding (``_compaction``). For the whole batch as one chunk: a step with
     ``chunk_size`` decides per chunk (a parameter whose chunks differ is reported "mixed").
     ``clip_groups``: the step's clip groups (lists of names; a step passes its own), which decide

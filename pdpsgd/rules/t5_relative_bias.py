@@ -17,8 +17,9 @@ checks that the result is the lookup, permuted (values equal, and the map's adjo
 gradient is that permutation's), then looks the buckets up again, expanded to (B, Tq, Tk), through
 the embedding itself — whose rule then gives each example's ``Index`` use (explicit route: a
 num_buckets × H gradient per example) — and returns (B, H, Tq, Tk): the same values, one copy per
-example (LongT5's local and transient-global attention: (1, 1, H, block_len, 3·block_len) -> (B, 1, H, ...),
-broadcast by the model over its blocks). Anything else (not exactly one lookup, other shapes or values) and it returns the original
+example (LongT5's local and transient-global attention: (1, 1, H, block_len, 3·block_len) -> (B, 1,
+H, ...), broadcast by the model over its blocks). Anything else (not exactly one lookup, other
+shapes or values) and it returns the original
 ``compute_bias`` computed the ordinary way: the table then takes the exact fallback, as before.
 """
 from __future__ import annotations
@@ -87,12 +88,9 @@ def _block_local(module: nn.Module) -> bool:
     """LongT5's local / transient-global attention, whose bias (1, 1, H, block_len, 3·block_len) the
     model broadcasts over (B, num_blocks, H, ...): the batch is its first dimension. (Another model's
     (1, 1, H, Tq, Tk) could broadcast otherwise: not taken.)"""
-    try:
-        from transformers.models.longt5 import modeling_longt5 as lt5
-    except Exception:  # (transformers not installed, or renamed)
-        return False
-    kinds = tuple(getattr(lt5, k) for k in ("LongT5LocalAttention", "LongT5TransientGlobalAttention") if hasattr(lt5, k))
-    return bool(kinds) and type(module) in kinds
+    kind = type(module)  # (by name: no import of transformers on this per-call path)
+    return kind.__module__ == "transformers.models.longt5.modeling_longt5" and kind.__name__ in (
+        "LongT5LocalAttention", "LongT5TransientGlobalAttention")
 
 
 def _batched(emb: nn.Embedding, stub: _Lookup, ref, B: int, leading: int = 1):
