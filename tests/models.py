@@ -202,6 +202,32 @@ def tiny_longt5(attention="transient-global", radius=2, global_block=2, buckets=
     return m.eval()
 
 
+DEBERTA_VOCAB = 40
+
+
+def tiny_deberta(share_att_key=True, pos_att_type=("p2c", "c2p"), buckets=8, norm_rel_ebd="layer_norm", layers=2,
+                 dropout=0.0, kind="DebertaV2ForSequenceClassification"):
+    """A tiny Hugging Face DeBERTa-v2/v3 (relative positions: ``rules/deberta_relative.py``), eval mode."""
+    import transformers as tf
+
+    cfg = tf.DebertaV2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                             vocab_size=DEBERTA_VOCAB, max_position_embeddings=40, relative_attention=True,
+                             position_buckets=buckets, pos_att_type=list(pos_att_type), share_att_key=share_att_key,
+                             norm_rel_ebd=norm_rel_ebd, num_labels=3, position_biased_input=False,
+                             hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = getattr(tf, kind)(cfg)
+    return m.eval()
+
+
+def deberta_loss(m, b):
+    """Per-example CE of the sequence label."""
+    logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    return F.cross_entropy(logits, b["labels"], reduction="none")
+
+
 def t5_loss(m, b):
     """Per-sequence summed token CE of the target ``labels`` (B, S), teacher forcing."""
     lg = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"],

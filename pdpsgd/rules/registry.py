@@ -99,8 +99,8 @@ def _put_named(entries: List[Tuple[str, Any, Any]], entry: Tuple[str, Any, Any],
 
 
 def _build() -> RuleRegistry:
-    from . import (conv, embedding, hf_conv1d, layernorm, linear, matmul_linear, positional_embedding, rmsnorm,
-                   rnn, scaled_embedding, t5_relative_bias)
+    from . import (conv, deberta_relative, embedding, hf_conv1d, layernorm, linear, matmul_linear,
+                   positional_embedding, rmsnorm, rnn, scaled_embedding, t5_relative_bias)
 
     reg = RuleRegistry()
     for t in linear.TYPES:
@@ -124,6 +124,10 @@ def _build() -> RuleRegistry:
         reg.register(t, rnn.RNNRule())
     reg.register_adapter("t5_relative_bias", t5_relative_bias.is_t5_relative_attention,
                          t5_relative_bias.T5RelativeBiasAdapter())
+    reg.register_adapter("deberta_rel_embeddings", deberta_relative.is_deberta_rel_encoder,
+                         deberta_relative.DebertaRelEmbeddingAdapter())
+    reg.register_adapter("deberta_disentangled_attention", deberta_relative.is_deberta_attention,
+                         deberta_relative.DebertaAttentionAdapter())
     return reg
 
 
