@@ -149,3 +149,20 @@ def test_deberta_with_gradient_checkpointing_in_train_mode_exact():
     from pdpsgd.testing import to_float64
 
     models.assert_checkpointed_exact(to_float64(models.tiny_deberta()).train(), loss, to_float64(_batch(3, 7, seed=8)))
+
+
+def test_attention_takes_only_the_encoders_per_example_embeddings():
+    """Inside a capture, an attention takes 3-D ``rel_embeddings`` as per-example copies only where
+    they are the tensor its encoder's adapter made; any other (here: the same values, cloned) goes
+    to the model's own code, which takes (2k, d) only and fails on it."""
+    m = models.tiny_deberta().double()
+    with bk._adapted(m, default_registry(), 3):
+        rel = m.deberta.encoder.get_rel_embedding()  # (B, 2k, d), made by the adapter
+        att = m.deberta.encoder.layer[0].attention.self
+        h = torch.randn(3, 6, m.config.hidden_size, dtype=torch.float64)
+        mask = torch.ones(3, 1, 6, 6, dtype=torch.bool)
+        ours = att(h, mask, rel_embeddings=rel)[0]
+        with pytest.raises(RuntimeError):
+            att(h, mask, rel_embeddings=rel.clone())
+    want = att(h, mask, rel_embeddings=m.deberta.encoder.get_rel_embedding())[0]  # the model's own
+    torch.testing.assert_close(ours, want, rtol=1e-12, atol=1e-12)

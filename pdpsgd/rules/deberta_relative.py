@@ -21,7 +21,9 @@ While the engine captures, two adapters make that prefix per example:
   model's own, shared, mask; the same draws from the generator) and ``disentangled_attention_bias``
   projects each example's copy, (B, 2k, d) -> (B·H, 2k, dh), in place of the (H, 2k, dh) result
   repeated B times: the same values, and the projections' own rule (Linear) now sees a per-example
-  call. The rest of ``disentangled_attention_bias`` is the model's, line for line.
+  call. The rest of ``disentangled_attention_bias`` is the model's, line for line. It takes as
+  per-example copies only the tensor the encoder's adapter made in this capture (any other
+  ``rel_embeddings``: the model's own code).
 
 Both adapters accept a module only where the model's methods are exactly the code they were written
 against (transformers' DeBERTa-v2 ``get_rel_embedding``, ``DisentangledSelfAttention.forward`` and
@@ -135,8 +137,9 @@ class DebertaRelEmbeddingAdapter(CaptureAdapter):
 
         def get_rel_embedding(*args, **kwargs):
             # every attention that could receive the result must take the per-example copy
-            if args or kwargs or not all(isinstance(m.__dict__.get("forward"), _AttentionForward)
-                                         and m.__dict__["forward"].batch_size == batch_size for m in attentions):
+            forwards = [m.__dict__.get("forward") for m in attentions]
+            if args or kwargs or not all(isinstance(f, _AttentionForward) and f.batch_size == batch_size
+                                         for f in forwards):
                 return original(module, *args, **kwargs)
             emb = module._modules["rel_embeddings"]
             n = emb.num_embeddings
@@ -144,6 +147,8 @@ class DebertaRelEmbeddingAdapter(CaptureAdapter):
             rel = emb(ids)  # (B, 2k, d): the embedding's rule gives each example's use
             if "layer_norm" in module.norm_rel_ebd:
                 rel = module.LayerNorm(rel)  # (B, 2k, d), row by row: LayerNorm's rule
+            for f in forwards:  # the attentions take this tensor, and no other, as per-example copies
+                f.made.append(rel)
             return rel
 
         return get_rel_embedding
@@ -171,12 +176,16 @@ class _AttentionForward:
         self.batch_size = batch_size
         self.original = type(module).forward
         self.signature = inspect.signature(self.original)
+        # the per-example embeddings the encoder's adapter made in this capture (only these are taken
+        # per example: any other 3-D ``rel_embeddings`` goes to the model's own code)
+        self.made: list = []
 
     def __call__(self, *args, **kwargs):
         m = self.module
         bound = self.signature.bind(m, *args, **kwargs)
         rel = bound.arguments.get("rel_embeddings")
-        if not (isinstance(rel, torch.Tensor) and rel.dim() == 3 and rel.shape[0] == self.batch_size):
+        if not (isinstance(rel, torch.Tensor) and rel.dim() == 3 and rel.shape[0] == self.batch_size
+                and any(rel is r for r in self.made)):
             return self.original(m, *args, **kwargs)
         m.__dict__["pos_dropout"] = _SharedDropout(m._modules["pos_dropout"])
         m.__dict__["disentangled_attention_bias"] = functools.partial(_bias_per_example, m, self.batch_size)
