@@ -44,7 +44,12 @@ def main():
     ap.add_argument("--configs", default="gpt2-32,gpt2-128,bert-128")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--variant", default="bk", choices=("bk", "auto", "bk:native", "auto:native", "bk:torch", "auto:torch"))
+    ap.add_argument("--malloc", default="default", choices=("default", "tuned"),
+                    help="tuned: pdpsgd.malloc.tune_cpu_malloc() first, as bench.py --malloc tuned")
     a = ap.parse_args()
+    if a.malloc == "tuned":
+        from pdpsgd.malloc import tune_cpu_malloc
+        print(f"malloc: {tune_cpu_malloc().reason}")
     torch.set_num_threads(1)
     for n in ("_collect", "_weighted_use_sum", "_inner"):
         _wrap(bk, n)
