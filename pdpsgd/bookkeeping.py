@@ -269,36 +269,50 @@ def _key(X: Tensor):
 # SYM_MAX_LEVELS halvings) are computed (``_SymGram``): at T = 128 (two halvings) 5/8 of the
 # products. Measured, one thread, B = 8 (``benchmarks/README.md``, round 14): 0.72–0.92× the full
 # bmm's time at T = 128 (widths 256–8192), 0.59–0.73× at T = 256–512; at T = 64 the smaller
-# matmuls lose more than the products saved (1.06–1.23×), and so do very wide operands (GPT-2's
-# (B, 128, 8192) logits gradient: 0.92–1.31× in two runs), hence at most SYM_MAX_WIDTH columns. CPU
-# only: on CUDA each block is one more launch, where the step is launch-bound (unmeasured there).
+# matmuls lose more than the products saved (1.06–1.23×), and so do very wide operands at T = 128
+# (GPT-2's (B, 128, 8192) logits gradient: 0.92–1.31× in two runs; 0.94–1.05× in round 20), hence
+# below SYM_WIDE_MIN_T at most SYM_MAX_WIDTH columns. Wider operands from T = SYM_WIDE_MIN_T, in
+# blocks of ≥ SYM_WIDE_BLOCK_MIN rows (their long thin products lose more on small blocks); round
+# 20, one thread, B = 8, widths 4096–32768: 0.76–0.79× at T = 256 (blocks of 64; of 32: 0.79–0.84×),
+# 0.67–0.70× at T = 512 (e.g. GPT-2's 50257-wide head on CPU, whose per-example gradients are too
+# big for the explicit route). CPU only: on CUDA each block is one more launch, where the step is
+# launch-bound (unmeasured there).
 SYM_MIN_T = 128
 SYM_BLOCK_MIN = 32
 SYM_MAX_LEVELS = 3
 SYM_MAX_WIDTH = 2048
+SYM_WIDE_MIN_T = 256
+SYM_WIDE_BLOCK_MIN = 64
 SYM_GRAM_DEVICES = ("cpu",)
 
 
 def _sym_levels(X: Tensor) -> int:
     """Halvings ``_SymGram`` takes for X (B, T, P): 0 (the full Gram) off its devices, for short T,
-    wide P, or where X is not contiguous (its block views would need a copy of X; bmm reads it as
-    it is, e.g. a conv layer's unfolded (B, H·W, C·k²) factor)."""
+    wide P at T < SYM_WIDE_MIN_T, or where X is not contiguous (its block views would need a copy
+    of X; bmm reads it as it is, e.g. a conv layer's unfolded (B, H·W, C·k²) factor); wide P takes
+    blocks of ≥ SYM_WIDE_BLOCK_MIN rows."""
     if X.dim() != 3 or X.device.type not in SYM_GRAM_DEVICES or X.shape[1] < SYM_MIN_T \
-            or X.shape[2] > SYM_MAX_WIDTH or not X.is_contiguous():
+            or not X.is_contiguous():
         return 0
     T = X.shape[1]
+    block_min = SYM_BLOCK_MIN
+    if X.shape[2] > SYM_MAX_WIDTH:
+        if T < SYM_WIDE_MIN_T:
+            return 0
+        block_min = max(block_min, SYM_WIDE_BLOCK_MIN)
     levels = 0
-    while levels < SYM_MAX_LEVELS and T % (2 << levels) == 0 and (T >> (levels + 1)) >= SYM_BLOCK_MIN:
+    while levels < SYM_MAX_LEVELS and T % (2 << levels) == 0 and (T >> (levels + 1)) >= block_min:
         levels += 1
     return levels
 
 
 def _pair_levels(u: Dense) -> int:
     """Halvings for the self pair of a dense use: its two Grams pair up block by block only if both
-    factors take the blocks (the same T, so the same levels); else 0, both full (a mixed pair
-    would have to assemble the full Gram from the blocks)."""
-    levels = _sym_levels(u.L)
-    return levels if levels and _sym_levels(u.R) == levels else 0
+    factors take the blocks, at the fewer halvings of the two (a wide factor's larger blocks; any
+    halvings up to a factor's own are valid for it); else 0, both full (a mixed pair would have
+    to assemble the full Gram from the blocks)."""
+    lo, ro = _sym_levels(u.L), _sym_levels(u.R)
+    return min(lo, ro) if lo and ro else 0
 
 
 class _SymGram:

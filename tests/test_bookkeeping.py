@@ -2186,8 +2186,9 @@ def test_sym_gram_blocks_equal_the_full_gram(B, T, P, seed, block_min, max_level
 
 def test_sym_gram_levels_at_the_default_thresholds(monkeypatch):
     """In use (the module's thresholds, which conftest lowers for the tiny test models): the full
-    Gram below T = 128, off the CPU and for operands wider than 2048 columns, two halvings at T = 128
-    (blocks of 32 rows), three from T = 256; fewer where T is not divisible."""
+    Gram below T = 128 and off the CPU, two halvings at T = 128 (blocks of 32 rows), three from
+    T = 256; fewer where T is not divisible; operands wider than 2048 columns only from T = 256, in
+    blocks of ≥ 64 rows; a pair at the fewer halvings of its two factors."""
     import pdpsgd.bookkeeping as bk
 
     monkeypatch.setattr(bk, "SYM_MIN_T", 128)
@@ -2196,8 +2197,13 @@ def test_sym_gram_levels_at_the_default_thresholds(monkeypatch):
     assert {T: bk._sym_levels(torch.empty(2, T, 3)) for T in want} == want
     assert bk._sym_levels(torch.empty(2, 256, 3, device="meta")) == 0  # not a SYM_GRAM_DEVICES device
     assert bk._sym_levels(torch.empty(2, 128, 2048)) == 2 and bk._sym_levels(torch.empty(2, 128, 2049)) == 0  # width
-    # a pair takes the blocks only with both factors: GPT-2's head (a 256 wide, g 8192) keeps full Grams
+    wide = {128: 0, 192: 0, 255: 0, 256: 2, 320: 2, 258: 1, 512: 3, 1024: 3}
+    assert {T: bk._sym_levels(torch.empty(1, T, 2049)) for T in wide} == wide
+    # a pair takes the blocks only with both factors: GPT-2's head (a 256 wide, g 8192) keeps full
+    # Grams at T = 128; from T = 256 both take the wide factor's blocks of 64 rows
     assert bk._pair_levels(bk.Dense(torch.empty(2, 128, 8192), torch.empty(2, 128, 256))) == 0
+    assert bk._pair_levels(bk.Dense(torch.empty(2, 256, 8192), torch.empty(2, 256, 256))) == 2
+    assert bk._pair_levels(bk.Dense(torch.empty(2, 256, 256), torch.empty(2, 256, 8192))) == 2
     assert bk._pair_levels(bk.Dense(torch.empty(2, 128, 1024), torch.empty(2, 128, 256))) == 2
 
 
@@ -2215,15 +2221,22 @@ class _SameInputTwice(nn.Module):
         return self.out(h).sum(1)
 
 
-@pytest.mark.parametrize("T,defaults", [(8, False), (24, False), (128, True)])
-def test_sym_grams_exact_end_to_end(T, defaults, monkeypatch):
+@pytest.mark.parametrize("T,defaults,wide", [(8, False, False), (24, False, False), (16, False, True),
+                                             (128, True, False)])
+def test_sym_grams_exact_end_to_end(T, defaults, wide, monkeypatch):
     """Ghost norms and clipped sums with the block Grams equal the float64 oracle, a weight used
-    twice on one input included; at T = 128 under the thresholds in use."""
+    twice on one input included; at T = 128 under the thresholds in use; with ``wide`` every
+    operand of more than 2 columns counts as wide (larger blocks), so the pairs of the 3-wide
+    input and the 2-wide classes' gradient take the fewer halvings of their two factors."""
     import pdpsgd.bookkeeping as bk
 
     if defaults:
         monkeypatch.setattr(bk, "SYM_MIN_T", 128)
         monkeypatch.setattr(bk, "SYM_BLOCK_MIN", 32)
+    if wide:
+        monkeypatch.setattr(bk, "SYM_MAX_WIDTH", 2)
+        monkeypatch.setattr(bk, "SYM_WIDE_MIN_T", 16)
+        monkeypatch.setattr(bk, "SYM_WIDE_BLOCK_MIN", 4)
     made = []
     orig = bk._SymGram.__init__
 
@@ -2246,6 +2259,9 @@ def test_sym_grams_exact_end_to_end(T, defaults, monkeypatch):
     assert not assembled
     if defaults:
         assert set(made) == {(128, 2)}
+    if wide:  # 3-wide operands: blocks of ≥ 4 rows (2 halvings); the 2-wide ones alone could take 3
+        assert set(made) == {(16, 2)}, made
+        assert bk._sym_levels(torch.empty(2, 16, 2)) == 3
 
 
 @settings(max_examples=25)
