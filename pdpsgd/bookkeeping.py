@@ -1790,14 +1790,16 @@ def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[st
             col.fallback.setdefault(n, bad[n])
         elif n in rounding:
             why = ("its gradient was zero but for rounding (or negligible) in the example-order check, but is "
-                   "not in this step: exact fallback")
+                   "not negligible against the examples' norms over its clip group in this step: exact fallback")
             if params[n].dtype in (torch.float32, torch.float64):
-                sq, bnd = _norm_and_bound(col.uses[n], params[n], B)
-                if _within_rounding(sq, bnd, params[n].dtype):
-                    continue  # still zero but for rounding in this step: wherever it goes, it moves rounding
-                col.pending[n] = (why, sq)  # decided by ``_settle_pending``, which knows the clip groups
+                # decided by ``_settle_pending``, which knows the clip groups: on its rules only while
+                # negligible against every example's norm over its group (a bound against C; being
+                # zero but for rounding of its own terms is not one: its terms may be far larger
+                # than the examples' norms)
+                col.pending[n] = (why, _norm_and_bound(col.uses[n], params[n], B)[0])
                 continue
-            col.fallback.setdefault(n, why)
+            col.fallback.setdefault(n, "its gradient was zero but for rounding (or negligible) in the example-order "
+                                       "check, which is checked each step in float32 / float64 only: exact fallback")
         elif n not in passed:
             unseen.append(n)
             if all(_zero_use(u, params[n]) for u in col.uses[n]):
@@ -1973,9 +1975,12 @@ ORDER_RETRIES = 8  # a parameter no gradient reached in the check is checked aga
 
 
 # The order check's verdict for a parameter that differed between its runs by rounding only
-# (``ORDER_ROUNDING_ULPS``): not a pass. Each step re-checks that its gradient is still zero but for
-# rounding (``_within_rounding``, in ``_apply_order``), else that step takes the exact fallback for it: a gradient that
-# cancels in the check's eval-mode runs need not cancel in training (dropout) or later (weights change).
+# (``ORDER_ROUNDING_ULPS``): not a pass. Each step re-checks it as it does a ``_NEGLIGIBLE`` one
+# (``_settle_pending``): it stays on its rules while its gradient is negligible against every
+# example's norm over its clip group, else that step takes the exact fallback for it: a gradient that
+# cancels in the check's eval-mode runs need not cancel in training (dropout) or later (weights
+# change), and "zero but for rounding of its own terms" bounds nothing against C (the terms
+# Σ_t ‖a_t‖‖g_t‖ may be far larger than the example's norm; until round 20 that was the per-step test).
 _ROUNDING = "rounding only"
 
 # The verdict for a parameter that differed between the check's runs, in every example of both runs

@@ -1831,6 +1831,40 @@ def test_rounding_only_verdict_is_rechecked_every_step(dtype):
     assert_exact(m, loss, b1, method="bk", max_grad_norm=0.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rounding_only_verdict_stays_on_its_rule_only_while_negligible_against_c(dtype):
+    """A rounding-only parameter of a reordering model stays on its rule in a step only while its
+    gradient is negligible against every example's norm over its clip group (``_negligible``: a
+    misattributed row then moves by at most 4 ulps of C). Being zero but for rounding of its own
+    terms (the per-step test before round 20) bounds nothing against C: here one example's gradient
+    is exactly 0 (its targets are the model's outputs), so the bias rows the sort hands to it are
+    clipped by that example's factor alone: the step must take the exact fallback for the bias,
+    though every row is still within rounding of its terms."""
+    import pdpsgd.bookkeeping as bk
+
+    m, mk, loss, step, params = _sorted_setup(_SortedCentering(), dtype, 5)
+    assert step.clipped_sum(params, mk()).routes["fc.bias"] != "vmap"  # rounding only, negligible: on its rule
+    b = mk()
+    with torch.no_grad():
+        b["y"][2] = m(b["x"], b["len"])[2]  # example 2: loss 0 and gradient exactly 0
+    seen = []
+    orig = bk._norm_and_bound
+
+    def spy(uses, p, B):
+        out = orig(uses, p, B)
+        if p.data_ptr() == params["fc.bias"].data_ptr():
+            seen.append(out)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bk, "_norm_and_bound", spy)
+        out = step.clipped_sum(params, b)
+    assert out.routes["fc.bias"] == "vmap", out.routes
+    # the old per-step test would have kept it: every example's bias norm within rounding of its terms
+    assert seen and all(bk._within_rounding(sq, bnd, dtype) for sq, bnd in seen)
+    assert_exact(m, loss, b, method="bk", max_grad_norm=0.5)
+
+
 class _SortedBehindLayerScale(nn.Module):
     """A branch run on the batch sorted by length, behind a layer scale γ initialised small
     (ConvNeXt / CaiT style): at the check its share of each example's norm is ~γ², but it is a
