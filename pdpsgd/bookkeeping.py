@@ -1101,6 +1101,7 @@ def _model_layout(model: nn.Module, params: Params, registry: RuleRegistry, over
     ruled: Dict[nn.Module, Tuple[str, Rule, Dict[str, str]]] = {}
     fallback: Dict[str, str] = {}
     owner: Dict[str, List[Tuple[str, nn.Module]]] = {}
+    unruled: Dict[str, str] = {}  # parameters held by a module without a rule -> that reason
     for mname, m in model.named_modules(remove_duplicate=True):
         local = {}
         for pn, p in m._parameters.items():
@@ -1115,7 +1116,13 @@ def _model_layout(model: nn.Module, params: Params, registry: RuleRegistry, over
         rule = registry.lookup(m)
         reason = None
         if rule is None:
-            reason = f"no rule for {type(m).__name__} ({mname or '<root>'})"
+            # decided after the walk: a parameter that a ruled module also holds (e.g. BERT's MLM
+            # decoder bias, tied to its head's own ``bias``) is captured there, and a use of it in
+            # this module's forward reaches its leaf and is found ("also used outside its layer's
+            # forward"); one held by no ruled module falls back for this reason
+            for c in local.values():
+                unruled.setdefault(c, f"no rule for {type(m).__name__} ({mname or '<root>'})")
+            continue
         elif "forward" in m.__dict__:
             # e.g. accelerate's hooks, functools.partial: it may change the layer's input or output,
             # which the rule, computing the layer's own forward, would not know about
@@ -1132,6 +1139,10 @@ def _model_layout(model: nn.Module, params: Params, registry: RuleRegistry, over
                 fallback.setdefault(c, reason)
             continue
         ruled[m] = (mname, rule, local)
+    held = {c for (_, _, local) in ruled.values() for c in local.values()}
+    for c, reason in unruled.items():
+        if c not in held:
+            fallback.setdefault(c, reason)
     for c in params:
         if c not in owner:
             fallback.setdefault(c, "not owned by a module")  # cannot happen for nn.Module params

@@ -222,6 +222,30 @@ def tiny_deberta(share_att_key=True, pos_att_type=("p2c", "c2p"), buckets=8, nor
     return m.eval()
 
 
+def tiny_deberta_v1(relative=True, pos_att_type=("c2p", "p2c"), layers=2, dropout=0.0,
+                    kind="DebertaForSequenceClassification"):
+    """A tiny Hugging Face DeBERTa (v1: ``DebertaLayerNorm``, raw q/v biases; ``rules/deberta_v1.py``), eval mode."""
+    import transformers as tf
+
+    cfg = tf.DebertaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                           vocab_size=DEBERTA_VOCAB, max_position_embeddings=40, relative_attention=relative,
+                           pos_att_type=list(pos_att_type), max_relative_positions=-1, num_labels=3,
+                           position_biased_input=not relative, hidden_dropout_prob=dropout,
+                           attention_probs_dropout_prob=dropout)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = getattr(tf, kind)(cfg)
+    return m.eval()
+
+
+def deberta_mlm_loss(m, b):
+    """Per-example summed token CE of the masked-LM logits against ``labels`` (B, T)."""
+    lg = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    tok = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), b["mlm_labels"].reshape(-1), reduction="none")
+    return tok.view(b["mlm_labels"].shape).sum(1)
+
+
 def deberta_loss(m, b):
     """Per-example CE of the sequence label."""
     logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits

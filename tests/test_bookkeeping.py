@@ -2366,3 +2366,49 @@ def test_reordered_verdict_is_not_cleared_by_a_later_recheck():
     bad, passed, _ = bkm._order_disagree(lm, params, {}, batch, bkm.DEFAULT_REGISTRY, {}, memo, {})
     assert bad.get("0.weight") == "found reordered earlier" and "0.weight" not in passed, (bad, passed)
     assert "2.weight" in passed  # the model does not reorder: the re-check passes the others
+
+
+class _HeadWithTiedBias(nn.Module):
+    """A rule-less head that registers its decoder's bias as its own too (BERT's and DeBERTa's
+    masked-LM heads tie ``decoder.bias`` to ``predictions.bias``, the name met first); with ``raw``
+    its forward also adds that bias itself, outside the decoder."""
+
+    def __init__(self, d=3, v=5, raw=False):
+        super().__init__()
+        self.decoder = nn.Linear(d, v)
+        self.bias = self.decoder.bias
+        self.extra = nn.Parameter(torch.randn(v))  # held by this head alone
+        self.raw = raw
+
+    def forward(self, x):
+        y = self.decoder(x) + 0.5 * self.extra
+        return y + self.bias if self.raw else y
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_tied_parameter_of_a_ruleless_module_stays_on_its_rule(raw):
+    """A parameter that a module without a rule holds is captured by the ruled module that holds it
+    too (no fallback, exact); a use of it in the rule-less module's own forward is found (its leaf
+    is reached) and sends it to the exact fallback; a parameter no ruled module holds falls back."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = _HeadWithTiedBias(raw=raw)
+
+        def forward(self, x):
+            return self.head(torch.tanh(x)).sum(1)
+
+    m = Net()
+    assert [n for n, _ in m.named_parameters()] == ["head.bias", "head.extra", "head.decoder.weight"]
+    b = {"x": torch.randn(4, 6, 3), "y": torch.randn(4, 5)}
+    loss = lambda mm, bb: ((mm(bb["x"]) - bb["y"]) ** 2).sum(1)  # noqa: E731
+    for method in METHODS:
+        r = assert_exact(m, loss, b, method=method, max_grad_norm=0.7)
+        assert r.routes["head.extra"] == "vmap"
+        assert (r.routes["head.bias"] == "vmap") == raw, r.routes
+        assert r.routes["head.decoder.weight"] != "vmap"
+    why = pdpsgd.make_dp_step(m, loss, max_grad_norm=0.7, noise_multiplier=0.0, method="bk").fallback_reasons(b)
+    assert "no rule for _HeadWithTiedBias" in why["head.extra"]
+    assert ("also used outside" in why.get("head.bias", "")) == raw, why

@@ -40,7 +40,7 @@ import functools
 import hashlib
 import inspect
 import textwrap
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -99,10 +99,16 @@ def _fingerprint(fn: Callable) -> str:
     return hashlib.sha256(_canon(tree).encode()).hexdigest()
 
 
-def _known(cls: type, method: str) -> bool:
-    want = _KNOWN.get(f"{cls.__name__}.{method}")
+def matches_known(known: Mapping[str, str], cls: type, method: str) -> bool:
+    """Whether ``cls`` defines ``method`` itself with the fingerprint ``known`` records for
+    "Class.method" (also used by ``rules/deberta_v1.py``)."""
+    want = known.get(f"{cls.__name__}.{method}")
     fn = cls.__dict__.get(method)
     return bool(want) and fn is not None and _fingerprint(fn) == want
+
+
+def _known(cls: type, method: str) -> bool:
+    return matches_known(_KNOWN, cls, method)
 
 
 def _is_v2(module: nn.Module, name: str) -> bool:

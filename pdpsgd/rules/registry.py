@@ -99,7 +99,7 @@ def _put_named(entries: List[Tuple[str, Any, Any]], entry: Tuple[str, Any, Any],
 
 
 def _build() -> RuleRegistry:
-    from . import (conv, deberta_relative, embedding, hf_conv1d, layernorm, linear, matmul_linear,
+    from . import (conv, deberta_relative, deberta_v1, embedding, hf_conv1d, layernorm, linear, matmul_linear,
                    positional_embedding, rmsnorm, rnn, scaled_embedding, t5_relative_bias)
 
     reg = RuleRegistry()
@@ -118,6 +118,9 @@ def _build() -> RuleRegistry:
     reg.register_predicate("positional_embedding", positional_embedding.is_positional_embedding,
                            positional_embedding.PositionalEmbeddingRule())
     reg.register_predicate("matmul_linear", matmul_linear.is_matmul_linear, matmul_linear.MatmulLinearRule())
+    reg.register_predicate("deberta_layernorm", deberta_v1.is_deberta_layernorm, deberta_v1.DebertaLayerNormRule())
+    reg.register_predicate("deberta_v1_attention_bias", deberta_v1.is_deberta_v1_attention,
+                           deberta_v1.DebertaV1AttentionBiasRule())
     for t in conv.TYPES:
         reg.register(t, conv.ConvRule())
     for t in rnn.TYPES:
