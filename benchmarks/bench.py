@@ -55,6 +55,9 @@ CONFIGS = {
     # DeBERTa-v3-shaped classifier (not an issue config): relative positions (256 buckets), shared
     # attention keys; its relative-position parameters take the exact vmap fallback (benchmarks/README.md)
     "deberta-128": ("deberta", 4, 256, 4, 8192, 128, 8),
+    # DeBERTa-v1-shaped classifier (not an issue config): DebertaLayerNorm, raw q/v biases, relative
+    # positions (max_relative_positions = T: a 256-row table), c2p + p2c (rules/deberta_v1.py)
+    "deberta1-128": ("deberta1", 4, 256, 4, 8192, 128, 8),
 }
 FUSED = False
 AMP = False  # bf16 torch.autocast around every variant's model call (--amp)
@@ -98,6 +101,14 @@ def build(cfg_name, device, dtype=torch.float32, untied=False):
                               pos_att_type=["p2c", "c2p"], max_relative_positions=-1, position_biased_input=False,
                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         model = DebertaV2ForSequenceClassification(cfg)
+    elif fam == "deberta1":
+        from transformers import DebertaConfig, DebertaForSequenceClassification
+
+        cfg = DebertaConfig(num_hidden_layers=L, hidden_size=d, num_attention_heads=h, intermediate_size=4 * d,
+                            vocab_size=V, num_labels=2, max_position_embeddings=max(T, 32), relative_attention=True,
+                            pos_att_type=["c2p", "p2c"], max_relative_positions=-1, position_biased_input=False,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = DebertaForSequenceClassification(cfg)
     elif fam == "t5":
         from transformers import T5Config, T5ForConditionalGeneration
 
@@ -120,7 +131,7 @@ def build(cfg_name, device, dtype=torch.float32, untied=False):
         lengths = (8 + torch.empty(B).exponential_(1 / 24, generator=g)).long().clamp_(max=T)
         lengths[0] = T
         am = (torch.arange(T)[None] < lengths[:, None]).long()
-    elif fam in ("bert", "deberta"):
+    elif fam in ("bert", "deberta", "deberta1"):
         lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
         am = (torch.arange(T)[None] < lengths[:, None]).long()
     labels = torch.randint(1, V, (B, T // 4), generator=g) if fam == "t5" else torch.randint(0, 2, (B,), generator=g)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 import types
 from dataclasses import dataclass, field
@@ -1189,10 +1190,12 @@ class _Wrapped:
     deep copy of the layer made meanwhile (e.g. a frozen target network built lazily in the forward)
     gets its class's forward back, bound to the copy, not this capture's wrapper of the original."""
 
-    __slots__ = ("fn", "module")
+    __slots__ = ("fn", "module", "rule")
 
-    def __init__(self, fn, module: nn.Module):
-        self.fn, self.module = fn, module
+    def __init__(self, fn, module: nn.Module, rule: Optional[Rule] = None):
+        # ``rule``: the rule whose forward this is (read by capture adapters that hand a ruled layer
+        # per-example input only while that layer's rule runs it, e.g. ``rules/deberta_v1.py``)
+        self.fn, self.module, self.rule = fn, module, rule
 
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
@@ -1421,6 +1424,13 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m, (_, rule, _) in ruled.items()
                if not getattr(rule, "custom_forward", False)]  # (custom-forward rules check their own layout)
+    # custom-forward rules that ask for it (``probe_forward``) run their forward in the probe too, as
+    # in the capture (their layers' children then see the calls the capture makes)
+    probed = [m for m, (_, rule, _) in ruled.items()
+              if getattr(rule, "custom_forward", False) and getattr(rule, "probe_forward", False)
+              and "forward" not in m.__dict__]
+    for m in probed:
+        m.__dict__["forward"] = _Wrapped(functools.partial(_probe_custom_forward, ruled[m][1], m), m, ruled[m][1])
     try:
         with torch.no_grad(), preserve_module_state(loss_module.model), _own_rng(params), \
                 _adapted(loss_module.model, registry, Bp):
@@ -1431,7 +1441,16 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
     finally:
         for h in handles:
             h.remove()
+        for m in probed:
+            m.__dict__.pop("forward", None)
     return Bp, seen
+
+
+def _probe_custom_forward(rule: Rule, module: nn.Module, *args, **kwargs):
+    """A custom-forward rule's forward in the batch-dimension probe: its output (the layer's own
+    forward where the rule declines the call)."""
+    res = rule.forward(module, args, kwargs)
+    return type(module).forward(module, *args, **kwargs) if res is None else res[0]
 
 
 def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
@@ -1562,7 +1581,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
             new = on_output(module, args, kwargs, output)
             return output if new is None else new
 
-        return _Wrapped(forward, module)
+        return _Wrapped(forward, module, rule)
 
     def on_output(module, args, kwargs, output):
         mname, rule, local = ruled[module]

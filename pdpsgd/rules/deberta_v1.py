@@ -14,15 +14,28 @@ query/value biases.
   rule only to keep ``in_proj``'s output as a capture target, through a forward hook held for that
   call), so every value is the model's.
 
-Both are taken only for transformers' own classes whose methods are exactly the code these rules
+* Relative positions: the encoder hands every layer the raw table ``rel_embeddings.weight`` (2k, d),
+  which each attention drops out (``pos_dropout``) and projects batch-free (``pos_proj`` /
+  ``pos_q_proj`` on (1, 2span, d)), so no rule could split their gradients by example. While the
+  engine captures (and in its batch-dimension probe), ``DebertaV1RelEmbeddingAdapter`` replaces the
+  encoder's ``get_rel_embedding``: the table is looked up through the embedding itself on positions
+  0..2k-1 expanded to (B, 2k) (its rule gives each example's use; the same values, one copy per
+  example) — only while every attention under the encoder is run by the rule below (else the
+  model's own table). The attention rule then runs the model's forward with ``pos_dropout`` drawing
+  one mask of the batch-free shape (2k, d) for every example (the model's own draws) and
+  ``disentangled_att_bias`` projecting each example's copy, (B, 2span, d) -> (B, H, 2span, dh), where
+  the model projects one and broadcasts it: the same values, and the projections' Linear rule sees
+  a per-example call. It takes as per-example copies only the tensor the adapter made.
+
+All are taken only for transformers' own classes whose methods are exactly the code these rules
 were written against (syntax-tree fingerprints, as ``rules/deberta_relative.py``); anything else
-takes the exact fallback. Not covered here: DeBERTa v1's relative positions (its encoder hands every
-layer the raw table ``rel_embeddings.weight``, projected batch-free): the table and the position
-projections still take the exact fallback; so does an attention called with ``query_states`` (the
-enhanced mask decoder's path, which does not call ``in_proj``).
+takes the exact fallback. An attention called with ``query_states`` (the enhanced mask decoder's
+path, which does not call ``in_proj``) is declined (exact fallback), or, handed the per-example
+table, refused with an error (the capture then runs again without the adapter: exact fallback).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from dataclasses import dataclass
@@ -31,11 +44,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .base import Dense, Explicit, Rule, Use, first_input
-from .deberta_relative import matches_known
+from .base import CaptureAdapter, Dense, Explicit, Rule, Use, first_input
+from .deberta_relative import _SharedDropout, matches_known
 
-__all__ = ["DebertaLayerNormRule", "DebertaV1AttentionBiasRule", "is_deberta_layernorm",
-           "is_deberta_v1_attention"]
+__all__ = ["DebertaLayerNormRule", "DebertaV1AttentionBiasRule", "DebertaV1RelEmbeddingAdapter",
+           "is_deberta_layernorm", "is_deberta_v1_attention", "is_deberta_v1_rel_encoder"]
 
 _MODULE = "transformers.models.deberta.modeling_deberta"
 
@@ -45,6 +58,9 @@ _KNOWN = {
     "DisentangledSelfAttention.forward": "070579ab6422a668e18b097b3543e28c9c96cace55e9396bf573677d6e90f549",
     "DisentangledSelfAttention.transpose_for_scores":
         "d6458812708c2f6c865cb35b7b6676741fa8143116c339f62fc468c42964c57d",
+    "DisentangledSelfAttention.disentangled_att_bias":
+        "716bbfd409adc8aa511bbc53948101b1a5b21db915bee08f7609cc0183307853",
+    "DebertaEncoder.get_rel_embedding": "d8d986f0753424022d087e7b31d58d702bc18bf1a8dca313778b96d447e78739",
 }
 
 
@@ -102,6 +118,43 @@ def is_deberta_v1_attention(module: nn.Module) -> bool:
             and isinstance(module._modules.get("in_proj"), nn.Linear))
 
 
+def is_deberta_v1_rel_encoder(module: nn.Module) -> bool:
+    """DeBERTa v1's encoder with relative attention (an nn.Embedding table), exactly the known code."""
+    return (_is_v1(module, "DebertaEncoder") and module.__dict__.get("relative_attention") is True
+            and isinstance(module._modules.get("rel_embeddings"), nn.Embedding)
+            and _known(type(module), "get_rel_embedding"))
+
+
+class _PerExampleTable(torch.Tensor):
+    """Marks the (B, 2k, d) table the adapter made (a subclass view of it: the same storage and
+    autograd history), so that the attention rule takes as per-example copies only this tensor."""
+
+
+class DebertaV1RelEmbeddingAdapter(CaptureAdapter):
+    """The encoder's ``get_rel_embedding`` per example: (2k, d) -> the same values as (B, 2k, d)."""
+
+    name = "deberta_v1_rel_embeddings"
+    method = "get_rel_embedding"
+
+    def wrap(self, module: nn.Module, batch_size: int):
+        original = type(module).get_rel_embedding
+        attentions = [m for m in module.modules() if _is_v1(m, "DisentangledSelfAttention")]
+
+        def get_rel_embedding(*args, **kwargs):
+            # every attention that could receive the table must be run by the rule below right now
+            # (the engine's capture or its probe): else the model's own (2k, d) table
+            if args or kwargs or not attentions or not all(
+                    isinstance(getattr(m.__dict__.get("forward"), "rule", None), DebertaV1AttentionBiasRule)
+                    for m in attentions):
+                return original(module, *args, **kwargs)
+            emb = module._modules["rel_embeddings"]
+            n = emb.num_embeddings
+            ids = torch.arange(n, device=emb.weight.device).expand(batch_size, n)  # (B, 2k)
+            return emb(ids).as_subclass(_PerExampleTable)  # (B, 2k, d): the embedding's rule gives each example's use
+
+        return get_rel_embedding
+
+
 @dataclass
 class _InProjCapture:
     targets: List[Tensor]  # in_proj's output(s) of this call, (B, T, 3·H·dh)
@@ -113,6 +166,7 @@ class DebertaV1AttentionBiasRule(Rule):
 
     name = "deberta_v1_attention_bias"
     custom_forward = True
+    probe_forward = True  # (the probe must see the per-example position projections the capture makes)
 
     def supports(self, module: nn.Module) -> Optional[str]:
         return None if is_deberta_v1_attention(module) else "not the DeBERTa attention code this rule knows"
@@ -125,8 +179,16 @@ class DebertaV1AttentionBiasRule(Rule):
         except TypeError:
             return None
         hs = bound.arguments.get("hidden_states")
+        rel = bound.arguments.get("rel_embeddings")
+        per_example = isinstance(rel, _PerExampleTable)
         if bound.arguments.get("query_states") is not None or not isinstance(hs, Tensor) or hs.dim() != 3:
+            if per_example:  # the model's code would read the (B, 2k, d) table as its (2k, d) one
+                raise ValueError("DeBERTa v1 adapter: an attention call the rule does not take was handed the "
+                                 "per-example position table")
             return None  # (query_states: in_proj is not called; the exact fallback)
+        if per_example and (rel.dim() != 3 or rel.shape[0] != hs.shape[0]):
+            raise ValueError(f"DeBERTa v1 adapter: a per-example position table of {rel.shape[0]} rows for an "
+                             f"attention batch of {hs.shape[0]}")
         seen: List[Tensor] = []
 
         def keep(mod, inp, out):
@@ -141,10 +203,15 @@ class DebertaV1AttentionBiasRule(Rule):
             return None
 
         hook = module._modules["in_proj"].register_forward_hook(keep)
+        if per_example:
+            module.__dict__["pos_dropout"] = _SharedDropout(module._modules["pos_dropout"])
+            module.__dict__["disentangled_att_bias"] = functools.partial(_bias_per_example, module)
         try:
             output = original(module, *args, **kwargs)
         finally:
             hook.remove()
+            module.__dict__.pop("pos_dropout", None)
+            module.__dict__.pop("disentangled_att_bias", None)
         return output, _InProjCapture(seen)
 
     def custom_uses(self, module: nn.Module, capture: _InProjCapture, grads: List[Optional[Tensor]],
@@ -163,3 +230,64 @@ class DebertaV1AttentionBiasRule(Rule):
         gq = g4[..., :dh].reshape(B, T, D)  # (B, T, H·dh): q_bias[h·dh + j] <- head h, column j
         gv = g4[..., 2 * dh:].reshape(B, T, D)
         return {"q_bias": Dense(gq, None), "v_bias": Dense(gv, None)}
+
+
+def _bias_per_example(self: nn.Module, query_layer, key_layer, relative_pos, rel_embeddings, scale_factor):
+    """transformers' ``DisentangledSelfAttention.disentangled_att_bias`` (DeBERTa v1) with the position
+    table per example (B, 2k, d): each example's copy is sliced and projected, (B, H, 2span, dh),
+    where the model slices and projects one, (1, H, 2span, dh), and broadcasts it. Every other line is
+    the model's."""
+    g = type(self).disentangled_att_bias.__globals__  # the model module's own helpers
+    build_relative_position, compute_attention_span = g["build_relative_position"], g["compute_attention_span"]
+    c2p_dynamic_expand, p2c_dynamic_expand = g["c2p_dynamic_expand"], g["p2c_dynamic_expand"]
+    scaled_size_sqrt, build_rpos, uneven_size_corrected = (g["scaled_size_sqrt"], g["build_rpos"],
+                                                           g["uneven_size_corrected"])
+    if relative_pos is None:
+        relative_pos = build_relative_position(query_layer, key_layer, query_layer.device)
+    if relative_pos.dim() == 2:
+        relative_pos = relative_pos.unsqueeze(0).unsqueeze(0)
+    elif relative_pos.dim() == 3:
+        relative_pos = relative_pos.unsqueeze(1)
+    # bxhxqxk
+    elif relative_pos.dim() != 4:
+        raise ValueError(f"Relative position ids must be of dim 2 or 3 or 4. {relative_pos.dim()}")
+    if query_layer.size(0) != rel_embeddings.size(0):
+        raise ValueError(f"DeBERTa v1 adapter: {query_layer.size(0)} attention rows, not B = {rel_embeddings.size(0)}")
+
+    att_span = compute_attention_span(query_layer, key_layer, self.max_relative_positions)
+    relative_pos = relative_pos.long()
+    rel_embeddings = torch.Tensor.as_subclass(rel_embeddings, torch.Tensor)[
+        :, self.max_relative_positions - att_span : self.max_relative_positions + att_span, :
+    ]  # (B, 2span, d)
+
+    score = 0
+
+    # content->position
+    if "c2p" in self.pos_att_type:
+        pos_key_layer = self.pos_proj(rel_embeddings)  # (B, 2span, H·dh)
+        pos_key_layer = self.transpose_for_scores(pos_key_layer)  # (B, H, 2span, dh)
+        c2p_att = torch.matmul(query_layer, pos_key_layer.transpose(-1, -2))
+        c2p_pos = torch.clamp(relative_pos + att_span, 0, att_span * 2 - 1)
+        c2p_att = torch.gather(c2p_att, dim=-1, index=c2p_dynamic_expand(c2p_pos, query_layer, relative_pos))
+        score += c2p_att
+
+    # position->content
+    if "p2c" in self.pos_att_type:
+        pos_query_layer = self.pos_q_proj(rel_embeddings)  # (B, 2span, H·dh)
+        pos_query_layer = self.transpose_for_scores(pos_query_layer)  # (B, H, 2span, dh)
+        pos_query_layer /= scaled_size_sqrt(pos_query_layer, scale_factor)
+        r_pos = build_rpos(
+            query_layer,
+            key_layer,
+            relative_pos,
+        )
+        p2c_pos = torch.clamp(-r_pos + att_span, 0, att_span * 2 - 1)
+        p2c_att = torch.matmul(key_layer, pos_query_layer.transpose(-1, -2).to(dtype=key_layer.dtype))
+        p2c_att = torch.gather(
+            p2c_att, dim=-1, index=p2c_dynamic_expand(p2c_pos, query_layer, key_layer)
+        ).transpose(-1, -2)
+
+        p2c_att = uneven_size_corrected(p2c_att, query_layer, key_layer, relative_pos)
+        score += p2c_att
+
+    return score

@@ -131,6 +131,8 @@ def _build() -> RuleRegistry:
                          deberta_relative.DebertaRelEmbeddingAdapter())
     reg.register_adapter("deberta_disentangled_attention", deberta_relative.is_deberta_attention,
                          deberta_relative.DebertaAttentionAdapter())
+    reg.register_adapter("deberta_v1_rel_embeddings", deberta_v1.is_deberta_v1_rel_encoder,
+                         deberta_v1.DebertaV1RelEmbeddingAdapter())
     return reg
 
 
