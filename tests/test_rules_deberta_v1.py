@@ -203,3 +203,43 @@ def test_per_example_table_refused_where_the_rule_cannot_take_it():
         rule.forward(att, (hs, mask), {"query_states": hs, "rel_embeddings": table})
     with pytest.raises(ValueError, match="attention batch of 3"):
         rule.forward(att, (torch.randn(3, 5, 16), torch.ones(3, 1, 5, 5)), {"rel_embeddings": table})
+
+
+def test_in_proj_output_used_elsewhere_stays_exact():
+    """A user's forward hook on in_proj keeps its output for an auxiliary loss: the biases' gradients
+    come from the attention's own use of that output only (found by review: they took the aux term)."""
+    m = models.tiny_deberta_v1()
+    ip = m.deberta.encoder.layer[0].attention.self.in_proj
+    kept = []
+    ip.register_forward_hook(lambda mod, inp, out: kept.append(out))
+    with torch.no_grad():
+        for layer in m.deberta.encoder.layer:
+            layer.attention.self.q_bias.normal_()
+            layer.attention.self.v_bias.normal_()
+
+    def aux_loss(mm, b):
+        kept.clear()
+        ce = models.deberta_loss(mm, b)
+        return ce + 0.3 * kept[-1].pow(2).sum((1, 2))
+
+    r = assert_exact(m, aux_loss, _batch(3, 7, 1), method="bk", max_grad_norm=0.3)
+    assert r.routes["deberta.encoder.layer.0.attention.self.q_bias"] != "vmap"
+
+
+def test_class_level_patch_of_the_bias_method_falls_back(monkeypatch):
+    """A patch of ``DisentangledSelfAttention.disentangled_att_bias`` on transformers' own class (name
+    and module unchanged) is not the known code: the attentions are not the rule's, exact fallback
+    (found by review: the fingerprint of that method was recorded but not checked)."""
+    from transformers.models.deberta import modeling_deberta as md
+
+    orig = md.DisentangledSelfAttention.disentangled_att_bias
+
+    def disentangled_att_bias(self, query_layer, key_layer, relative_pos, rel_embeddings, scale_factor):
+        return 2 * orig(self, query_layer, key_layer, relative_pos, rel_embeddings, scale_factor)
+
+    monkeypatch.setattr(md.DisentangledSelfAttention, "disentangled_att_bias", disentangled_att_bias)
+    m = models.tiny_deberta_v1()
+    assert not is_deberta_v1_attention(m.deberta.encoder.layer[0].attention.self)
+    r = assert_exact(m, models.deberta_loss, _batch(3, 7, 5), method="bk", max_grad_norm=1e3)
+    assert r.routes["deberta.encoder.rel_embeddings.weight"] == "vmap"
+    assert r.routes["deberta.encoder.layer.0.attention.self.q_bias"] == "vmap"

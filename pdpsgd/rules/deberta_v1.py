@@ -114,7 +114,8 @@ def is_deberta_v1_attention(module: nn.Module) -> bool:
     """DeBERTa v1's ``DisentangledSelfAttention``, exactly the known code, owning q_bias and v_bias."""
     cls = type(module)
     return (_is_v1(module, "DisentangledSelfAttention") and _known(cls, "forward")
-            and _known(cls, "transpose_for_scores") and set(module._parameters) == {"q_bias", "v_bias"}
+            and _known(cls, "transpose_for_scores") and _known(cls, "disentangled_att_bias")
+            and set(module._parameters) == {"q_bias", "v_bias"}
             and isinstance(module._modules.get("in_proj"), nn.Linear))
 
 
@@ -192,15 +193,19 @@ class DebertaV1AttentionBiasRule(Rule):
         seen: List[Tensor] = []
 
         def keep(mod, inp, out):
-            if not isinstance(out, Tensor):
+            # the output the attention's own code goes on with is a fresh alias of in_proj's output
+            # (held last among its forward hooks): its gradient is that code's alone, the biases'
+            # per-token gradient, even where the output is also used elsewhere (a user's hook, an
+            # auxiliary loss), which in_proj's own rule still sees through its output
+            if not isinstance(out, Tensor) or not out.is_floating_point():
                 return None
-            if torch.is_grad_enabled() and not out.requires_grad and out.is_floating_point():
+            if torch.is_grad_enabled() and not out.requires_grad:
                 # make its gradient reachable (nothing upstream is trained): out − 0 through a scalar leaf
-                out = torch.sub(out, torch.zeros((), dtype=out.dtype, device=out.device, requires_grad=True))
-                seen.append(out)
-                return out
-            seen.append(out)
-            return None
+                alias = torch.sub(out, torch.zeros((), dtype=out.dtype, device=out.device, requires_grad=True))
+            else:
+                alias = out.view_as(out)
+            seen.append(alias)
+            return alias
 
         hook = module._modules["in_proj"].register_forward_hook(keep)
         if per_example:
