@@ -1505,6 +1505,10 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     """``_collect``'s one attempt (with the adapters as ``_ADAPTERS_OFF`` says)."""
     model = loss_module.model
     B = batch_size(batch)
+    # the model's own Parameter objects (read before they are swapped out of its modules for the
+    # capture): a path from the loss to one is a use the capture (and the fallback) cannot see (a
+    # reference kept in a list or a closure): refused, never a silently missing gradient term
+    stray = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     ruled, fallback, owner = _model_layout(model, params, registry, overrides)
     # modules whose (1, T, ...) outputs are not expanded: the duplicated-example check (below) found
     # them read otherwise (module name -> reason); known from an earlier step of this batch shape, or
@@ -1683,7 +1687,16 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         try:
             if losses.requires_grad and targets:
                 total = losses.sum() if loss_weights is None else (losses * loss_weights.to(losses)).sum()
-                grads = torch.autograd.grad(total, targets, allow_unused=True)
+                grads = torch.autograd.grad(total, targets + [p for _, p in stray], allow_unused=True)
+                used = [n for (n, _), g in zip(stray, grads[len(targets):]) if g is not None]
+                grads = grads[:len(targets)]
+                if used:
+                    raise ValueError(
+                        f"the loss depends on parameter(s) {used[:3]} other than through the model's modules (e.g. "
+                        "a reference kept in a Python list or a closure, or a copy made at construction): the DP "
+                        "step swaps the parameters it is given into the modules (torch.func.functional_call) and "
+                        "cannot see such a use. Read every parameter through its module's attribute (self.<name>)."
+                    )
             else:
                 grads = (None,) * len(targets)
         except RuntimeError as err:

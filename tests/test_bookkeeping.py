@@ -2412,3 +2412,28 @@ def test_tied_parameter_of_a_ruleless_module_stays_on_its_rule(raw):
     why = pdpsgd.make_dp_step(m, loss, max_grad_norm=0.7, noise_multiplier=0.0, method="bk").fallback_reasons(b)
     assert "no rule for _HeadWithTiedBias" in why["head.extra"]
     assert ("also used outside" in why.get("head.bias", "")) == raw, why
+
+
+def test_parameter_used_other_than_through_its_module_is_refused():
+    """A parameter the forward reads through a reference of its own (a Python list), not its module's
+    attribute: the step swaps parameters into the modules (functional_call) and cannot see that use,
+    so it refuses with an error that names it (found by review: a silently missing gradient term,
+    on the rules and on the vmap fallback alike)."""
+    torch.manual_seed(0)
+
+    class Hidden(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+            self._refs = [self.lin.bias]
+
+        def forward(self, x):
+            y = self.lin(x)
+            return (y + self._refs[0] * y.detach()).sum(1)
+
+    b = {"x": torch.randn(4, 5, 3), "y": torch.randn(4, 2)}
+    loss = lambda mm, bb: ((mm(bb["x"]) - bb["y"]) ** 2).sum(1)  # noqa: E731
+    m = Hidden()
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
+    with pytest.raises(ValueError, match=r"lin\.bias.*other than through the model's modules"):
+        step.clipped_sum({n: p.detach() for n, p in m.named_parameters()}, b)
