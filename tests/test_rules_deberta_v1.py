@@ -243,3 +243,22 @@ def test_class_level_patch_of_the_bias_method_falls_back(monkeypatch):
     r = assert_exact(m, models.deberta_loss, _batch(3, 7, 5), method="bk", max_grad_norm=1e3)
     assert r.routes["deberta.encoder.rel_embeddings.weight"] == "vmap"
     assert r.routes["deberta.encoder.layer.0.attention.self.q_bias"] == "vmap"
+
+
+def test_patched_layer_code_leaves_the_table_to_the_model(monkeypatch):
+    """The code between the encoder and the attentions (encoder, layer and attention-block forwards)
+    only hands the table on; a patched one might read it as (2k, d): the encoder's adapter is not
+    installed, and the relative-position parameters take the exact fallback (review: not checked before)."""
+    from transformers.models.deberta import modeling_deberta as md
+
+    orig = md.DebertaLayer.forward
+
+    def forward(self, *a, **k):
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(md.DebertaLayer, "forward", forward)
+    m = models.tiny_deberta_v1()
+    assert not deberta_v1.is_deberta_v1_rel_encoder(m.deberta.encoder)
+    r = assert_exact(m, models.deberta_loss, _batch(3, 7, 8), method="bk", max_grad_norm=0.3)
+    assert r.routes["deberta.encoder.rel_embeddings.weight"] == "vmap"
+    assert r.routes["deberta.encoder.layer.0.attention.self.q_bias"] != "vmap"

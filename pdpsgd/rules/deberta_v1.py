@@ -61,6 +61,10 @@ _KNOWN = {
     "DisentangledSelfAttention.disentangled_att_bias":
         "716bbfd409adc8aa511bbc53948101b1a5b21db915bee08f7609cc0183307853",
     "DebertaEncoder.get_rel_embedding": "d8d986f0753424022d087e7b31d58d702bc18bf1a8dca313778b96d447e78739",
+    # the code that carries the table from the encoder to each attention (it must only pass it on)
+    "DebertaEncoder.forward": "02e6a00ea346b73b87a8b4816f35706ed77b50cea215c12bb8ff9a7182ed5ba8",
+    "DebertaLayer.forward": "5b3d4957b0c280b7dd62942ae94a39597fa017ac4eb0b1accbb4bdc2a3471351",
+    "DebertaAttention.forward": "c4c787be1665af6e3306664192938678c63735b1c0ef7f415de7640eba8f1d72",
 }
 
 
@@ -120,10 +124,16 @@ def is_deberta_v1_attention(module: nn.Module) -> bool:
 
 
 def is_deberta_v1_rel_encoder(module: nn.Module) -> bool:
-    """DeBERTa v1's encoder with relative attention (an nn.Embedding table), exactly the known code."""
+    """DeBERTa v1's encoder with relative attention (an nn.Embedding table), exactly the known code,
+    its layers too (the code that hands the table on to each attention: it only passes it on)."""
+    layers = module._modules.get("layer")
     return (_is_v1(module, "DebertaEncoder") and module.__dict__.get("relative_attention") is True
             and isinstance(module._modules.get("rel_embeddings"), nn.Embedding)
-            and _known(type(module), "get_rel_embedding"))
+            and _known(type(module), "get_rel_embedding") and _known(type(module), "forward")
+            and isinstance(layers, nn.ModuleList) and len(layers) > 0
+            and all(_is_v1(la, "DebertaLayer") and _known(type(la), "forward")
+                    and _is_v1(la._modules.get("attention"), "DebertaAttention")
+                    and _known(type(la._modules["attention"]), "forward") for la in layers))
 
 
 class _PerExampleTable(torch.Tensor):
