@@ -126,8 +126,10 @@ def is_deberta_v1_attention(module: nn.Module) -> bool:
 def is_deberta_v1_rel_encoder(module: nn.Module) -> bool:
     """DeBERTa v1's encoder with relative attention (an nn.Embedding table), exactly the known code,
     its layers too (the code that hands the table on to each attention: it only passes it on)."""
+    if not _is_v1(module, "DebertaEncoder"):
+        return False
     layers = module._modules.get("layer")
-    return (_is_v1(module, "DebertaEncoder") and module.__dict__.get("relative_attention") is True
+    return (module.__dict__.get("relative_attention") is True
             and isinstance(module._modules.get("rel_embeddings"), nn.Embedding)
             and _known(type(module), "get_rel_embedding") and _known(type(module), "forward")
             and isinstance(layers, nn.ModuleList) and len(layers) > 0
