@@ -147,10 +147,7 @@ class DebertaRelEmbeddingAdapter(CaptureAdapter):
             if args or kwargs or not all(isinstance(f, _AttentionForward) and f.batch_size == batch_size
                                          for f in forwards):
                 return original(module, *args, **kwargs)
-            emb = module._modules["rel_embeddings"]
-            n = emb.num_embeddings
-            ids = torch.arange(n, device=emb.weight.device).expand(batch_size, n)  # (B, 2k)
-            rel = emb(ids)  # (B, 2k, d): the embedding's rule gives each example's use
+            rel = table_per_example(module._modules["rel_embeddings"], batch_size)  # (B, 2k, d)
             if "layer_norm" in module.norm_rel_ebd:
                 rel = module.LayerNorm(rel)  # (B, 2k, d), row by row: LayerNorm's rule
             for f in forwards:  # the attentions take this tensor, and no other, as per-example copies
@@ -158,6 +155,14 @@ class DebertaRelEmbeddingAdapter(CaptureAdapter):
             return rel
 
         return get_rel_embedding
+
+
+def table_per_example(emb: nn.Embedding, batch_size: int) -> torch.Tensor:
+    """The whole table looked up through the embedding itself on positions 0..n-1 expanded to
+    (B, n): (B, n, d), the table's values once per example, and the embedding's rule gives each
+    example's use (also used by ``rules/deberta_v1.py``)."""
+    n = emb.num_embeddings
+    return emb(torch.arange(n, device=emb.weight.device).expand(batch_size, n))  # (B, n) -> (B, n, d)
 
 
 class _SharedDropout:

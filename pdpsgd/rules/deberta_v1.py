@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import CaptureAdapter, Dense, Explicit, Rule, Use, first_input
-from .deberta_relative import _SharedDropout, matches_known
+from .deberta_relative import _SharedDropout, matches_known, table_per_example
 
 __all__ = ["DebertaLayerNormRule", "DebertaV1AttentionBiasRule", "DebertaV1RelEmbeddingAdapter",
            "is_deberta_layernorm", "is_deberta_v1_attention", "is_deberta_v1_rel_encoder"]
@@ -160,12 +160,12 @@ class DebertaV1RelEmbeddingAdapter(CaptureAdapter):
                     isinstance(getattr(m.__dict__.get("forward"), "rule", None), DebertaV1AttentionBiasRule)
                     for m in attentions):
                 return original(module, *args, **kwargs)
-            emb = module._modules["rel_embeddings"]
-            n = emb.num_embeddings
-            ids = torch.arange(n, device=emb.weight.device).expand(batch_size, n)  # (B, 2k)
-            return emb(ids).as_subclass(_PerExampleTable)  # (B, 2k, d): the embedding's rule gives each example's use
+            return table_per_example(module._modules["rel_embeddings"], batch_size).as_subclass(_PerExampleTable)
 
         return get_rel_embedding
+
+
+_signature = functools.lru_cache(maxsize=None)(inspect.signature)  # (per class: every attention call binds it)
 
 
 @dataclass
@@ -188,7 +188,7 @@ class DebertaV1AttentionBiasRule(Rule):
         """(the attention's own output, the in_proj output as a capture target), or None to decline."""
         original = type(module).forward
         try:
-            bound = inspect.signature(original).bind(module, *args, **kwargs)
+            bound = _signature(original).bind(module, *args, **kwargs)
         except TypeError:
             return None
         hs = bound.arguments.get("hidden_states")
