@@ -81,7 +81,7 @@ from ._types import Batch, EngineResult, Params, WeightsFn
 from .clipping import sum_sq_norms
 from .functional import LossModule, model_constants, preserve_module_state
 from .per_sample import (SQ_NORM_BLOCK, _device_of, acc_dtype, batch_size, cat_chunks, per_sample_grads, slice_batch,
-                         sq_norm_per_example, weighted_dot, weighted_sum)
+                         sq_norm_per_example, stray_parameter_error, trainable_parameters, weighted_dot, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
 from .rules.base import Dense, Explicit, Index, Rule, Use, module_attr
 
@@ -1508,7 +1508,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     # the model's own Parameter objects (read before they are swapped out of its modules for the
     # capture): a path from the loss to one is a use the capture (and the fallback) cannot see (a
     # reference kept in a list or a closure): refused, never a silently missing gradient term
-    stray = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    stray = trainable_parameters(model)
     ruled, fallback, owner = _model_layout(model, params, registry, overrides)
     # modules whose (1, T, ...) outputs are not expanded: the duplicated-example check (below) found
     # them read otherwise (module name -> reason); known from an earlier step of this batch shape, or
@@ -1691,12 +1691,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                 used = [n for (n, _), g in zip(stray, grads[len(targets):]) if g is not None]
                 grads = grads[:len(targets)]
                 if used:
-                    raise ValueError(
-                        f"the loss depends on parameter(s) {used[:3]} other than through the model's modules (e.g. "
-                        "a reference kept in a Python list or a closure, or a copy made at construction): the DP "
-                        "step swaps the parameters it is given into the modules (torch.func.functional_call) and "
-                        "cannot see such a use. Read every parameter through its module's attribute (self.<name>)."
-                    )
+                    raise stray_parameter_error(used)
             else:
                 grads = (None,) * len(targets)
         except RuntimeError as err:

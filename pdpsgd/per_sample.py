@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -142,8 +142,17 @@ def per_sample_grads(
     params: Params,
     constants: Mapping[str, Tensor],
     batch: Batch,
+    *,
+    stray: Sequence[Tuple[str, Tensor]] = (),
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """Per-example losses (b,) and gradients name -> (b, *shape) for one chunk (vmap, exact)."""
+    """Per-example losses (b,) and gradients name -> (b, *shape) for one chunk (vmap, exact).
+
+    ``stray``: the model's own trainable Parameter objects (name, tensor). ``functional_call`` swaps
+    the given ``params`` into the modules, so a use of one of these other than through its module's
+    attribute (a reference kept in a list or a closure) would get no gradient term: such a loss is
+    refused with an error that names the parameter (the per-example losses are taken as values of
+    the outer autograd level, which records a path to a stray Parameter and nothing else).
+    """
 
     def loss_one(p: Params, example: Batch) -> Tuple[Tensor, Tensor]:
         one = tree_map(lambda x: x.unsqueeze(0) if isinstance(x, Tensor) else x, example)
@@ -157,7 +166,7 @@ def per_sample_grads(
                 "'mean' or 'sum' over the batch."
             )
         loss = loss[0]
-        return loss, loss.detach()
+        return loss, loss
 
     fn = vmap(grad(loss_one, has_aux=True), in_dims=(None, _in_dims(batch)), randomness="different")
     with vmap_context(loss_module.model), preserve_module_state(loss_module.model):
@@ -165,7 +174,27 @@ def per_sample_grads(
             grads, losses = fn(params, batch)
         except RuntimeError as err:
             raise _explain_vmap_error(err) from err
-    return losses, grads
+    if losses.requires_grad and stray:
+        found = torch.autograd.grad(losses.sum(), [p for _, p in stray], allow_unused=True)
+        used = [n for (n, _), g in zip(stray, found) if g is not None]
+        if used:
+            raise stray_parameter_error(used)
+    return losses.detach(), grads
+
+
+def stray_parameter_error(used: Sequence[str]) -> ValueError:
+    """The error for a loss that reads model parameters ``used`` other than through their modules."""
+    return ValueError(
+        f"the loss depends on parameter(s) {list(used)[:3]} other than through the model's modules (e.g. "
+        "a reference kept in a Python list or a closure, or a copy made at construction): the DP "
+        "step swaps the parameters it is given into the modules (torch.func.functional_call) and "
+        "cannot see such a use. Read every parameter through its module's attribute (self.<name>)."
+    )
+
+
+def trainable_parameters(model: torch.nn.Module) -> List[Tuple[str, Tensor]]:
+    """The model's own Parameter objects that require grad (read before a capture swaps them out)."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
 _ACC: Dict[torch.dtype, torch.dtype] = {}
@@ -247,6 +276,7 @@ def vmap_engine(
     sq_all: Dict[str, List[Tensor]] = {n: [] for n in params}
     w_all: Dict[str, List[Tensor]] = {n: [] for n in params}
     total: Dict[str, Tensor] = {}
+    stray = trainable_parameters(loss_module.model)
     for start in range(0, B, chunk):
         stop = min(B, start + chunk)
         m = mask[start:stop]
@@ -259,7 +289,7 @@ def vmap_engine(
                 sq_all[n].append(z)
                 w_all[n].append(z)
             continue
-        losses, grads = per_sample_grads(loss_module, params, constants, slice_batch(batch, start, stop))
+        losses, grads = per_sample_grads(loss_module, params, constants, slice_batch(batch, start, stop), stray=stray)
         sq = {n: sq_norm_per_example(g) for n, g in grads.items()}
         w = weights_fn(sq, losses, m)
         for n, g in grads.items():

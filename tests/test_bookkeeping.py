@@ -2414,26 +2414,35 @@ def test_tied_parameter_of_a_ruleless_module_stays_on_its_rule(raw):
     assert ("also used outside" in why.get("head.bias", "")) == raw, why
 
 
-def test_parameter_used_other_than_through_its_module_is_refused():
-    """A parameter the forward reads through a reference of its own (a Python list), not its module's
-    attribute: the step swaps parameters into the modules (functional_call) and cannot see that use,
-    so it refuses with an error that names it (found by review: a silently missing gradient term,
-    on the rules and on the vmap fallback alike)."""
+@pytest.mark.parametrize("method", ["bk", "auto", "vmap"])
+@pytest.mark.parametrize("via", ["list", "closure"])
+def test_parameter_used_other_than_through_its_module_is_refused(method, via):
+    """A parameter the forward reads through a reference of its own (a Python list or a closure), not
+    its module's attribute: the step swaps parameters into the modules (functional_call) and cannot
+    see that use, so it refuses with an error that names it (found by review: a silently missing
+    gradient term, on the rules and on the vmap path alike)."""
     torch.manual_seed(0)
 
     class Hidden(nn.Module):
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(3, 2)
-            self._refs = [self.lin.bias]
+            bias = self.lin.bias
+            self._refs = [bias]
+            self._read = lambda: bias
 
         def forward(self, x):
             y = self.lin(x)
-            return (y + self._refs[0] * y.detach()).sum(1)
+            b = self._refs[0] if via == "list" else self._read()
+            return (y + b * y.detach()).sum(1)
 
     b = {"x": torch.randn(4, 5, 3), "y": torch.randn(4, 2)}
     loss = lambda mm, bb: ((mm(bb["x"]) - bb["y"]) ** 2).sum(1)  # noqa: E731
     m = Hidden()
-    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method=method, chunk_size=2)
     with pytest.raises(ValueError, match=r"lin\.bias.*other than through the model's modules"):
         step.clipped_sum({n: p.detach() for n, p in m.named_parameters()}, b)
+    # a frozen stray parameter has no gradient term to lose: the step runs
+    m.lin.bias.requires_grad_(False)
+    pdpsgd.make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method=method).clipped_sum(
+        {n: p.detach() for n, p in m.named_parameters() if p.requires_grad}, b)
