@@ -9,7 +9,9 @@ FILE is a Python file defining
 
 optionally ``params`` (name -> tensor; default: the trainable parameters) and ``mask``.
 For each requested method the per-example norms and the clipped sum are compared with a loop over
-single examples in float64; a readable report is printed and the exit status is 1 on a mismatch.
+single examples in float64, and then the sensitivity bound is checked on the step's own clipped sums
+(each example's contribution alone ≤ C; removing one moves the sum by ≤ C); a readable report is
+printed and the exit status is 1 on a mismatch or an exceeded bound.
 """
 from __future__ import annotations
 
@@ -90,14 +92,18 @@ def _get(mod: ModuleType, value: str, factory: str, path: str) -> Any:
 
 
 def check_file(path: str, methods: Iterable[str] = ("vmap", "bk", "auto"), *, rtol: float = 1e-9,
-               max_grad_norm: float = 1.0, float64: bool = True, out: TextIO = sys.stdout) -> List[CheckResult]:
-    """Run ``assert_exact`` on FILE's model for each method; print a report per method."""
+               max_grad_norm: float = 1.0, float64: bool = True, sensitivity: bool = True,
+               out: Optional[TextIO] = None) -> List[CheckResult]:
+    """Run ``assert_exact`` on FILE's model for each method, then (``sensitivity``) the privacy bound
+    on the step's own clipped sums (``testing.check_sensitivity``: each example alone ≤ C, removing
+    one moves the sum by ≤ C, in the model's own mode); print a report per method."""
     import torch.nn as nn
 
     from .cli import UserError
     from .testing import assert_exact
     from .train import resolve_method
 
+    out = sys.stdout if out is None else out  # (read at call time: the stream may have been replaced)
     u = load_user_file(path)
     if not isinstance(u["model"], nn.Module):
         raise UserError(f"{path}: model must be a torch.nn.Module, got {type(u['model']).__name__}")
@@ -114,8 +120,12 @@ def check_file(path: str, methods: Iterable[str] = ("vmap", "bk", "auto"), *, rt
         try:
             rep = assert_exact(u["model"], u["loss_fn"], u["batch"], method=m, params=u["params"], mask=u["mask"],
                                max_grad_norm=max_grad_norm, rtol=rtol, float64=float64)
-            results.append(CheckResult(m, True, rep))
             print(f"[{m}] OK (rtol={rtol:g})\n{_indent(str(rep))}", file=out)
+            if sensitivity:
+                sens = _sensitivity(u, m, max_grad_norm, float64)
+                print(f"[{m}] sensitivity OK: every example's clipped contribution alone, and the move of the "
+                      f"clipped sum when it is removed, at most {sens.max_ratio:.6g} × C", file=out)
+            results.append(CheckResult(m, True, rep))
         except AssertionError as e:
             results.append(CheckResult(m, False, error=str(e)))
             print(f"[{m}] MISMATCH\n{_indent(str(e))}", file=out)
@@ -125,17 +135,38 @@ def check_file(path: str, methods: Iterable[str] = ("vmap", "bk", "auto"), *, rt
     return results
 
 
+def _sensitivity(u: Dict[str, Any], method: str, max_grad_norm: float, float64: bool):
+    import copy
+
+    from .functional import trainable_params
+    from .step import make_dp_step
+    from .testing import check_sensitivity, to_float64
+
+    model, batch, params = copy.deepcopy(u["model"]), u["batch"], u["params"]
+    if float64:
+        model, batch = to_float64(model), to_float64(batch)
+    if params is None:
+        params = trainable_params(model)
+    elif float64:
+        params = {n: v.detach().double() for n, v in params.items()}
+    step = make_dp_step(model, u["loss_fn"], max_grad_norm=max_grad_norm, noise_multiplier=0.0, method=method)
+    return check_sensitivity(step, params, batch, rtol=1e-9 if float64 else 1e-5)
+
+
 def _indent(s: str) -> str:
     return "\n".join("    " + ln for ln in s.splitlines())
 
 
 def run_check(path: str, methods: Iterable[str], *, rtol: float = 1e-9, max_grad_norm: float = 1.0,
-              float64: bool = True) -> int:
-    """CLI entry: 0 if every checked method matches the naive loop, else 1."""
-    results = check_file(path, methods, rtol=rtol, max_grad_norm=max_grad_norm, float64=float64)
+              float64: bool = True, sensitivity: bool = True) -> int:
+    """CLI entry: 0 if every checked method matches the naive loop (and keeps its sensitivity bound), else 1."""
+    results = check_file(path, methods, rtol=rtol, max_grad_norm=max_grad_norm, float64=float64,
+                         sensitivity=sensitivity)
     bad = [r.method for r in results if not r.ok]
     if bad:
-        print(f"FAILED: {', '.join(bad)} differ from the naive per-example loop", file=sys.stdout)
+        print(f"FAILED: {', '.join(bad)} (a mismatch with the naive per-example loop, an exceeded sensitivity "
+              "bound, or an error: see above)", file=sys.stdout)
         return 1
-    print(f"all checked methods are exact ({', '.join(r.method for r in results) or 'none'})")
+    what = "exact and within their sensitivity bound" if sensitivity else "exact"
+    print(f"all checked methods are {what} ({', '.join(r.method for r in results) or 'none'})")
     return 0

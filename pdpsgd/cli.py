@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--rtol", type=float, default=1e-9)
     c.add_argument("--clip", type=float, default=1.0, help="clipping bound C used in the check")
     c.add_argument("--no-float64", action="store_true", help="check in the model's own dtype")
+    c.add_argument("--no-sensitivity", action="store_true",
+                   help="skip the sensitivity check (each example alone ≤ C, removing one moves the sum by ≤ C)")
     return p
 
 
@@ -120,7 +122,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from .check import run_check
 
             return run_check(args.file, methods=args.method.split(","), rtol=args.rtol, max_grad_norm=args.clip,
-                             float64=not args.no_float64)
+                             float64=not args.no_float64, sensitivity=not args.no_sensitivity)
     except UserError as e:
         print(f"pdpsgd: error: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +20,8 @@ __all__ = [
     "ExactnessReport",
     "to_float64",
     "token_batches",
+    "check_sensitivity",
+    "SensitivityReport",
 ]
 
 
@@ -185,6 +187,102 @@ def assert_exact(
     report = ExactnessReport(e_norm, max(per.values()) if per else 0.0, per, part.routes)
     if not (e_norm <= rtol and report.max_rel_err_sum <= rtol):
         raise AssertionError(f"method={method!r} differs from the naive per-example loop (rtol={rtol}):\n{report}")
+    return report
+
+
+class SensitivityReport(NamedTuple):
+    """What ``check_sensitivity`` measured on the step's own noise-free clipped sums S(·)."""
+
+    bound: float  # the step's sensitivity C (add/remove one example)
+    contributions: Tensor  # (B,) ‖S(example i alone)‖, each ≤ C
+    remove_one: Tensor  # (B,) ‖S(batch) − S(batch without example i)‖, each ≤ C
+    replace: Optional[float]  # ‖S(batch) − S(neighbour)‖ (≤ 2C per example that differs), if given
+    differing: Tuple[int, ...]  # the examples in which ``neighbour`` differs from ``batch``
+    max_ratio: float  # the largest measured distance over its bound (≤ 1 within rounding)
+
+
+def _distance(a: Mapping[str, Tensor], b: Optional[Mapping[str, Tensor]] = None) -> float:
+    return math.sqrt(sum(float((a[n].double() - (0 if b is None else b[n].double())).pow(2).sum()) for n in a))
+
+
+def _differing(batch: Any, other: Any, B: int) -> Tuple[int, ...]:
+    x, spec = tree_flatten(batch)
+    y, spec2 = tree_flatten(other)
+    if spec != spec2 or len(x) != len(y):
+        raise ValueError("neighbour must have the batch's structure (the same keys and nesting)")
+    out = set()
+    for u, v in zip(x, y):
+        if isinstance(u, Tensor) != isinstance(v, Tensor) or (isinstance(u, Tensor) and u.shape != v.shape):
+            raise ValueError("neighbour must have the batch's shapes: replace examples, do not add or drop them "
+                             "(add/remove adjacency is what remove_one measures)")
+        if isinstance(u, Tensor) and u.dim() and u.shape[0] == B:
+            ne = (u != v).reshape(B, -1).any(1)
+            out.update(int(i) for i in torch.nonzero(ne.cpu()).flatten())
+            continue
+        same = torch.equal(u, v) if isinstance(u, Tensor) else u == v
+        if not same:
+            raise ValueError("neighbour differs from batch outside its examples (a non-batched entry)")
+    return tuple(sorted(out))
+
+
+def check_sensitivity(
+    step,
+    params: Mapping[str, Tensor],
+    batch: Any,
+    *,
+    neighbour: Any = None,
+    seed: int = 0,
+    rtol: float = 1e-5,
+) -> SensitivityReport:
+    """Test the privacy guarantee of a DP step on a batch: the sensitivity of its clipped sum.
+
+    Measured on what the step itself adds noise to (``step.clipped_sum``, σ plays no part): every
+    example's clipped contribution alone is at most C = ``step.sensitivity`` (tied and shared
+    weights included: a norm that misses a cross term shows here), removing any one example (by
+    the mask: the batch still runs through the model) moves the sum by at most C, and, given
+    ``neighbour`` (the batch with some examples replaced), the sum moves by at most 2C per replaced
+    example. Every call of the clipped sum runs with the same torch seed, so a train-mode model's
+    dropout masks are the same in each (the global RNG state is restored afterwards). Raises
+    ``AssertionError`` naming the example when a bound is exceeded by more than ``rtol``; returns
+    the report. Cost: 2·B + 2 clipped sums (3 with ``neighbour``).
+    """
+    B = _batch_len(batch)
+    C = float(step.sensitivity)
+    dev = next(iter(params.values())).device
+    devices = [dev.index or 0] if dev.type == "cuda" else []
+
+    def sums(b: Any, mask: Optional[Tensor] = None) -> Dict[str, Tensor]:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            return step.clipped_sum(params, b, mask).sums
+
+    sums(batch)  # (a step's first call of a batch shape may run probes of its own)
+    full = sums(batch)
+    alone = torch.zeros(B, dtype=torch.float64)
+    removed = torch.zeros(B, dtype=torch.float64)
+    for i in range(B):
+        m = torch.zeros(B, dtype=torch.bool, device=dev)
+        m[i] = True
+        alone[i] = _distance(sums(batch, m))
+        removed[i] = _distance(full, sums(batch, ~m))
+    replace, differing = None, ()
+    if neighbour is not None:
+        differing = _differing(batch, neighbour, B)
+        replace = _distance(full, sums(neighbour))
+    ratios = [float(alone.max()) / C if B else 0.0, float(removed.max()) / C if B else 0.0]
+    if replace is not None:
+        ratios.append(replace / (2 * C * len(differing)) if differing else (0.0 if replace == 0 else math.inf))
+    report = SensitivityReport(C, alone, removed, replace, differing, max(ratios))
+    lim = 1 + rtol
+    bad = [f"example {i}'s clipped contribution alone has norm {float(alone[i]):.6g} > C = {C:.6g}"
+           for i in range(B) if alone[i] > C * lim]
+    bad += [f"removing example {i} moves the clipped sum by {float(removed[i]):.6g} > C = {C:.6g}"
+            for i in range(B) if removed[i] > C * lim]
+    if replace is not None and replace > 2 * C * len(differing) * lim:
+        bad.append(f"replacing example(s) {list(differing)} moves the clipped sum by {replace:.6g} > "
+                   f"2C·{len(differing)} = {2 * C * len(differing):.6g}")
+    if bad:
+        raise AssertionError("the step's clipped sum exceeds its sensitivity bound: " + "; ".join(bad[:5]))
     return report
 
 

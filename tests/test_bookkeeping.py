@@ -15,7 +15,7 @@ from torch import nn
 import models
 import pdpsgd
 from pdpsgd import make_dp_step, trainable_params
-from pdpsgd.testing import assert_exact, naive_per_sample_grads, to_float64
+from pdpsgd.testing import assert_exact, check_sensitivity, naive_per_sample_grads, to_float64
 
 METHODS = ["bk", "auto"]
 
@@ -924,11 +924,14 @@ def test_autocast_bf16_loss_bounded_and_close_to_float32(method):
     torch.testing.assert_close(got.per_sample_norms, want, rtol=0.02, atol=0)
     C = float(want.min()) / 4  # every example clipped
     step = make_dp_step(model, amp_loss, max_grad_norm=C, noise_multiplier=0.0, method=method)
-    for i in range(b["input_ids"].shape[0]):
+    for i in range(b["input_ids"].shape[0]):  # each example as a batch of one
         one = {k: v[i:i + 1] for k, v in b.items()}
         s = step.clipped_sum(params, one).sums
         norm = math.sqrt(sum(float(v.double().pow(2).sum()) for v in s.values()))
         assert norm <= C * (1 + 1e-5), (i, norm / C)
+    nb = _gpt2_batch(seed=7)  # and in the batch: alone, removed, all four replaced
+    r = check_sensitivity(step, params, b, neighbour=nb)
+    assert len(r.differing) == 4 and float(r.contributions.min()) > C * (1 - 1e-5)
 
 
 class _TimeMajor(nn.Module):

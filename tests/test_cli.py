@@ -296,6 +296,28 @@ def test_check_ok_and_mismatch(tmp_path, capsys):
         assert rc == 0 and "[vmap] OK" in out and "[bk] OK" in out and "(vmap)" in out.split("[bk]")[1], out
 
 
+def test_check_reports_an_exceeded_sensitivity_bound(tmp_path, capsys, monkeypatch):
+    """`pdpsgd check` also checks the bound on the step's own sums: a step whose masked sums (one
+    example alone, one removed) are scaled past C is reported, though its full-batch sum is exact."""
+    import pdpsgd.step as step_mod
+
+    ok = tmp_path / "ok_model.py"
+    ok.write_text(CHECK_OK)
+    rc, out, err = run_cli(["check", str(ok), "--method", "vmap", "--clip", "0.05"], capsys)
+    assert rc == 0 and "[vmap] sensitivity OK" in out and "within their sensitivity bound" in out, out + err
+    real = step_mod.DPStep.clipped_sum
+
+    def scaled(self, params, batch, mask=None):
+        part = real(self, params, batch, mask)
+        return part if mask is None else part._replace(sums={n: 1.5 * v for n, v in part.sums.items()})
+
+    monkeypatch.setattr(step_mod.DPStep, "clipped_sum", scaled)
+    rc, out, err = run_cli(["check", str(ok), "--method", "vmap", "--clip", "0.05"], capsys)
+    assert rc == 1 and "[vmap] OK" in out and "exceeds its sensitivity bound" in out and "FAILED: vmap" in out, out
+    rc, out, err = run_cli(["check", str(ok), "--method", "vmap", "--clip", "0.05", "--no-sensitivity"], capsys)
+    assert rc == 0 and "sensitivity OK" not in out, out
+
+
 def test_check_user_errors(tmp_path, capsys):
     rc, _, err = run_cli(["check", str(tmp_path / "none.py")], capsys)
     _check_one_line_error(rc, err, "file not found")

@@ -54,3 +54,89 @@ def test_token_batches_draws_more_than_one_shape():
 
     collect()
     assert len(shapes) > 3
+
+
+@given(seed=st.integers(0, 1000), B=st.integers(1, 5), C=st.floats(0.01, 5.0),
+       method=st.sampled_from(["vmap", "bk", "auto"]))
+def test_check_sensitivity_holds_on_the_steps(seed, B, C, method):
+    """The guarantee on the step's own sums: each example alone ≤ C, removing one ≤ C, replacing one ≤ 2C."""
+    import pdpsgd
+    from pdpsgd.testing import check_sensitivity
+
+    torch.manual_seed(seed)
+    m = mlp().double()
+    b = {"x": torch.randn(B, 5, dtype=torch.float64) * 3, "y": torch.randint(0, 3, (B,))}
+    nb = {"x": b["x"].clone(), "y": b["y"].clone()}
+    nb["x"][B - 1] = torch.randn(5, dtype=torch.float64) * 50
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=C, noise_multiplier=1.0, method=method)
+    r = check_sensitivity(step, pdpsgd.trainable_params(m), b, neighbour=nb)
+    assert r.bound == C and r.differing == (B - 1,) and r.max_ratio <= 1 + 1e-9
+    assert r.contributions.shape == r.remove_one.shape == (B,)
+    torch.testing.assert_close(r.remove_one, r.contributions, rtol=1e-9, atol=1e-12)  # (additive, here)
+
+
+def test_check_sensitivity_on_a_tied_train_mode_model():
+    """GPT-2 (tied wte/lm_head) in train mode with dropout: the same seed in each call, clipping active."""
+    import pdpsgd
+    from models import tiny_gpt2
+    from pdpsgd.testing import check_sensitivity
+
+    m = tiny_gpt2()
+    m.config.resid_pdrop = 0.1
+    for mod in m.modules():
+        if isinstance(mod, torch.nn.Dropout):
+            mod.p = 0.1
+    m.train()
+    ids = torch.randint(0, 40, (3, 6), generator=torch.Generator().manual_seed(1))
+    b = {"input_ids": ids, "labels": ids}
+    nb = {"input_ids": ids.clone(), "labels": ids.clone()}
+    nb["input_ids"][1] = nb["labels"][1] = torch.randint(0, 40, (6,), generator=torch.Generator().manual_seed(2))
+
+    def loss(mm, bb):
+        logits = mm(bb["input_ids"]).logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), bb["labels"][:, 1:], reduction="none").sum(1)
+
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=0.3, noise_multiplier=1.0, method="bk")
+    state = torch.random.get_rng_state()
+    r = check_sensitivity(step, pdpsgd.trainable_params(m), b, neighbour=nb)
+    assert torch.equal(torch.random.get_rng_state(), state)  # (the caller's RNG is left as it was)
+    assert float(r.contributions.min()) > 0.3 * (1 - 1e-5) and r.differing == (1,) and r.max_ratio <= 1 + 1e-5
+
+
+class _Scaled:
+    """A wrong step: its clipped sums scaled (one parameter's, or all), as a norm missing a term would;
+    or (leak) its sums over partial batches, not single examples, scaled."""
+
+    def __init__(self, step, factor, only=None, leak=0.0):
+        self.step, self.factor, self.only, self.leak = step, factor, only, leak
+        self.sensitivity = step.sensitivity
+
+    def clipped_sum(self, params, batch, mask=None):
+        part = self.step.clipped_sum(params, batch, mask)
+        sums = {n: v * (self.factor if self.only in (None, n) else 1) for n, v in part.sums.items()}
+        if self.leak and mask is not None and 1 < int(mask.sum()) < mask.numel():
+            # a sum over a partial batch that is not its examples' (their contributions not additive)
+            sums = {n: v * (1 - self.leak) for n, v in sums.items()}
+        return part._replace(sums=sums)
+
+
+def test_check_sensitivity_catches_a_wrong_step():
+    import pdpsgd
+    from pdpsgd.testing import check_sensitivity
+
+    torch.manual_seed(0)
+    m = mlp().double()
+    b = {"x": torch.randn(4, 5, dtype=torch.float64) * 5, "y": torch.randint(0, 3, (4,))}
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.1, noise_multiplier=1.0, method="bk")
+    check_sensitivity(step, params, b)
+    with pytest.raises(AssertionError, match="clipped contribution alone"):
+        check_sensitivity(_Scaled(step, 1.2), params, b)
+    with pytest.raises(AssertionError, match="clipped contribution alone"):
+        check_sensitivity(_Scaled(step, 3.0, only="0.weight"), params, b)
+    with pytest.raises(AssertionError, match="removing example"):
+        check_sensitivity(_Scaled(step, 1.0, leak=1.0), params, b)
+    nb = {"x": b["x"] * 2, "y": b["y"]}  # every example differs: the bound is 2C per example
+    assert check_sensitivity(step, params, b, neighbour=nb).differing == (0, 1, 2, 3)
+    with pytest.raises(ValueError, match="shapes"):
+        check_sensitivity(step, params, b, neighbour={"x": b["x"][:3], "y": b["y"][:3]})
