@@ -1508,7 +1508,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     # the model's own Parameter objects (read before they are swapped out of its modules for the
     # capture): a path from the loss to one is a use the capture (and the fallback) cannot see (a
     # reference kept in a list or a closure): refused, never a silently missing gradient term
-    stray = trainable_parameters(model)
+    stray = trainable_parameters(model, params)
     ruled, fallback, owner = _model_layout(model, params, registry, overrides)
     # modules whose (1, T, ...) outputs are not expanded: the duplicated-example check (below) found
     # them read otherwise (module name -> reason); known from an earlier step of this batch shape, or

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -147,7 +147,7 @@ def per_sample_grads(
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """Per-example losses (b,) and gradients name -> (b, *shape) for one chunk (vmap, exact).
 
-    ``stray``: the model's own trainable Parameter objects (name, tensor). ``functional_call`` swaps
+    ``stray``: the model's own Parameter objects (name, tensor) of the trained ``params``. ``functional_call`` swaps
     the given ``params`` into the modules, so a use of one of these other than through its module's
     attribute (a reference kept in a list or a closure) would get no gradient term: such a loss is
     refused with an error that names the parameter (the per-example losses are taken as values of
@@ -169,7 +169,8 @@ def per_sample_grads(
         return loss, loss
 
     fn = vmap(grad(loss_one, has_aux=True), in_dims=(None, _in_dims(batch)), randomness="different")
-    with vmap_context(loss_module.model), preserve_module_state(loss_module.model):
+    # (grad mode on: under a caller's no_grad the outer level would record no path to a stray Parameter)
+    with vmap_context(loss_module.model), preserve_module_state(loss_module.model), torch.enable_grad():
         try:
             grads, losses = fn(params, batch)
         except RuntimeError as err:
@@ -192,9 +193,10 @@ def stray_parameter_error(used: Sequence[str]) -> ValueError:
     )
 
 
-def trainable_parameters(model: torch.nn.Module) -> List[Tuple[str, Tensor]]:
-    """The model's own Parameter objects that require grad (read before a capture swaps them out)."""
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+def trainable_parameters(model: torch.nn.Module, names: Optional[Mapping[str, Any]] = None) -> List[Tuple[str, Tensor]]:
+    """The model's own Parameter objects that require grad (read before a capture swaps them out),
+    those whose (first, canonical) name is in ``names`` when given: the ones the step trains."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and (names is None or n in names)]
 
 
 _ACC: Dict[torch.dtype, torch.dtype] = {}
@@ -263,7 +265,9 @@ def vmap_engine(
 ) -> EngineResult:
     """Per-example norms, weights and the weighted (clipped) sum, chunk by chunk.
 
-    Memory: chunk × (number of trained parameters). Chunks that are all padding are skipped.
+    Memory: chunk × (number of trained parameters). In eval mode, chunks that are all padding are
+    skipped; in train mode every chunk runs, so the random draws (dropout) that the real examples
+    see do not depend on which other examples are masked out.
     """
     B = batch_size(batch)
     numel = sum(p.numel() for p in params.values())
@@ -276,11 +280,11 @@ def vmap_engine(
     sq_all: Dict[str, List[Tensor]] = {n: [] for n in params}
     w_all: Dict[str, List[Tensor]] = {n: [] for n in params}
     total: Dict[str, Tensor] = {}
-    stray = trainable_parameters(loss_module.model)
+    stray = trainable_parameters(loss_module.model, params)
     for start in range(0, B, chunk):
         stop = min(B, start + chunk)
         m = mask[start:stop]
-        if not bool(m.any()):
+        if not loss_module.model.training and not bool(m.any()):
             b = stop - start
             dev = mask.device
             losses_all.append(torch.zeros(b, device=dev))

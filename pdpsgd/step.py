@@ -229,15 +229,20 @@ class DPStep:
         constants = model_constants(self.model, detached)
         groups = make_groups(list(detached), self.clipping, self.max_grad_norm, budget=self.clip_budget)
         weights_fn = make_weights_fn(groups, clip_fn=self.clip_fn, gamma=self.gamma)
-        if self.method == "vmap":
-            res = vmap_engine(self._loss_module, detached, constants, batch, mask, weights_fn, chunk_size=self.chunk_size)
-        else:
-            from .bookkeeping import bk_engine
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError("the DP step computes gradients: call it outside torch.inference_mode() "
+                               "(under torch.no_grad() it runs: it turns grad mode on for itself)")
+        with torch.enable_grad():  # (the step's own gradients, also under a caller's no_grad)
+            if self.method == "vmap":
+                res = vmap_engine(self._loss_module, detached, constants, batch, mask, weights_fn,
+                                  chunk_size=self.chunk_size)
+            else:
+                from .bookkeeping import bk_engine
 
-            res = bk_engine(
-                self._loss_module, detached, constants, batch, mask, weights_fn,
-                chunk_size=self.chunk_size, method=self.method, probe_memo=self._probe_memo, **self.bk_options,
-            )
+                res = bk_engine(
+                    self._loss_module, detached, constants, batch, mask, weights_fn,
+                    chunk_size=self.chunk_size, method=self.method, probe_memo=self._probe_memo, **self.bk_options,
+                )
         total_sq = sum_sq_norms(res.sq_norms)
         norms = total_sq.sqrt()
         kept = mask & torch.isfinite(total_sq) & torch.isfinite(res.losses)

@@ -194,15 +194,27 @@ class SensitivityReport(NamedTuple):
     """What ``check_sensitivity`` measured on the step's own noise-free clipped sums S(·)."""
 
     bound: float  # the step's sensitivity C (add/remove one example)
-    contributions: Tensor  # (B,) ‖S(example i alone)‖, each ≤ C
-    remove_one: Tensor  # (B,) ‖S(batch) − S(batch without example i)‖, each ≤ C
+    contributions: Tensor  # (B,) ‖S(example i alone, the others masked out)‖, each ≤ C
+    remove_one: Tensor  # (B,) ‖S(batch) − S(batch, example i masked out)‖, each ≤ C
+    remove_one_sliced: Optional[Tensor]  # (B,) ‖S(batch) − S(batch without row i)‖ (None: not deterministic)
     replace: Optional[float]  # ‖S(batch) − S(neighbour)‖ (≤ 2C per example that differs), if given
     differing: Tuple[int, ...]  # the examples in which ``neighbour`` differs from ``batch``
-    max_ratio: float  # the largest measured distance over its bound (≤ 1 within rounding)
+    deterministic: bool  # whether S(batch) is the same under two seeds (no dropout or other draws)
+    max_ratio: float  # the largest measured distance over its bound (≤ 1 within rounding; nan fails)
 
 
 def _distance(a: Mapping[str, Tensor], b: Optional[Mapping[str, Tensor]] = None) -> float:
     return math.sqrt(sum(float((a[n].double() - (0 if b is None else b[n].double())).pow(2).sum()) for n in a))
+
+
+def _without(batch: Any, i: int, B: int) -> Any:
+    """The batch with row i removed from every tensor whose leading dim is B."""
+    def drop(x):
+        if isinstance(x, Tensor) and x.dim() and x.shape[0] == B:
+            return torch.cat([x[:i], x[i + 1:]])
+        return x
+
+    return tree_map(drop, batch)
 
 
 def _differing(batch: Any, other: Any, B: int) -> Tuple[int, ...]:
@@ -236,28 +248,39 @@ def check_sensitivity(
 ) -> SensitivityReport:
     """Test the privacy guarantee of a DP step on a batch: the sensitivity of its clipped sum.
 
-    Measured on what the step itself adds noise to (``step.clipped_sum``, σ plays no part): every
-    example's clipped contribution alone is at most C = ``step.sensitivity`` (tied and shared
-    weights included: a norm that misses a cross term shows here), removing any one example (by
-    the mask: the batch still runs through the model) moves the sum by at most C, and, given
-    ``neighbour`` (the batch with some examples replaced), the sum moves by at most 2C per replaced
-    example. Every call of the clipped sum runs with the same torch seed, so a train-mode model's
-    dropout masks are the same in each (the global RNG state is restored afterwards). Raises
-    ``AssertionError`` naming the example when a bound is exceeded by more than ``rtol``; returns
-    the report. Cost: 2·B + 2 clipped sums (3 with ``neighbour``).
+    Measured on what the step itself adds noise to (``step.clipped_sum``, σ plays no part), with
+    C = ``step.sensitivity``:
+
+    * every example's clipped contribution alone (the others masked out) is at most C: tied and
+      shared weights included (a norm that misses a cross term shows here);
+    * masking any one example out moves the sum by at most C;
+    * removing any one example from the batch (its row dropped: a batch of B − 1, so a model that
+      mixes examples shows here) moves the sum by at most C: measured when the step is
+      deterministic (the same sums under two seeds), as different draws (train-mode dropout) on a
+      batch of another shape would move the others' contributions too;
+    * given ``neighbour`` (the batch with some examples replaced, same shapes), the sum moves by at
+      most 2C per replaced example.
+
+    Every call runs with the same torch seed, so a train-mode model's dropout masks are the same in
+    each (the caller's CPU and CUDA RNG states are restored afterwards). Raises ``AssertionError``
+    naming the example when a bound is exceeded by more than ``rtol`` or a distance is not finite;
+    returns the report. Cost: 2·B + 3 clipped sums, B more when deterministic, 1 more with
+    ``neighbour``.
     """
     B = _batch_len(batch)
     C = float(step.sensitivity)
     dev = next(iter(params.values())).device
-    devices = [dev.index or 0] if dev.type == "cuda" else []
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
-    def sums(b: Any, mask: Optional[Tensor] = None) -> Dict[str, Tensor]:
+    def sums(b: Any, mask: Optional[Tensor] = None, s: int = seed) -> Dict[str, Tensor]:
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
+            torch.manual_seed(s)
             return step.clipped_sum(params, b, mask).sums
 
     sums(batch)  # (a step's first call of a batch shape may run probes of its own)
     full = sums(batch)
+    other = sums(batch, s=seed + 1)
+    deterministic = all(torch.equal(full[n], other[n]) for n in full)
     alone = torch.zeros(B, dtype=torch.float64)
     removed = torch.zeros(B, dtype=torch.float64)
     for i in range(B):
@@ -265,22 +288,37 @@ def check_sensitivity(
         m[i] = True
         alone[i] = _distance(sums(batch, m))
         removed[i] = _distance(full, sums(batch, ~m))
+    sliced = None
+    if deterministic:
+        sliced = torch.zeros(B, dtype=torch.float64)
+        for i in range(B):
+            sliced[i] = _distance(full, sums(_without(batch, i, B)))
     replace, differing = None, ()
     if neighbour is not None:
         differing = _differing(batch, neighbour, B)
         replace = _distance(full, sums(neighbour))
-    ratios = [float(alone.max()) / C if B else 0.0, float(removed.max()) / C if B else 0.0]
+    lim = C * (1 + rtol)
+
+    def over(x: float, bound: float) -> bool:
+        return not (x <= bound)  # (nan: over)
+
+    bad = []
+    for label, d in (("'s clipped contribution alone has norm", alone),
+                     (" masked out moves the clipped sum by", removed),
+                     (" removed from the batch moves the clipped sum by", sliced)):
+        if d is not None:
+            bad += [f"example {i}{label} {float(d[i]):.6g} > C = {C:.6g}" for i in range(B) if over(float(d[i]), lim)]
+    ratios = [float(d.max()) / C for d in (alone, removed, sliced) if d is not None and B]
     if replace is not None:
-        ratios.append(replace / (2 * C * len(differing)) if differing else (0.0 if replace == 0 else math.inf))
-    report = SensitivityReport(C, alone, removed, replace, differing, max(ratios))
-    lim = 1 + rtol
-    bad = [f"example {i}'s clipped contribution alone has norm {float(alone[i]):.6g} > C = {C:.6g}"
-           for i in range(B) if alone[i] > C * lim]
-    bad += [f"removing example {i} moves the clipped sum by {float(removed[i]):.6g} > C = {C:.6g}"
-            for i in range(B) if removed[i] > C * lim]
-    if replace is not None and replace > 2 * C * len(differing) * lim:
-        bad.append(f"replacing example(s) {list(differing)} moves the clipped sum by {replace:.6g} > "
-                   f"2C·{len(differing)} = {2 * C * len(differing):.6g}")
+        k = len(differing)
+        ratios.append(replace / (2 * C * k) if k else (0.0 if replace == 0 else math.inf))
+        if over(replace, 2 * k * lim):
+            bad.append(f"replacing example(s) {list(differing)} moves the clipped sum by {replace:.6g} > "
+                       f"2C·{k} = {2 * C * k:.6g}")
+    ratio = max(ratios) if ratios else 0.0
+    if any(math.isnan(r) for r in ratios):
+        ratio = math.nan
+    report = SensitivityReport(C, alone, removed, sliced, replace, differing, deterministic, ratio)
     if bad:
         raise AssertionError("the step's clipped sum exceeds its sensitivity bound: " + "; ".join(bad[:5]))
     return report

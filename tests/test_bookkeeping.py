@@ -2445,7 +2445,11 @@ def test_parameter_used_other_than_through_its_module_is_refused(method, via):
     step = pdpsgd.make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method=method, chunk_size=2)
     with pytest.raises(ValueError, match=r"lin\.bias.*other than through the model's modules"):
         step.clipped_sum({n: p.detach() for n, p in m.named_parameters()}, b)
-    # a frozen stray parameter has no gradient term to lose: the step runs
-    m.lin.bias.requires_grad_(False)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"lin\.bias.*other than through the model's modules"):
+        step.clipped_sum({n: p.detach() for n, p in m.named_parameters()}, b)  # (under the caller's no_grad too)
+    # a stray parameter the step does not train has no gradient term to lose: the step runs
+    pdpsgd.make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method=method).clipped_sum(
+        {"lin.weight": m.lin.weight.detach()}, b)
+    m.lin.bias.requires_grad_(False)  # (frozen)
     pdpsgd.make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method=method).clipped_sum(
         {n: p.detach() for n, p in m.named_parameters() if p.requires_grad}, b)

@@ -313,7 +313,8 @@ def test_check_reports_an_exceeded_sensitivity_bound(tmp_path, capsys, monkeypat
 
     monkeypatch.setattr(step_mod.DPStep, "clipped_sum", scaled)
     rc, out, err = run_cli(["check", str(ok), "--method", "vmap", "--clip", "0.05"], capsys)
-    assert rc == 1 and "[vmap] OK" in out and "exceeds its sensitivity bound" in out and "FAILED: vmap" in out, out
+    assert rc == 1 and "[vmap] OK" in out and "[vmap] SENSITIVITY EXCEEDED" in out and "FAILED: vmap" in out, out
+    assert "exceeds its sensitivity bound" in out and "MISMATCH" not in out, out
     rc, out, err = run_cli(["check", str(ok), "--method", "vmap", "--clip", "0.05", "--no-sensitivity"], capsys)
     assert rc == 0 and "sensitivity OK" not in out, out
 

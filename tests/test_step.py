@@ -453,3 +453,22 @@ def test_an_empty_batch_is_a_noise_only_step(method):
     for acc in (part + none, none + part):
         assert acc.routes == part.routes and acc.per_sample_norms.shape == (3,)
         assert all(torch.equal(acc.sums[n], part.sums[n]) for n in part.sums)
+
+
+@pytest.mark.parametrize("method", ["vmap", "bk", "auto"])
+def test_step_under_a_callers_no_grad_is_the_same_and_inference_mode_is_refused(method):
+    """The step turns grad mode on for its own gradients (before, bk/auto under a caller's no_grad
+    failed with torch's "does not require grad"); inference_mode tensors cannot enter autograd, so
+    it is refused with an error that says what to do."""
+    torch.manual_seed(0)
+    m = mlp().double()
+    b = {"x": torch.randn(4, 5, dtype=torch.float64), "y": torch.randint(0, 3, (4,))}
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.1, noise_multiplier=0.0, method=method)
+    params = pdpsgd.trainable_params(m)
+    ref = step.clipped_sum(params, b)
+    with torch.no_grad():
+        got = step.clipped_sum(params, b)
+    for n in ref.sums:
+        torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-12, atol=0)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="outside torch.inference_mode"):
+        step.clipped_sum(params, b)

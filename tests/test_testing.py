@@ -71,8 +71,8 @@ def test_check_sensitivity_holds_on_the_steps(seed, B, C, method):
     step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=C, noise_multiplier=1.0, method=method)
     r = check_sensitivity(step, pdpsgd.trainable_params(m), b, neighbour=nb)
     assert r.bound == C and r.differing == (B - 1,) and r.max_ratio <= 1 + 1e-9
-    assert r.contributions.shape == r.remove_one.shape == (B,)
-    torch.testing.assert_close(r.remove_one, r.contributions, rtol=1e-9, atol=1e-12)  # (additive, here)
+    assert r.deterministic and r.contributions.shape == r.remove_one.shape == r.remove_one_sliced.shape == (B,)
+    assert float(r.remove_one_sliced.max()) <= C * (1 + 1e-9)
 
 
 def test_check_sensitivity_on_a_tied_train_mode_model():
@@ -101,6 +101,7 @@ def test_check_sensitivity_on_a_tied_train_mode_model():
     r = check_sensitivity(step, pdpsgd.trainable_params(m), b, neighbour=nb)
     assert torch.equal(torch.random.get_rng_state(), state)  # (the caller's RNG is left as it was)
     assert float(r.contributions.min()) > 0.3 * (1 - 1e-5) and r.differing == (1,) and r.max_ratio <= 1 + 1e-5
+    assert not r.deterministic and r.remove_one_sliced is None  # (dropout: removal from the batch not compared)
 
 
 class _Scaled:
@@ -134,9 +135,66 @@ def test_check_sensitivity_catches_a_wrong_step():
         check_sensitivity(_Scaled(step, 1.2), params, b)
     with pytest.raises(AssertionError, match="clipped contribution alone"):
         check_sensitivity(_Scaled(step, 3.0, only="0.weight"), params, b)
-    with pytest.raises(AssertionError, match="removing example"):
+    with pytest.raises(AssertionError, match="masked out moves"):
         check_sensitivity(_Scaled(step, 1.0, leak=1.0), params, b)
     nb = {"x": b["x"] * 2, "y": b["y"]}  # every example differs: the bound is 2C per example
     assert check_sensitivity(step, params, b, neighbour=nb).differing == (0, 1, 2, 3)
     with pytest.raises(ValueError, match="shapes"):
         check_sensitivity(step, params, b, neighbour={"x": b["x"][:3], "y": b["y"][:3]})
+
+
+def test_check_sensitivity_fails_on_nan_sums():
+    """A distance that is not finite fails (a comparison with nan is never "over" by itself)."""
+    import pdpsgd
+    from pdpsgd.testing import check_sensitivity
+
+    torch.manual_seed(0)
+    m = mlp().double()
+    b = {"x": torch.randn(3, 5, dtype=torch.float64), "y": torch.randint(0, 3, (3,))}
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.1, noise_multiplier=1.0, method="vmap")
+    with pytest.raises(AssertionError, match="nan"):
+        check_sensitivity(_Scaled(step, float("nan")), pdpsgd.trainable_params(m), b)
+
+
+def test_check_sensitivity_sees_a_model_that_mixes_examples():
+    """A forward that mixes examples (h + 3·mean over the batch, which the example-order check cannot
+    see: a mean is order-free) keeps every bound under the mask, where the others still run through
+    the model; removing an example from the batch moves the sum past C. On vmap each example runs
+    alone, so there the bound holds."""
+    import pdpsgd
+    from pdpsgd.testing import check_sensitivity
+
+    class Mixing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(5, 7), torch.nn.Linear(7, 3)
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.b(h + 3 * h.mean(0, keepdim=True))
+
+    torch.manual_seed(0)
+    m = Mixing().double()
+    b = {"x": torch.randn(5, 5, dtype=torch.float64) * 3, "y": torch.randint(0, 3, (5,))}
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.1, noise_multiplier=1.0, method="bk")
+    with pytest.raises(AssertionError, match="removed from the batch moves"):
+        check_sensitivity(step, params, b)
+    vm = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.1, noise_multiplier=1.0, method="vmap")
+    assert check_sensitivity(vm, params, b).max_ratio <= 1 + 1e-9
+
+
+@pytest.mark.parametrize("chunk", [1, 2, None])
+def test_check_sensitivity_train_mode_vmap_chunks(chunk):
+    """Train-mode dropout on the vmap path with chunks smaller than the batch: every chunk runs in
+    train mode (none skipped because its examples are masked out), so the real examples' draws do
+    not depend on the mask and the masked comparisons hold."""
+    import pdpsgd
+    from pdpsgd.testing import check_sensitivity
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 3)).double().train()
+    b = {"x": torch.randn(4, 5, dtype=torch.float64) * 3, "y": torch.randint(0, 3, (4,))}
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.1, noise_multiplier=1.0, method="vmap", chunk_size=chunk)
+    r = check_sensitivity(step, pdpsgd.trainable_params(m), b)
+    assert not r.deterministic and r.max_ratio <= 1 + 1e-9
