@@ -1944,7 +1944,9 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
 # per batch shape (without B; memoised per parameter): the whole batch is run twice with module
 # flags in eval mode (dropout masks would differ) and the same random streams: as it is, and
 # permuted by a fixed derangement π (every example moves) with losses weighted 1, 2, 1, 2, ... by
-# position. Each example's squared norm per parameter must be the same in both runs up to its
+# position, with one more slot holding a copy of the first (a batch of B + 1, so that order-free
+# mixing, a mean over the batch, moves every norm too). Each example's squared norm per parameter
+# must be the same in both runs up to its
 # weight² (tolerance ORDER_RTOL, plus a floor of 8 ulps of that parameter's largest squared norm,
 # for rounding noise in tiny norms; a parameter zero but for rounding: ORDER_ROUNDING_ULPS; one
 # negligible against every example's norm: ORDER_NEGLIGIBLE_ULPS).
@@ -2115,10 +2117,16 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
     pi = torch.randperm(B, generator=gen)
     while bool((pi == torch.arange(B)).any()):  # a derangement (B ≥ 2): every example moves
         pi = torch.randperm(B, generator=gen)
-    w2 = 1.0 + (torch.arange(B) % 2).to(torch.float64)
-    perm = tree_map(lambda x: x.index_select(0, pi.to(x.device)) if isinstance(x, Tensor) else x, batch)
-    why = ("its per-example norms changed when the batch was permuted (each example's own, up to its loss "
-           "weight, should not): does the model reorder or mix the batch inside its forward? (exact fallback)")
+    # the permuted batch gets one more slot, a copy of the example in slot 0: each example's own norm
+    # stays, so a forward or loss that mixes examples in an order-free way (a mean or sum over the
+    # batch, in-batch negatives), which a permutation alone leaves as it is, moves them too
+    src = torch.cat([pi, pi[:1]])  # slot p of run 2 holds example src[p]
+    B2 = B + 1
+    w2 = 1.0 + (torch.arange(B2) % 2).to(torch.float64)
+    perm = tree_map(lambda x: x.index_select(0, src.to(x.device)) if isinstance(x, Tensor) else x, batch)
+    why = ("its per-example norms changed when the batch was permuted and one example added twice (each "
+           "example's own, up to its loss weight, should not): does the model reorder the batch or mix "
+           "examples inside its forward or loss? (exact fallback)")
 
     def run(b, w, seed):
         return _side_collect(loss_module, params, constants, b, registry, overrides, probe_memo, w, no_expand, seed)
@@ -2131,7 +2139,7 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         n1, fb1 = _example_norms(s1, params, names, B, bnd1), dict(s1.fallback)
         del s1  # (one pass's captures alive at a time)
         s2 = run(perm, w2, 0)
-        n2, fb2 = _example_norms(s2, params, names, B, bnd2), dict(s2.fallback)
+        n2, fb2 = _example_norms(s2, params, names, B2, bnd2), dict(s2.fallback)
         del s2
     except Exception as err:  # e.g. a loss_fn that fails on the eval-mode forward: nothing is verified
         if isinstance(err, _OOM):
@@ -2156,8 +2164,8 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
     def negligible(n: str) -> bool:  # in both runs, against the smallest example's norm
         w = (w2 * w2).double()
         if not totals:
-            totals.extend(sum((norms[m].detach().double().cpu() for m in agree), torch.zeros(B, dtype=torch.float64))
-                          for norms in (n1, n2))
+            totals.extend(sum((norms[m].detach().double().cpu() for m in agree), torch.zeros(b, dtype=torch.float64))
+                          for norms, b in ((n1, B), (n2, B2)))
             totals[1] = totals[1] / w
         return all(_negligible(sq, tot, params[n].dtype) for sq, tot in (
             (n1[n], totals[0]), (n2[n].detach().double().cpu() / w, totals[1])))
@@ -2168,8 +2176,8 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         if n in fb1 or n in fb2:
             res[n] = f"the example-order check could not verify it: {fb1.get(n) or fb2.get(n)}"
             continue
-        a = n1[n].index_select(0, pi.to(n1[n].device))  # example π[p]'s norm, run 1
-        b = n2[n] / (w2 * w2).to(n2[n])  # slot p of run 2 holds example π[p]
+        a = n1[n].index_select(0, src.to(n1[n].device))  # example src[p]'s norm, run 1
+        b = n2[n] / (w2 * w2).to(n2[n])  # slot p of run 2 holds example src[p]
         if not bool((torch.isfinite(a) & (a > 0)).any()):
             continue  # undecided: no finite gradient reached it in this batch; asked again
         if bool(differ(a, b, n).any()):

@@ -1705,6 +1705,47 @@ def test_batch_reordered_inside_the_forward_falls_back(B, T, flat):
     assert "reorder" in why["fc2.weight"], why
 
 
+class _MeanMixing(nn.Module):
+    """Mixes examples in an order-free way (a mean over the batch), which a permutation alone cannot
+    show: example i's output, hence its "gradient", depends on every other example."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.where = where
+        self.a, self.b = nn.Linear(5, 7), nn.Linear(7, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.where == "forward":
+            h = h + 3 * h.mean(0, keepdim=True)
+        return self.b(torch.tanh(h))
+
+
+def _in_batch_negatives(m, bb):  # a contrastive loss: every example's logits against all others
+    z = m(bb["x"])  # (B, 3)
+    return F.cross_entropy(z @ z.t(), torch.arange(z.shape[0]), reduction="none")
+
+
+@pytest.mark.parametrize("where", ["forward", "loss"])
+@pytest.mark.parametrize("B", [2, 3, 6])
+def test_order_free_mixing_is_seen_and_falls_back(where, B):
+    """A mean over the batch inside the forward, or in-batch negatives in the loss: before round 21
+    both passed the example-order check (the permuted batch mixes to the same mean) and the clipped
+    sum was neither the naive loop's nor bounded by C (removing one example moved it 1.1–1.3 C).
+    The check's second run adds a copy of one example to the batch, so every norm moves."""
+    torch.manual_seed(B)
+    m = _MeanMixing(where)
+    b = {"x": torch.randn(B, 5) * 3, "y": torch.randint(0, 3, (B,))}
+    loss = models.mlp_loss if where == "forward" else _in_batch_negatives
+    for method in ("bk", "auto"):
+        r = assert_exact(m, loss, b, method=method, max_grad_norm=0.1)
+        assert set(r.routes.values()) == {"vmap"}, r.routes
+    step = pdpsgd.make_dp_step(m.double(), loss, max_grad_norm=0.1, noise_multiplier=1.0, method="bk")
+    b64 = {"x": b["x"].double(), "y": b["y"]}
+    assert "mix examples" in step.fallback_reasons(b64)["a.weight"]
+    assert check_sensitivity(step, trainable_params(m), b64).max_ratio <= 1 + 1e-9
+
+
 class _MultipleChoice(nn.Module):
     """Inner batch B·C (as HF's *ForMultipleChoice): a (1, T) position embedding broadcast over B·C
     rows, which an expansion to B rows would break."""

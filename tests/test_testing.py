@@ -157,10 +157,10 @@ def test_check_sensitivity_fails_on_nan_sums():
 
 
 def test_check_sensitivity_sees_a_model_that_mixes_examples():
-    """A forward that mixes examples (h + 3·mean over the batch, which the example-order check cannot
-    see: a mean is order-free) keeps every bound under the mask, where the others still run through
-    the model; removing an example from the batch moves the sum past C. On vmap each example runs
-    alone, so there the bound holds."""
+    """A forward that mixes examples (h + 3·mean over the batch) on book-keeping with its example-order
+    check turned off (the check sends such a model to the exact fallback) keeps every bound under the
+    mask, where the others still run through the model; removing an example from the batch moves the
+    sum past C. With the check, and on vmap (each example alone), the bound holds."""
     import pdpsgd
     from pdpsgd.testing import check_sensitivity
 
@@ -177,9 +177,12 @@ def test_check_sensitivity_sees_a_model_that_mixes_examples():
     m = Mixing().double()
     b = {"x": torch.randn(5, 5, dtype=torch.float64) * 3, "y": torch.randint(0, 3, (5,))}
     params = pdpsgd.trainable_params(m)
-    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.1, noise_multiplier=1.0, method="bk")
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.1, noise_multiplier=1.0, method="bk",
+                               bk_options={"check_order": False})
     with pytest.raises(AssertionError, match="removed from the batch moves"):
         check_sensitivity(step, params, b)
+    checked = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.1, noise_multiplier=1.0, method="bk")
+    assert check_sensitivity(checked, params, b).max_ratio <= 1 + 1e-9
     vm = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.1, noise_multiplier=1.0, method="vmap")
     assert check_sensitivity(vm, params, b).max_ratio <= 1 + 1e-9
 
