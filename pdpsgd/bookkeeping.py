@@ -1944,9 +1944,10 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
 # per batch shape (without B; memoised per parameter): the whole batch is run twice with module
 # flags in eval mode (dropout masks would differ) and the same random streams: as it is, and
 # permuted by a fixed derangement π (every example moves) with losses weighted 1, 2, 1, 2, ... by
-# position, with one more slot holding a copy of the first (a batch of B + 1, so that order-free
-# mixing, a mean over the batch, moves every norm too). Each example's squared norm per parameter
-# must be the same in both runs up to its
+# position; and a third time as B copies of the example with the largest gradient, weighted as
+# the second (any batch statistic of copies, a mean or a max, is that example's own value, as in
+# the naive loop: order-free mixing, which a permutation leaves as it is, shows there). Each
+# example's squared norm per parameter must be the same in every run up to its
 # weight² (tolerance ORDER_RTOL, plus a floor of 8 ulps of that parameter's largest squared norm,
 # for rounding noise in tiny norms; a parameter zero but for rounding: ORDER_ROUNDING_ULPS; one
 # negligible against every example's norm: ORDER_NEGLIGIBLE_ULPS).
@@ -2101,6 +2102,13 @@ def _settle_pending(col: "_Collected", params: Params, B: int,
     col.pending = {}
 
 
+def _all_rows_equal(batch: Batch, B: int) -> bool:
+    """Whether every example of the batch is the same (each batched tensor's rows all equal row 0)."""
+    leaves, _ = tree_flatten(batch)
+    rows = [x for x in leaves if isinstance(x, Tensor) and x.dim() and x.shape[0] == B]
+    return B > 1 and bool(rows) and all(bool((x == x[:1]).all()) for x in rows)
+
+
 def _order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo,
                     no_expand) -> Tuple[Dict[str, str], Set[str], Set[str]]:
     """({parameter: reason} found attributed to another example, {parameters checked and passed},
@@ -2117,30 +2125,43 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
     pi = torch.randperm(B, generator=gen)
     while bool((pi == torch.arange(B)).any()):  # a derangement (B ≥ 2): every example moves
         pi = torch.randperm(B, generator=gen)
-    # the permuted batch gets one more slot, a copy of the example in slot 0: each example's own norm
-    # stays, so a forward or loss that mixes examples in an order-free way (a mean or sum over the
-    # batch, in-batch negatives), which a permutation alone leaves as it is, moves them too
-    src = torch.cat([pi, pi[:1]])  # slot p of run 2 holds example src[p]
-    B2 = B + 1
-    w2 = 1.0 + (torch.arange(B2) % 2).to(torch.float64)
-    perm = tree_map(lambda x: x.index_select(0, src.to(x.device)) if isinstance(x, Tensor) else x, batch)
-    why = ("its per-example norms changed when the batch was permuted and one example added twice (each "
-           "example's own, up to its loss weight, should not): does the model reorder the batch or mix "
-           "examples inside its forward or loss? (exact fallback)")
+    w2 = 1.0 + (torch.arange(B) % 2).to(torch.float64)
+    perm = tree_map(lambda x: x.index_select(0, pi.to(x.device)) if isinstance(x, Tensor) else x, batch)
+    why = ("its per-example norms changed when the batch was permuted, or made of copies of one example "
+           "(each example's own, up to its loss weight, should not): does the model reorder the batch or "
+           "mix examples inside its forward or loss? (exact fallback)")
 
     def run(b, w, seed):
         return _side_collect(loss_module, params, constants, b, registry, overrides, probe_memo, w, no_expand, seed)
 
+    if _all_rows_equal(batch, B):
+        # every example the same: no mixing could show (a mean over copies is each one's own value);
+        # nothing is decided, so the step takes the exact fallback and the next batch is asked again
+        return _order_verdicts(known)
     bnd1: Dict[str, Tensor] = {}
     bnd2: Dict[str, Tensor] = {}
+    bnd3: Dict[str, Tensor] = {}
     try:
         s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
         names = sorted(s1.uses)
         n1, fb1 = _example_norms(s1, params, names, B, bnd1), dict(s1.fallback)
         del s1  # (one pass's captures alive at a time)
         s2 = run(perm, w2, 0)
-        n2, fb2 = _example_norms(s2, params, names, B2, bnd2), dict(s2.fallback)
+        n2, fb2 = _example_norms(s2, params, names, B, bnd2), dict(s2.fallback)
         del s2
+        # the batch made of B copies of one example k (the one with the largest gradient), losses
+        # weighted as in run 2: any batch statistic of copies (a mean, a sum per copy, a max, a count)
+        # is k's own value, as in the naive loop, so a forward or loss that mixes examples in an
+        # order-free way (in-batch negatives, a mean over the batch), which a permutation leaves as
+        # it is, moves k's norm here
+        tot = sum((n1[n].detach().double().cpu().nan_to_num(0.0, 0.0, 0.0) for n in names),
+                  torch.zeros(B, dtype=torch.float64))
+        k = int(tot.argmax())
+        copies = tree_map(lambda x: x[k:k + 1].expand(B, *x.shape[1:]).contiguous() if isinstance(x, Tensor) else x,
+                          batch)
+        s3 = run(copies, w2, 0)
+        n3, fb3 = _example_norms(s3, params, names, B, bnd3), dict(s3.fallback)
+        del s3
     except Exception as err:  # e.g. a loss_fn that fails on the eval-mode forward: nothing is verified
         if isinstance(err, _OOM):
             raise
@@ -2155,32 +2176,43 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         top = torch.where(fin, torch.maximum(x, y), torch.zeros_like(x)).max()
         return fin & ((x - y).abs() > max(ORDER_RTOL, 4 * eps) * torch.maximum(x, y) + 8 * eps * top)
 
-    def rounding_only(n: str) -> bool:  # every example's gradient, in both runs, cancels to rounding
-        return all(_within_rounding(sq, bd, params[n].dtype) for sq, bd in ((n1[n], bnd1[n]), (n2[n], bnd2[n])))
+    def rounding_only(n: str) -> bool:  # every example's gradient, in every run, cancels to rounding
+        return all(_within_rounding(sq, bd, params[n].dtype)
+                   for sq, bd in ((n1[n], bnd1[n]), (n2[n], bnd2[n]), (n3[n], bnd3[n])))
 
     agree: List[str] = []  # checked parameters whose norms agree between the runs
     totals: List[Tensor] = []  # each example's squared norm over them, run 1 and run 2 (unweighted)
 
-    def negligible(n: str) -> bool:  # in both runs, against the smallest example's norm
+    def negligible(n: str) -> bool:  # in every run, against the smallest example's norm
         w = (w2 * w2).double()
         if not totals:
-            totals.extend(sum((norms[m].detach().double().cpu() for m in agree), torch.zeros(b, dtype=torch.float64))
-                          for norms, b in ((n1, B), (n2, B2)))
+            totals.extend(sum((norms[m].detach().double().cpu() for m in agree), torch.zeros(B, dtype=torch.float64))
+                          for norms in (n1, n2, n3))
             totals[1] = totals[1] / w
+            totals[2] = totals[2] / w
         return all(_negligible(sq, tot, params[n].dtype) for sq, tot in (
-            (n1[n], totals[0]), (n2[n].detach().double().cpu() / w, totals[1])))
+            (n1[n], totals[0]), (n2[n].detach().double().cpu() / w, totals[1]),
+            (n3[n].detach().double().cpu() / w, totals[2])))
 
     res: Dict[str, Optional[str]] = {}
     differed: List[str] = []
     for n in names:
-        if n in fb1 or n in fb2:
-            res[n] = f"the example-order check could not verify it: {fb1.get(n) or fb2.get(n)}"
+        if n in fb1 or n in fb2 or n in fb3:
+            res[n] = f"the example-order check could not verify it: {fb1.get(n) or fb2.get(n) or fb3.get(n)}"
             continue
-        a = n1[n].index_select(0, src.to(n1[n].device))  # example src[p]'s norm, run 1
-        b = n2[n] / (w2 * w2).to(n2[n])  # slot p of run 2 holds example src[p]
+        a = n1[n].index_select(0, pi.to(n1[n].device))  # example π[p]'s norm, run 1
+        b = n2[n] / (w2 * w2).to(n2[n])  # slot p of run 2 holds example π[p]
         if not bool((torch.isfinite(a) & (a > 0)).any()):
             continue  # undecided: no finite gradient reached it in this batch; asked again
-        if bool(differ(a, b, n).any()):
+        a3 = n1[n][k:k + 1].expand(B)  # every slot of run 3 holds example k
+        b3 = n3[n] / (w2 * w2).to(n3[n])
+        moved = bool(differ(a, b, n).any())
+        if not moved and bool(differ(a3, b3.to(a3), n).any()):
+            # only the copies' run differs: not a mixing where the gradient, in runs 1 and 3, is zero
+            # but for rounding of its own terms (an attention key's bias; a batch without padding may
+            # take another attention kernel, with other rounding); mixing moves it by rounding only
+            moved = not all(_within_rounding(sq, bd, params[n].dtype) for sq, bd in ((n1[n], bnd1[n]), (n3[n], bnd3[n])))
+        if moved:
             differed.append(n)
         else:
             res[n] = None

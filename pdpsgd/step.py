@@ -10,6 +10,7 @@ from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from ._types import Batch, LossFn, StepOutput
 from .clipping import Clipping, make_groups, make_weights_fn, sum_sq_norms
@@ -49,6 +50,23 @@ class ClippedSum(NamedTuple):
             # (an empty batch's "skipped" does not hide the route another batch took)
             {**self.routes, **{n: r for n, r in other.routes.items() if r != "skipped" or n not in self.routes}},
         )
+
+
+def _check_grad_mode(params: Mapping[str, Tensor], batch: Batch, *, tensors: bool = True) -> None:
+    """The step computes gradients: refuse inference mode and (``tensors``: book-keeping, whose
+    capture records them with autograd) inference tensors, with what to do; a caller's no_grad is
+    fine (the step turns grad mode on)."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("the DP step computes gradients: call it outside torch.inference_mode() "
+                           "(under torch.no_grad() it runs: it turns grad mode on for itself)")
+    if not tensors:
+        return
+    leaves, _ = tree_flatten(batch)
+    bad = [n for n, p in params.items() if p.is_inference()][:3]
+    if bad or any(isinstance(x, Tensor) and x.is_inference() for x in leaves):
+        what = f"parameter(s) {bad}" if bad else "a batch tensor"
+        raise RuntimeError(f"{what} {'were' if bad else 'was'} created under torch.inference_mode(), and autograd cannot use "
+                           "inference tensors: create them outside it, or pass a .clone() made outside it")
 
 
 class DPStep:
@@ -192,8 +210,10 @@ class DPStep:
             return {n: "vmap" for n in params}
         from .bookkeeping import plan as bk_plan
 
-        return bk_plan(self.model, self.loss_fn, params, batch, method=self.method,
-                       clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo), **self.bk_options)
+        _check_grad_mode(params, batch)
+        with torch.enable_grad():
+            return bk_plan(self.model, self.loss_fn, params, batch, method=self.method,
+                           clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo), **self.bk_options)
 
     def fallback_reasons(self, batch: Batch, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, str]:
         """{parameter name: why it takes the exact vmap fallback} for the parameters whose route in
@@ -203,9 +223,11 @@ class DPStep:
             return {n: "method='vmap'" for n in params}
         from .bookkeeping import fallback_reasons
 
-        return fallback_reasons(self.model, self.loss_fn, params, batch, method=self.method,
-                                clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo),
-                                **self.bk_options)
+        _check_grad_mode(params, batch)
+        with torch.enable_grad():
+            return fallback_reasons(self.model, self.loss_fn, params, batch, method=self.method,
+                                    clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo),
+                                    **self.bk_options)
 
     def _clip_groups(self, params: Mapping[str, Tensor]):
         return make_groups(list(params), self.clipping, self.max_grad_norm, budget=self.clip_budget).names
@@ -229,9 +251,7 @@ class DPStep:
         constants = model_constants(self.model, detached)
         groups = make_groups(list(detached), self.clipping, self.max_grad_norm, budget=self.clip_budget)
         weights_fn = make_weights_fn(groups, clip_fn=self.clip_fn, gamma=self.gamma)
-        if torch.is_inference_mode_enabled():
-            raise RuntimeError("the DP step computes gradients: call it outside torch.inference_mode() "
-                               "(under torch.no_grad() it runs: it turns grad mode on for itself)")
+        _check_grad_mode(params, batch, tensors=self.method != "vmap")
         with torch.enable_grad():  # (the step's own gradients, also under a caller's no_grad)
             if self.method == "vmap":
                 res = vmap_engine(self._loss_module, detached, constants, batch, mask, weights_fn,

@@ -472,3 +472,15 @@ def test_step_under_a_callers_no_grad_is_the_same_and_inference_mode_is_refused(
         torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-12, atol=0)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="outside torch.inference_mode"):
         step.clipped_sum(params, b)
+    with torch.no_grad():  # (the plan and the fallback reasons run the engine's capture too)
+        assert step.plan(b, params).keys() == params.keys() and isinstance(step.fallback_reasons(b, params), dict)
+    with torch.inference_mode():
+        inf_params = {n: p.clone() for n, p in params.items()}
+        inf_x = b["x"].clone()
+    if method == "vmap":  # (functional_call takes inference tensors as values)
+        step.clipped_sum(inf_params, {**b, "x": inf_x})
+        return
+    with pytest.raises(RuntimeError, match=r"parameter\(s\).*inference_mode"):
+        step.clipped_sum(inf_params, b)
+    with pytest.raises(RuntimeError, match="a batch tensor was created under torch.inference_mode"):
+        step.clipped_sum(params, {**b, "x": inf_x})
