@@ -1732,7 +1732,7 @@ def test_order_free_mixing_is_seen_and_falls_back(where, B):
     """A mean over the batch inside the forward, or in-batch negatives in the loss: before round 21
     both passed the example-order check (the permuted batch mixes to the same mean) and the clipped
     sum was neither the naive loop's nor bounded by C (removing one example moved it 1.1–1.3 C).
-    The check's third run is made of copies of one example (each one's mean is its own), so its norm moves."""
+    The check runs each example alone (its mean is its own), so its norm moves."""
     torch.manual_seed(B)
     m = _MeanMixing(where)
     b = {"x": torch.randn(B, 5) * 3, "y": torch.randint(0, 3, (B,))}
@@ -1742,6 +1742,49 @@ def test_order_free_mixing_is_seen_and_falls_back(where, B):
         assert set(r.routes.values()) == {"vmap"}, r.routes
     step = pdpsgd.make_dp_step(m.double(), loss, max_grad_norm=0.1, noise_multiplier=1.0, method="bk")
     b64 = {"x": b["x"].double(), "y": b["y"]}
+    assert "mix examples" in step.fallback_reasons(b64)["a.weight"]
+    assert check_sensitivity(step, trainable_params(m), b64).max_ratio <= 1 + 1e-9
+
+
+class _GroupMixing(nn.Module):
+    """Mixes only the examples of one group (a mean over the flagged rows): the example with the
+    largest gradient (an unflagged one, its input 10x larger) takes no part in it, so a batch of its
+    copies shows nothing; each example alone does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 7), nn.Linear(7, 3)
+
+    def forward(self, x, g):  # (B, 5), (B,) in {0, 1}
+        h = self.a(x)
+        m = g.to(h.dtype)[:, None]  # (B, 1)
+        mean = (m * h).sum(0, keepdim=True) / m.sum().clamp(min=1.0)  # (1, 7): the flagged rows' mean
+        return self.b(torch.tanh(h + 3 * m * mean))
+
+
+def _group_loss(m, bb):
+    return F.cross_entropy(m(bb["x"], bb["g"]), bb["y"], reduction="none")
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(B=st.integers(3, 40), data=st.data(), seed=st.integers(0, 10**6))
+def test_mixing_among_other_examples_is_seen(B, data, seed):
+    """Before round 22 the order check's third run was B copies of the example with the largest
+    gradient; mixing among the other examples only (a group's mean) passed it, and the clipped sum
+    was neither the naive loop's nor bounded by C. Each example is now checked alone (B up to 32;
+    beyond, 32 of them: a group larger than the B - 32 left out is met)."""
+    flagged = data.draw(st.sets(st.integers(1, B - 1), min_size=max(2, B - 31), max_size=B - 1))
+    torch.manual_seed(seed)
+    m = _GroupMixing()
+    g = torch.zeros(B, dtype=torch.long)
+    g[sorted(flagged)] = 1
+    x = torch.randn(B, 5) * torch.where(g.bool(), 1.0, 10.0)[:, None]
+    b = {"x": x, "g": g, "y": torch.randint(0, 3, (B,))}
+    for method in ("bk", "auto"):
+        r = assert_exact(m, _group_loss, b, method=method, max_grad_norm=0.1)
+        assert set(r.routes.values()) == {"vmap"}, r.routes
+    step = pdpsgd.make_dp_step(m.double(), _group_loss, max_grad_norm=0.1, noise_multiplier=1.0, method="bk")
+    b64 = {**b, "x": b["x"].double()}
     assert "mix examples" in step.fallback_reasons(b64)["a.weight"]
     assert check_sensitivity(step, trainable_params(m), b64).max_ratio <= 1 + 1e-9
 
