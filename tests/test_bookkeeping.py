@@ -2537,3 +2537,28 @@ def test_parameter_used_other_than_through_its_module_is_refused(method, via):
     m.lin.bias.requires_grad_(False)  # (frozen)
     pdpsgd.make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method=method).clipped_sum(
         {n: p.detach() for n, p in m.named_parameters() if p.requires_grad}, b)
+
+
+class _StdMixing(nn.Module):
+    """Standardises over the batch with torch's default (unbiased) std: not finite for a batch of
+    one, finite and mixed for a batch. The check must not take the example alone's NaN for a pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 7), nn.Linear(7, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.tanh((h - h.mean(0)) / (h.std(0) + 1e-5)))
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(B=st.integers(2, 9), seed=st.integers(0, 10**6))
+def test_mixing_that_is_not_finite_alone_is_seen(B, seed):
+    torch.manual_seed(seed)
+    m = _StdMixing()
+    b = {"x": torch.randn(B, 5), "y": torch.randint(0, 3, (B,))}
+    r = assert_exact(m, models.mlp_loss, b, method="bk", max_grad_norm=0.1)
+    assert r.routes["a.weight"] == "vmap" and r.routes["b.weight"] == "vmap", r.routes
+    step = pdpsgd.make_dp_step(m.double(), models.mlp_loss, max_grad_norm=0.1, noise_multiplier=1.0, method="bk")
+    assert check_sensitivity(step, trainable_params(m), {"x": b["x"].double(), "y": b["y"]}).max_ratio <= 1 + 1e-9
