@@ -1944,7 +1944,7 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
 # per batch shape (without B; memoised per parameter): the whole batch is run twice with module
 # flags in eval mode (dropout masks would differ) and the same random streams: as it is, and
 # permuted by a fixed derangement π (every example moves) with losses weighted 1, 2, 1, 2, ... by
-# position; and each example alone, as in the naive loop (``ORDER_SINGLES``; until round 21, B
+# position; and each example alone, as in the naive loop (``ORDER_SINGLES``; through round 21, B
 # copies of the example with the largest gradient, which missed mixing among the other examples):
 # any batch statistic, a mean or a max, is then the example's own value, so order-free mixing,
 # which a permutation leaves as it is, shows there. Each
@@ -2253,7 +2253,7 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
             # alone, is zero but for rounding of its own terms (an attention key's bias, whose
             # gradient cancels; a batch of one may take another attention kernel, with other
             # rounding): mixing moves it by rounding only. (Alone it has no triangle bound of its
-            # own: the batch's, of the same example, stands in; a review's open question, README.)
+            # own: the batch's, of the same example, stands in, in all three runs.)
             moved = not rounding_only(n)
         if moved:
             differed.append(n)
