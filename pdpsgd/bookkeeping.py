@@ -2129,6 +2129,23 @@ def _singles(tot: Tensor, B: int) -> Tensor:
     return torch.tensor([k] + rest, dtype=torch.long)
 
 
+# Past ORDER_SINGLES, examples not run alone are still split apart: the batch also runs (through the
+# engine, as run 1) as the rows and, separately, as the columns of a grid ⌈√B⌉ wide over a fixed
+# random order of its examples. Two examples share a row and a column only if they are one, so any
+# two are in different sub-batches of at least one of the two passes: a mixing confined to a group of
+# examples (a pair, a group's mean) moves some member's norm in that pass, whichever the group is.
+
+
+def _grid_splits(B: int) -> List[List[Tensor]]:
+    """Two partitions of range(B) (int64 index tensors, each sorted): the rows and the columns of a
+    grid ⌈√B⌉ wide over a fixed random order; any two examples are apart in at least one."""
+    order = torch.randperm(B, generator=torch.Generator().manual_seed(24680 + B))
+    m = math.isqrt(B - 1) + 1 if B > 1 else 1  # ⌈√B⌉
+    rows = [order[i:i + m] for i in range(0, B, m)]
+    cols = [order[c::m] for c in range(min(m, B))]
+    return [[t.sort().values for t in part] for part in (rows, cols)]
+
+
 def _alone_norms(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
                  names: List[str], singles: Tensor) -> Dict[str, Tensor]:
     """{parameter: (len(singles),) squared norms}: the gradient of each chosen example's loss with
@@ -2200,6 +2217,25 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         n3 = _alone_norms(loss_module, params, constants, batch, names, singles)
         # (no rule ran alone: an example's terms are bounded as in run 1, for the rounding exemption)
         bnd3 = {n: bnd1[n].index_select(0, singles.to(bnd1[n].device)) for n in names}
+        # past ORDER_SINGLES, the batch split apart twice (``_grid_splits``): each pass's norms and
+        # bounds (B,), and the parameters it could not see (a fallback in a sub-batch: a size that
+        # meets a model dimension, say; that pass then says nothing of them)
+        splits: List[Tuple[Dict[str, Tensor], Dict[str, Tensor], Set[str]]] = []
+        for part in (_grid_splits(B) if B > ORDER_SINGLES else []):
+            sq = {n: torch.zeros_like(n1[n]).detach() for n in names}
+            bd = {n: torch.zeros_like(bnd1[n]).detach() for n in names}
+            blind: Set[str] = set()
+            for idx in part:
+                sub = tree_map(lambda x: x.index_select(0, idx.to(x.device)) if isinstance(x, Tensor) else x, batch)
+                s = run(sub, torch.ones(len(idx), dtype=torch.float64), 0)
+                sb: Dict[str, Tensor] = {}
+                ns = _example_norms(s, params, names, len(idx), sb)
+                blind |= set(s.fallback) | {n for n in names if n not in s.uses}
+                del s
+                for n in names:
+                    sq[n][idx.to(sq[n].device)] = ns[n].detach().to(sq[n])
+                    bd[n][idx.to(bd[n].device)] = sb[n].detach().to(bd[n])
+            splits.append((sq, bd, blind))
     except Exception as err:  # e.g. a loss_fn that fails on the eval-mode forward: nothing is verified
         if isinstance(err, _OOM):
             raise
@@ -2216,7 +2252,8 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
 
     def rounding_only(n: str) -> bool:  # every example's gradient, in every run, cancels to rounding
         return all(_within_rounding(sq, bd, params[n].dtype)
-                   for sq, bd in ((n1[n], bnd1[n]), (n2[n], bnd2[n]), (n3[n], bnd3[n])))
+                   for sq, bd in ((n1[n], bnd1[n]), (n2[n], bnd2[n]), (n3[n], bnd3[n]))
+                   + tuple((sp[n], bp[n]) for sp, bp, blind in splits if n not in blind))
 
     agree: List[str] = []  # checked parameters whose norms agree between the runs
     totals: List[Tensor] = []  # each example's squared norm over them, run 1 and run 2 (unweighted)
@@ -2225,10 +2262,12 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         w = (w2 * w2).double()
         if not totals:
             totals.extend(sum((norms[m].detach().double().cpu() for m in agree),
-                              torch.zeros(len(norms[names[0]]), dtype=torch.float64)) for norms in (n1, n2, n3))
+                              torch.zeros(len(norms[names[0]]), dtype=torch.float64))
+                          for norms in (n1, n2, n3) + tuple(sp for sp, _, _ in splits))
             totals[1] = totals[1] / w
         return all(_negligible(sq, tot, params[n].dtype) for sq, tot in (
-            (n1[n], totals[0]), (n2[n].detach().double().cpu() / w, totals[1]), (n3[n], totals[2])))
+            (n1[n], totals[0]), (n2[n].detach().double().cpu() / w, totals[1]), (n3[n], totals[2]))
+            + tuple((sp[n], totals[3 + k]) for k, (sp, _, blind) in enumerate(splits) if n not in blind))
 
     res: Dict[str, Optional[str]] = {}
     differed: List[str] = []
@@ -2247,6 +2286,13 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
             # finite in the batch, not finite alone (a std over one row, in-batch negatives over
             # none): the batch's value is not the example's own (``differ`` skips non-finite rows)
             res[n] = why
+            continue
+        for sp, _, blind in splits:  # the batch split apart (B > ORDER_SINGLES), as alone
+            if not moved and n not in blind and bool((torch.isfinite(n1[n]) & ~torch.isfinite(sp[n])).any()):
+                res[n] = why
+                break
+            moved = moved or (n not in blind and bool(differ(n1[n], sp[n], n).any()))
+        if n in res:
             continue
         if not moved and bool(differ(a3, b3, n).any()):
             # only the examples alone differ: not a mixing where the gradient, in the batch's runs and
