@@ -78,6 +78,7 @@ def _edge_fn():
 _gradient_edge = _edge_fn()
 
 from ._types import Batch, EngineResult, Params, WeightsFn
+from .batch_order import ReorderWatch
 from .clipping import sum_sq_norms
 from .functional import LossModule, model_constants, preserve_module_state
 from .per_sample import (SQ_NORM_BLOCK, _device_of, acc_dtype, batch_size, cat_chunks, per_sample_grads, slice_batch,
@@ -1367,6 +1368,8 @@ _OOM = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch
 # Set (for the duration of one capture, its checks and probes included) when a capture with the
 # registry's adapters failed and runs again without them (see ``_collect``).
 _ADAPTERS_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("pdpsgd_adapters_off", default=False)
+# the example-order check's first run: the watch on the batch's order (``batch_order``), None otherwise
+_WATCH: contextvars.ContextVar[Optional[ReorderWatch]] = contextvars.ContextVar("pdpsgd_reorder_watch", default=None)
 
 
 def _adapters_apply(model: nn.Module, registry: RuleRegistry) -> bool:
@@ -1589,6 +1592,9 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
 
     def on_output(module, args, kwargs, output):
         mname, rule, local = ruled[module]
+        watch = _WATCH.get()
+        if watch is not None and watch.found is not None:  # a layer that ran after the batch was ordered
+            watch.after.update(local.values())
         if not replay[0]:
             real_dims.setdefault(mname, []).append(
                 _out_dim(output) if getattr(rule, "batch_dim_of_output", False) else _first_dim(args, kwargs))
@@ -1662,7 +1668,8 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     leaf_names = [n for n in ruled_names]
 
     def forward_backward():
-        with torch.enable_grad():
+        watch = _WATCH.get()
+        with torch.enable_grad(), (watch if watch is not None else contextlib.nullcontext()):
             losses = loss_module(batch)
         replay[0] = True
         flat.clear()  # (the forward's nodes are not held beyond it)
@@ -2198,8 +2205,13 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         return _order_verdicts(known)
     bnd1: Dict[str, Tensor] = {}
     bnd2: Dict[str, Tensor] = {}
+    watch = ReorderWatch(B)  # (run 1's forward: an ordering of the batch by a computed index)
     try:
-        s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
+        tok = _WATCH.set(watch)
+        try:
+            s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
+        finally:
+            _WATCH.reset(tok)
         names = sorted(s1.uses)
         n1, fb1 = _example_norms(s1, params, names, B, bnd1), dict(s1.fallback)
         del s1  # (one pass's captures alive at a time)
@@ -2317,6 +2329,15 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         for n, v in n1b.items():
             if bool(differ(v, n1[n], n).any()):
                 res[n] = None  # random: trusted, as without the check (README)
+    if watch.found is not None:
+        # ordered by a computed index: whatever this batch's norms showed (its order may be the
+        # identity: every length equal), another batch of this shape may be reordered
+        sorted_why = (f"the forward reorders the batch's rows by a computed index before this layer ({watch.found}): "
+                      "book-keeping reads row b as example b's, which a batch in another order breaks, even where "
+                      "this batch's order is the identity (exact fallback)")
+        for n in watch.after:
+            if n in params and not _is_reason(res.get(n)):
+                res[n] = sorted_why
     # a parameter once seen to differ stays so: a later batch that happens not to show it (re-checked
     # because other parameters were undecided) must not clear the verdict; only a reordering found
     # later replaces a rounding-only or negligible one

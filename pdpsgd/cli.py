@@ -152,8 +152,8 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UserError(f"--clip must be > 0, got {a.clip}")
     if a.noise_multiplier is not None and not a.noise_multiplier > 0:
         raise UserError(f"--noise-multiplier must be > 0, got {a.noise_multiplier}")
-    if not a.epochs > 0:
-        raise UserError(f"--epochs must be > 0, got {a.epochs}")
+    if not (a.epochs > 0 and math.isfinite(a.epochs)):
+        raise UserError(f"--epochs must be a finite number > 0, got {a.epochs}")
     for name in ("batch_size", "max_physical_batch", "seq_len", "checkpoint_every"):
         if getattr(a, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
@@ -222,6 +222,20 @@ def run_train(a: argparse.Namespace) -> int:
     if ckpt_path.exists() and not a.resume:
         raise UserError(f"{out_dir} already holds a run (checkpoint.pt): pass --resume to continue it, "
                         "or choose another --output-dir")
+    if ledger_path.exists() and not ckpt_path.exists():
+        # a run killed before its first checkpoint: its released steps are on the ledger alone, and
+        # a new run here would rewrite it from zero (the releases spent on this data, lost)
+        try:
+            released = int(json.loads(ledger_path.read_text()).get("steps_released", 0))
+        except (ValueError, AttributeError, TypeError):
+            released = None
+        if released is None or released > 0:
+            what = "an unreadable privacy ledger" if released is None else \
+                f"a privacy ledger of {released} released step(s)"
+            raise UserError(f"{out_dir} holds {what} (ledger.json) but no checkpoint: a run was stopped before its "
+                            "first checkpoint, and those releases count against this data's privacy budget. "
+                            "Choose another --output-dir (keep ledger.json with your records), or move it away "
+                            "knowingly")
     if a.resume and not ckpt_path.exists():
         raise UserError(f"--resume: no checkpoint in {out_dir}")
     if a.plot:

@@ -6,6 +6,8 @@ Gaussian noise -> divide by the expected batch size.
 from __future__ import annotations
 
 import math
+import numbers
+import warnings
 from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence
 
 import torch
@@ -14,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._types import Batch, LossFn, StepOutput
 from .clipping import Clipping, make_groups, make_weights_fn, sum_sq_norms
-from .functional import LossModule, ParamIndex, check_no_batch_mixing, model_constants
+from .functional import LossModule, ParamIndex, check_no_batch_mixing, model_constants, trainable_params
 from .fused import RNGS, noise_and_scale, resolve_rng
 from .noise import entropy_generator
 from .per_sample import acc_dtype, batch_size, vmap_engine
@@ -69,6 +71,15 @@ def _check_grad_mode(params: Mapping[str, Tensor], batch: Batch, *, tensors: boo
                            "inference tensors: create them outside it, or pass a .clone() made outside it")
 
 
+def _real(name: str, v: Any) -> float:
+    """A real number option as a float: a Python or NumPy number, or a one-element tensor."""
+    if isinstance(v, Tensor) and v.numel() == 1 and not v.is_complex():
+        return float(v)
+    if isinstance(v, numbers.Real):
+        return float(v)
+    raise TypeError(f"{name} must be a real number, got {type(v).__module__}.{type(v).__name__}")
+
+
 class DPStep:
     """A DP-SGD step for one model and loss: ``dp_step(params, batch, mask=None) -> StepOutput``.
 
@@ -108,14 +119,18 @@ class DPStep:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable: loss_fn(model, batch) -> Tensor[B]")
-        if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+        max_grad_norm = _real("max_grad_norm", max_grad_norm)
+        noise_multiplier = _real("noise_multiplier", noise_multiplier)
+        if not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 (the clipping bound C), got {max_grad_norm}")
-        if not (isinstance(noise_multiplier, (int, float)) and noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+        if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
             raise ValueError(f"noise_multiplier must be a finite number ≥ 0 (σ), got {noise_multiplier}")
         if math.isinf(max_grad_norm) and noise_multiplier > 0:
             raise ValueError("max_grad_norm=inf (no clipping) has unbounded sensitivity; use noise_multiplier=0 for it")
-        if expected_batch_size is not None and not expected_batch_size > 0:
-            raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
+        if expected_batch_size is not None:
+            expected_batch_size = _real("expected_batch_size", expected_batch_size)
+            if not (expected_batch_size > 0 and math.isfinite(expected_batch_size)):
+                raise ValueError(f"expected_batch_size must be a finite number > 0 (q·N), got {expected_batch_size}")
         if method not in METHODS:
             raise ValueError(f"method={method!r} is unknown: use one of {METHODS}")
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
@@ -145,6 +160,8 @@ class DPStep:
         self.max_grad_norm = float(max_grad_norm)
         self.noise_multiplier = float(noise_multiplier)
         self.expected_batch_size = expected_batch_size
+        self._first_divisor: Optional[int] = None  # (without expected_batch_size: the first batch's size)
+        self._divisor_warned = False
         self.method = method
         self.chunk_size = chunk_size
         # book-keeping's batch-dimension probe, per batch shape signature (a function of the model's
@@ -205,7 +222,7 @@ class DPStep:
         them; for method="auto" on the CPU they include each example's non-padded rows; see
         ``pdpsgd.bookkeeping.plan``), with what this step's checks have found so far (a verdict
         memoised by an earlier step; the step's memo is read, not written)."""
-        params = self._index.resolve(params if params is not None else dict(self.model.named_parameters()))
+        params = self._index.resolve(params if params is not None else trainable_params(self.model))
         if self.method == "vmap":
             return {n: "vmap" for n in params}
         from .bookkeeping import plan as bk_plan
@@ -218,7 +235,7 @@ class DPStep:
     def fallback_reasons(self, batch: Batch, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, str]:
         """{parameter name: why it takes the exact vmap fallback} for the parameters whose route in
         ``plan(batch)`` is "vmap" (method="vmap": all of them)."""
-        params = self._index.resolve(params if params is not None else dict(self.model.named_parameters()))
+        params = self._index.resolve(params if params is not None else trainable_params(self.model))
         if self.method == "vmap":
             return {n: "method='vmap'" for n in params}
         from .bookkeeping import fallback_reasons
@@ -289,6 +306,20 @@ class DPStep:
         empty = torch.zeros(0, device=device)
         return ClippedSum(sums, empty, empty, none, none, none, {n: "skipped" for n in params})
 
+    def _divisor_seen(self, size: int) -> None:
+        """Without ``expected_batch_size`` the divisor is the batch's size: public for fixed-size
+        batches, not for Poisson ones (the released gradient's scale then tells the size, which the
+        accountant does not count). Warn once when the size changes between steps."""
+        if self._first_divisor is None:
+            self._first_divisor = size
+        first = self._first_divisor
+        if size != first and not self._divisor_warned:
+            self._divisor_warned = True
+            warnings.warn(f"expected_batch_size is not set and the batch size changed between steps ({first} -> {size}): "
+                          "the step divides by each batch's own size, which its output then reveals; under Poisson "
+                          "sampling that size is private and the accountant's ε does not cover it. Pass "
+                          "expected_batch_size=q·N to make_dp_step (fixed-size batches: their size)", stacklevel=4)
+
     def finalize(self, partial: ClippedSum, *, params: Optional[Mapping[str, Tensor]] = None) -> StepOutput:
         """Add the noise once and scale: turns an (accumulated) ``ClippedSum`` into a step output
         (``partial`` is not modified)."""
@@ -302,6 +333,8 @@ class DPStep:
             raise ValueError("an empty batch has no size to divide by: pass expected_batch_size (q·N under Poisson "
                              "sampling) to make_dp_step, and the step is the noise alone divided by it")
         denom = float(self.expected_batch_size) if self.expected_batch_size is not None else float(partial.mask.numel())
+        if self.expected_batch_size is None and self.noise_std > 0:
+            self._divisor_seen(int(partial.mask.numel()))
         dtypes = {n: (params[n].dtype if params is not None and n in params else s.dtype) for n, s in sums.items()}
         gen = self._generator(first.device) if self.noise_std > 0 else None
         grads = noise_and_scale(sums, self.noise_std, gen, denom, dtypes, compile=self.fused, consume=consume,
@@ -359,7 +392,9 @@ def make_dp_step(
         loss_fn: ``loss_fn(model, batch) -> Tensor[B]``, one loss per example (reduction='none').
         max_grad_norm: C, the clipping bound (= the step's L2 sensitivity).
         noise_multiplier: σ; noise std per coordinate is σC.
-        expected_batch_size: the divisor (q·N under Poisson sampling); default: the batch's size.
+        expected_batch_size: the divisor (q·N under Poisson sampling); default: the batch's size, for
+            fixed-size batches only (a divisor that follows a random batch size reveals it; a warning
+            says so when the size changes between steps).
         method: "vmap" (exact per-example gradients, any model), "bk" (book-keeping: one
             forward/backward, per-layer ghost or explicit norms) or "auto" (bk with a per-layer
             cost model; both fall back to exact vmap for layers without a rule).

@@ -211,6 +211,7 @@ def test_missing_columns_and_one_class_and_empty(tiny, tmp_path, capsys):
                                              ("--batch-size", "1000", "larger than the training set"),
                                              ("--delta", "1.5", "--delta must be in (0, 1)"),
                                              ("--clip", "0", "--clip must be > 0"),
+                                             ("--epochs", "inf", "--epochs must be a finite number > 0"),
                                              ("--train-params", "middle", "--train-params 'middle'")])
 def test_bad_settings(tiny, tmp_path, capsys, opt, val, needle):
     rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o") + [opt, val], capsys)
@@ -237,6 +238,20 @@ def test_existing_run_needs_resume(tiny, tmp_path, capsys):
     _check_one_line_error(rc, err, "--resume")
     rc, _, err = run_cli(tiny_args(tiny, tmp_path / "fresh", "--resume"), capsys)
     _check_one_line_error(rc, err, "no checkpoint")
+
+
+def test_a_ledger_without_a_checkpoint_is_not_overwritten(tiny, tmp_path, capsys):
+    """A run killed before its first checkpoint leaves only ledger.json (its released steps): a new
+    run in that directory must not rewrite it from zero (found by review, round 23)."""
+    out = tmp_path / "o"
+    assert run_cli(tiny_args(tiny, out, "--epochs", "0.25"), capsys)[0] == 0
+    (out / "checkpoint.pt").unlink()  # (as if killed before the first checkpoint)
+    ledger = (out / "ledger.json").read_text()
+    assert json.loads(ledger)["steps_released"] > 0
+    for extra in ([], ["--resume"]):
+        rc, _, err = run_cli(tiny_args(tiny, out, "--epochs", "0.25", *extra), capsys)
+        _check_one_line_error(rc, err, "released step(s) (ledger.json) but no checkpoint")
+    assert (out / "ledger.json").read_text() == ledger
 
 
 # ---- pdpsgd check ------------------------------------------------------------------------------

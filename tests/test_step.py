@@ -110,6 +110,50 @@ def test_output_fields_and_self_description():
     assert "Formal guarantee" in pdpsgd.DPStep.__doc__
 
 
+def test_numeric_options_take_numpy_and_tensor_scalars_and_refuse_the_rest():
+    import numpy as np
+    m, b = mlp_case(0, 4, 3, 4)
+    for kw in ({"noise_multiplier": np.float32(1.5), "max_grad_norm": np.float64(0.5)},
+               {"noise_multiplier": torch.tensor(1.5), "max_grad_norm": torch.tensor(0.5), "expected_batch_size": np.int64(4)}):
+        step = pdpsgd.make_dp_step(m, mlp_loss, **kw)
+        assert step.sensitivity == 0.5 and step.noise_std == pytest.approx(0.75)
+        assert isinstance(step.noise_multiplier, float)
+    with pytest.raises(TypeError, match="max_grad_norm must be a real number, got builtins.str"):
+        pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm="1", noise_multiplier=1.0)
+    for bad in (float("inf"), float("nan"), 0, -2):
+        with pytest.raises(ValueError, match="expected_batch_size must be a finite number > 0"):
+            pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=bad)
+
+
+@pytest.mark.parametrize("method", ["vmap", "bk"])
+def test_a_divisor_that_follows_a_changing_batch_size_warns(method, recwarn):
+    """Without expected_batch_size the step divides by each batch's size: fine for fixed-size
+    batches, a leak of the (private) size for Poisson ones: warned once, when the size changes."""
+    m, _ = mlp_case(0, 4, 3, 4)
+    params = pdpsgd.trainable_params(m)
+    batch = lambda B: mlp_case(B, B, 3, 4)[1]  # noqa: E731
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)
+    for B in (5, 5, 5):
+        step(params, batch(B))
+    assert not [w for w in recwarn if "expected_batch_size" in str(w.message)]
+    with pytest.warns(UserWarning, match=r"batch size changed between steps \(5 -> 6\)"):
+        step(params, batch(6))
+    fixed = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=5,
+                                method=method)
+    for B in (5, 6, 4):
+        fixed(params, batch(B))
+    assert not [w for w in recwarn if "expected_batch_size" in str(w.message)]
+
+
+def test_plan_and_fallback_reasons_default_to_the_trained_parameters():
+    m, b = mlp_case(0, 4, 3, 4)
+    m[0].requires_grad_(False)
+    for method in ("vmap", "bk"):
+        step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0, method=method)
+        assert set(step.plan(b)) == set(pdpsgd.trainable_params(m)) == set(step(pdpsgd.trainable_params(m), b).grads)
+        assert set(step.fallback_reasons(b)) <= set(pdpsgd.trainable_params(m))
+
+
 def test_same_seed_same_noise_and_different_seed_differs():
     m, b = mlp_case(0, 4, 4, 5)
     params = pdpsgd.trainable_params(m)

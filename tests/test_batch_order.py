@@ -1,0 +1,140 @@
+"""The watch on a forward's batch order (``pdpsgd.batch_order``) and what book-keeping does with it.
+
+Found by review (round 23): a model that sorts its batch by length and restores it passed the
+example-order check on a batch whose lengths were all equal (the sort is then the identity), the
+pass was memoised per batch shape, and later batches (or later chunks of the same batch) were
+attributed to the wrong examples: the clipped sum was not the naive loop's, and removing one example
+moved it by more than C."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import pdpsgd
+from pdpsgd.batch_order import ReorderWatch
+from pdpsgd.testing import assert_exact, check_sensitivity
+
+V = 30
+
+
+def _order(lengths, how):
+    """(order, restore): the batch's order by length, longest first, by an ordering op."""
+    if how == "argsort":
+        order = torch.argsort(lengths, descending=True, stable=True)
+    elif how == "sort":
+        order = lengths.sort(descending=True, stable=True).indices
+    else:  # topk over the whole batch
+        order = torch.topk(lengths.double() - 1e-3 * torch.arange(len(lengths)), len(lengths)).indices
+    return order, torch.argsort(order)
+
+
+class _SortedEncoder(nn.Module):
+    """Sorts the batch by length (as for ``pack_padded_sequence(enforce_sorted=True)``), runs its
+    layers on the sorted rows, restores the order (several ways)."""
+
+    def __init__(self, how, restore, d=6):
+        super().__init__()
+        self.how, self.restore = how, restore
+        self.emb, self.proj, self.head = nn.Embedding(V, d, padding_idx=0), nn.Linear(d, d), nn.Linear(d, 3)
+
+    def forward(self, ids, lengths):  # (B, T), (B,)
+        order, inv = _order(lengths, self.how)
+        ids_s = ids.index_select(0, order) if self.restore == "index_copy" else ids[order]
+        len_s = lengths[order]
+        h = torch.tanh(self.proj(self.emb(ids_s)))  # (B, T, d), rows in sorted order
+        keep = (torch.arange(ids.shape[1])[None, :] < len_s[:, None]).to(h.dtype)
+        pooled = (h * keep[..., None]).sum(1) / len_s[:, None].to(h.dtype)  # (B, d)
+        if self.restore == "getitem":
+            back = pooled[inv]
+        elif self.restore == "setitem":
+            back = torch.zeros_like(pooled)
+            back[order] = pooled
+        else:
+            back = torch.zeros_like(pooled).index_copy(0, order, pooled)
+        return self.head(back)
+
+
+def _loss(m, b):
+    return F.cross_entropy(m(b["ids"], b["len"]), b["y"], reduction="none")
+
+
+def _batch(lengths, T, gen):
+    lengths = torch.tensor(lengths)
+    ids = torch.randint(1, V, (len(lengths), T), generator=gen)
+    ids[torch.arange(T)[None, :] >= lengths[:, None]] = 0
+    return {"ids": ids, "len": lengths, "y": torch.randint(0, 3, (len(lengths),), generator=gen)}
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(B=st.integers(2, 7), T=st.integers(2, 6), how=st.sampled_from(["argsort", "sort", "topk"]),
+       restore=st.sampled_from(["getitem", "setitem", "index_copy"]), chunk=st.sampled_from([None, 1, 2, 3]),
+       data=st.data(), seed=st.integers(0, 10**6))
+def test_a_sort_that_is_the_identity_in_the_checked_batch_is_not_trusted(B, T, how, restore, chunk, data, seed):
+    """The first batch of the shape has every length equal (each text truncated to T): the sort
+    leaves it as it is, and the check's runs see nothing. The layers after the sort take the exact
+    fallback all the same, and a later batch with other lengths is exact."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    m = _SortedEncoder(how, restore).double()
+    lengths = data.draw(st.lists(st.integers(1, T), min_size=B, max_size=B))
+    first, later = _batch([T] * B, T, gen), _batch(lengths, T, gen)
+    for method in ("bk", "auto"):
+        step = pdpsgd.make_dp_step(m, _loss, max_grad_norm=0.5, noise_multiplier=0.0, method=method,
+                                   chunk_size=chunk)
+        params = pdpsgd.trainable_params(m)
+        out = step.clipped_sum(params, first)
+        if chunk != 1:  # (a chunk of one example has nothing to reorder, and is not checked: "mixed")
+            allowed = {"vmap"} if chunk is None else {"vmap", "mixed"}
+            assert {out.routes[n] for n in ("emb.weight", "proj.weight", "proj.bias")} <= allowed, out.routes
+            assert "reorders the batch's rows" in step.fallback_reasons(first)["proj.weight"]
+        assert check_sensitivity(step, params, later).max_ratio <= 1 + 1e-9
+    for b in (first, later):
+        assert_exact(m, _loss, b, method="bk", max_grad_norm=0.5, chunk_size=chunk)
+
+
+def _watch(fn, B):
+    w = ReorderWatch(B)
+    with w:
+        fn()
+    return w.found
+
+
+def test_the_watch_sees_an_order_by_value_not_by_its_values():
+    x, lengths = torch.randn(4, 3), torch.tensor([3, 3, 3, 3])
+    assert _watch(lambda: x[torch.argsort(lengths)], 4) is not None  # the identity here, but computed
+    assert _watch(lambda: x.index_select(0, lengths.sort().indices.flip(0)), 4) is not None  # derived
+    assert _watch(lambda: torch.gather(x, 0, torch.argsort(lengths)[:, None].expand(4, 3)), 4) is not None
+    assert _watch(lambda: x[torch.nonzero(lengths > 0).squeeze(1)], 4) is not None
+
+
+def test_the_watch_leaves_other_indexing_alone():
+    x, lengths = torch.randn(4, 3), torch.tensor([1, 3, 2, 3])
+    assert _watch(lambda: x[torch.arange(4), lengths - 1], 4) is None  # a token per row (a classifier's pick)
+    assert _watch(lambda: x[lengths > 1], 4) is None  # a mask by comparison
+    assert _watch(lambda: x.index_select(1, torch.argsort(x[0])), 4) is None  # not the batch dimension
+    assert _watch(lambda: torch.randn(5, 3)[torch.argsort(torch.randn(5))], 4) is None  # not B rows
+    # torch's own packing sorts and restores the batch for the RNN (whose rules know it)
+    packed = lambda: nn.utils.rnn.pack_padded_sequence(x[:, :, None], lengths, batch_first=True,  # noqa: E731
+                                                        enforce_sorted=False)
+    assert _watch(packed, 4) is None
+
+
+@pytest.mark.parametrize("check_order", [True, False])
+def test_an_lstm_on_packed_unsorted_sequences_stays_on_its_rules(check_order):
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.rnn, self.head = nn.Embedding(V, 5), nn.LSTM(5, 4, batch_first=True), nn.Linear(4, 3)
+
+        def forward(self, ids, lengths):
+            p = nn.utils.rnn.pack_padded_sequence(self.emb(ids), lengths, batch_first=True, enforce_sorted=False)
+            _, (h, _) = self.rnn(p)
+            return self.head(h[-1])
+
+    torch.manual_seed(0)
+    b = _batch([4, 2, 3, 1, 4], 4, torch.Generator().manual_seed(0))
+    r = assert_exact(Packed().double(), _loss, b, method="bk", max_grad_norm=0.5,
+                     bk_options={"check_order": check_order})
+    assert "vmap" not in r.routes.values(), r.routes
