@@ -9,6 +9,29 @@ import contextlib
 import sys
 from typing import Iterator
 
+import torch
+
+
+@contextlib.contextmanager
+def mha_fastpath_off() -> Iterator[None]:
+    """torch's ``nn.MultiheadAttention`` / ``nn.TransformerEncoder`` fast path off for the block.
+
+    In eval mode, with no gradient asked for (a no-grad probe; inside ``vmap(grad(...))``, where
+    the parameters do not look as if they require grad), that path turns a padded batch into a
+    nested tensor, which neither ``vmap`` nor a shape probe can read ("NestedTensorImpl doesn't
+    support sizes"). Off, the layers compute the same function by their ordinary ops, as in
+    training."""
+    backend = getattr(torch.backends, "mha", None)
+    if backend is None or not hasattr(backend, "set_fastpath_enabled"):  # pragma: no cover - old torch
+        yield
+        return
+    was = backend.get_fastpath_enabled()
+    backend.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        backend.set_fastpath_enabled(was)
+
 
 @contextlib.contextmanager
 def transformers_vmap_compat() -> Iterator[None]:

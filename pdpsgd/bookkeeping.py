@@ -77,6 +77,7 @@ def _edge_fn():
 
 _gradient_edge = _edge_fn()
 
+from ._compat import mha_fastpath_off
 from ._types import Batch, EngineResult, Params, WeightsFn
 from .batch_order import ReorderWatch
 from .clipping import sum_sq_norms
@@ -1435,7 +1436,7 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
     for m in probed:
         m.__dict__["forward"] = _Wrapped(functools.partial(_probe_custom_forward, ruled[m][1], m), m, ruled[m][1])
     try:
-        with torch.no_grad(), preserve_module_state(loss_module.model), _own_rng(params), \
+        with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params), \
                 _adapted(loss_module.model, registry, Bp):
             functional_call(loss_module, LossModule.prefixed({**constants, **{n: v.detach() for n, v in params.items()}}),
                             (probe,))

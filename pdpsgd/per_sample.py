@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ._compat import transformers_vmap_compat
+from ._compat import mha_fastpath_off, transformers_vmap_compat
 from ._types import Batch, EngineResult, Params, WeightsFn
 from .functional import LossModule, preserve_module_state
 
@@ -58,6 +58,7 @@ def vmap_context(model: torch.nn.Module) -> Iterator[None]:
     """Everything a user model needs to run under vmap: transformers masks, exact RNN ops."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(transformers_vmap_compat())
+        stack.enter_context(mha_fastpath_off())
         try:
             from .rnn import exact_rnn_ops, model_has_rnn
         except ImportError:  # pragma: no cover - rnn module always ships

@@ -2620,3 +2620,35 @@ def test_mixing_that_is_not_finite_alone_is_seen(B, seed):
     assert r.routes["a.weight"] == "vmap" and r.routes["b.weight"] == "vmap", r.routes
     step = pdpsgd.make_dp_step(m.double(), models.mlp_loss, max_grad_norm=0.1, noise_multiplier=1.0, method="bk")
     assert check_sensitivity(step, trainable_params(m), {"x": b["x"].double(), "y": b["y"]}).max_ratio <= 1 + 1e-9
+
+
+class _TorchEncoder(nn.Module):
+    """torch's own nn.TransformerEncoder, batch first, with its nested-tensor fast path left on (the
+    default): in eval mode a no-grad forward of a padded batch takes it."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.emb = nn.Embedding(30, d, padding_idx=0)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, 2, 16, dropout=0.0, batch_first=True), 1)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, ids, keep):  # (B, T), (B, T) bool
+        return self.head(self.enc(self.emb(ids), src_key_padding_mask=~keep)[:, 0])
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_torch_transformer_encoder_with_its_fast_path_is_exact(train):
+    """(Found by review, round 23.) In eval mode the batch-dimension probe (no grad) and the vmap
+    fallback took the fast path, whose nested tensor they cannot read: the step failed. The fast
+    path is off inside them; attention's own parameters take the exact fallback (no rule)."""
+    torch.manual_seed(0)
+    m = _TorchEncoder().train(train)
+    ids = torch.randint(1, 30, (5, 6))
+    keep = torch.ones(5, 6, dtype=torch.bool)
+    keep[1, 3:] = keep[3, 2:] = False
+    b = {"ids": ids.masked_fill(~keep, 0), "keep": keep, "y": torch.randint(0, 3, (5,))}
+    loss = lambda mm, bb: F.cross_entropy(mm(bb["ids"], bb["keep"]), bb["y"], reduction="none")  # noqa: E731
+    for method in ("bk", "auto"):
+        r = assert_exact(m, loss, b, method=method, max_grad_norm=0.5)
+        assert r.routes["emb.weight"] != "vmap" and r.routes["head.weight"] != "vmap", r.routes
+    assert torch.backends.mha.get_fastpath_enabled()  # (restored)
