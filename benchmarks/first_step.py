@@ -2,6 +2,7 @@
 probe, example order, broadcast positions) against the later steps of the same shape.
 
     python benchmarks/first_step.py --configs gpt2-128,bert-128,opt-128
+    python benchmarks/first_step.py --configs gpt2-32 --batch 64   # another batch size (past 32: the grid passes)
 """
 import argparse
 import os
@@ -19,7 +20,11 @@ def main():
     ap.add_argument("--configs", default="gpt2-128,bert-128,opt-128")
     ap.add_argument("--method", default="bk", choices=("bk", "auto"))
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=None, help="batch size instead of the config's")
     a = ap.parse_args()
+    if a.batch is not None:
+        for k, v in bench.CONFIGS.items():
+            bench.CONFIGS[k] = v[:-1] + (a.batch,)
     torch.set_num_threads(1)
     for cfg in a.configs.split(","):
         step = bench.make_step(a.method, cfg, torch.device("cpu"))[0]

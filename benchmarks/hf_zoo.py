@@ -4,6 +4,7 @@ rtol 1e-9), with the routes taken and the parameters that fall back to vmap.
 
     python benchmarks/hf_zoo.py                 # every family (~2 min on 2 cores)
     python benchmarks/hf_zoo.py opt t5          # some
+    python benchmarks/hf_zoo.py --batch 40      # B = 40 (default 3): past the order check's 32 run alone
 
 For a model of your own: `pdpsgd check FILE` (see README).
 """
@@ -19,7 +20,11 @@ from pdpsgd.testing import assert_exact
 
 warnings.filterwarnings("ignore")
 torch.manual_seed(0)
-B, T, V = 3, 7, 50
+args = sys.argv[1:]
+B = int(args[args.index("--batch") + 1]) if "--batch" in args else 3
+if "--batch" in args:
+    del args[args.index("--batch"):args.index("--batch") + 2]
+T, V = 7, 50
 CAUSAL = {
  "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=V, max_position_embeddings=32)),
  "mistral": (tf.MistralConfig, tf.MistralForCausalLM, dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=V, max_position_embeddings=32)),
@@ -48,7 +53,7 @@ CLS = {
  "t5": (tf.T5Config, tf.T5ForConditionalGeneration, dict(d_model=16, d_ff=32, d_kv=4, num_layers=1, num_decoder_layers=1, num_heads=4, vocab_size=V, relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0)),
  "xlm_roberta": (tf.XLMRobertaConfig, tf.XLMRobertaForSequenceClassification, dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=V, max_position_embeddings=40)),
 }
-ids = torch.randint(3, V, (B, T)); ids[0, -1] = 2; ids[1, 4] = 2; ids[2, 2] = 2; am = torch.ones(B, T, dtype=torch.long); am[1, 5:] = 0; am[2, 3:] = 0
+ids = torch.randint(3, V, (B, T)); ids[0, -1] = 2; ids[1, 4] = 2; ids[2, 2] = 2; ids[3:, -1] = 2; am = torch.ones(B, T, dtype=torch.long); am[1, 5:] = 0; am[2, 3:] = 0
 def causal_loss(m, b):
     lg = m(input_ids=b["ids"], attention_mask=b["am"]).logits[:, :-1]
     tok = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), b["ids"][:, 1:].reshape(-1), reduction="none").view(b["ids"].shape[0], T - 1)
@@ -59,7 +64,7 @@ def t5_loss(m, b):
     out = m(input_ids=b["ids"], attention_mask=b["am"], decoder_input_ids=b["ids"][:, :4].contiguous())
     return F.cross_entropy(out.logits.reshape(-1, V), b["ids"][:, :4].reshape(-1), reduction="none").view(b["ids"].shape[0], 4).sum(1)
 batch = {"ids": ids, "am": am, "y": torch.randint(0, 2, (B,))}
-only = sys.argv[1:]
+only = args
 for name, (cc, mc, kw) in {**CAUSAL, **CLS}.items():
     if only and name not in only: continue
     try:
