@@ -9,8 +9,8 @@ pdpsgd/rules/rnn.py); Opacus hooks with its DPLSTM (Opacus cannot hook nn.LSTM; 
 drop-in replacement, when opacus is installed). ``--cell gru``: the same with nn.GRU (Opacus: DPGRU).
 """
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import torch
 import torch.nn as nn
@@ -18,6 +18,9 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import pdpsgd
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from interleave import interleaved, padded_ids, print_table, without_missing_opacus  # noqa: E402
 
 
 class BiLSTM(nn.Module):
@@ -110,36 +113,14 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, 2000, (a.B, a.T), generator=g)
-    lengths = torch.randint(a.T // 2, a.T + 1, (a.B,), generator=g)
-    ids[torch.arange(a.T)[None] >= lengths[:, None]] = 0
-    batch = {"input_ids": ids, "labels": torch.randint(0, 3, (a.B,), generator=g)}
-    variants = a.variants.split(",")
-    if "opacus" in variants:
-        try:
-            import opacus  # noqa: F401
-        except ImportError:
-            variants.remove("opacus")
+    batch = {"input_ids": padded_ids(a.B, a.T, 2000, g), "labels": torch.randint(0, 3, (a.B,), generator=g)}
+    variants = without_missing_opacus(a.variants.split(","))
     if a.packed and "vmap" in variants:
         variants.remove("vmap")  # packed sequences cannot run per example under vmap
     steps = {v: make(v, a, batch) for v in variants}
-    times = {v: [] for v in variants}
-    for v in variants:
-        steps[v]()
-    for r in range(a.reps):
-        for v in variants[r % len(variants):] + variants[:r % len(variants)]:
-            steps[v]()  # untimed step of the same variant first (steady state)
-            t = time.process_time()
-            steps[v]()
-            times[v].append(time.process_time() - t)
-    base = statistics.median(times["nonprivate"])
-    print(f"Bi{a.cell.upper()} B={a.B} T={a.T} hidden={a.hidden} packed={a.packed} threads={a.threads}, CPU time, "
-          f"median of {a.reps}")
-    print("| variant | step ms | × non-private |")
-    print("|---|---|---|")
-    for v in variants:
-        m = statistics.median(times[v])
-        print(f"| {v} | {m * 1000:.1f} | {m / base:.2f} |")
+    times = interleaved(steps, variants, a.reps)
+    print_table(f"Bi{a.cell.upper()} B={a.B} T={a.T} hidden={a.hidden} packed={a.packed} threads={a.threads}, CPU time, "
+                f"median of {a.reps}", times)
 
 
 if __name__ == "__main__":

@@ -136,7 +136,8 @@ class WithMHA(nn.Module):
     def __init__(self, d=8, classes=3):
         super().__init__()
         self.emb = nn.Embedding(30, d)
-        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+        # (add_bias_kv: a configuration the MultiheadAttention rule does not take, since round 23)
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True, add_bias_kv=True)
         self.bn = nn.BatchNorm1d(d).eval()
         self.out = nn.Linear(d, classes)
 
@@ -151,7 +152,7 @@ def test_unsupported_layers_fall_back():
     b = _tokens(B=4, T=5)
     for m in METHODS:
         r = assert_exact(WithMHA(), models.cls_loss, b, method=m, max_grad_norm=0.1)
-        assert r.routes["attn.in_proj_weight"] == "vmap"
+        assert r.routes["attn.in_proj_weight"] == "vmap" and r.routes["attn.bias_k"] == "vmap"
         assert r.routes["attn.out_proj.weight"] == "vmap"  # Linear whose forward MHA never calls
         assert r.routes["bn.weight"] == "vmap"
         assert r.routes["out.weight"] != "vmap"

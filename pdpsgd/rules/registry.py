@@ -100,7 +100,7 @@ def _put_named(entries: List[Tuple[str, Any, Any]], entry: Tuple[str, Any, Any],
 
 def _build() -> RuleRegistry:
     from . import (conv, deberta_relative, deberta_v1, embedding, hf_conv1d, layernorm, linear, matmul_linear,
-                   positional_embedding, rmsnorm, rnn, scaled_embedding, t5_relative_bias)
+                   multihead_attention, positional_embedding, rmsnorm, rnn, scaled_embedding, t5_relative_bias)
 
     reg = RuleRegistry()
     for t in linear.TYPES:
@@ -125,6 +125,8 @@ def _build() -> RuleRegistry:
         reg.register(t, conv.ConvRule())
     for t in rnn.TYPES:
         reg.register(t, rnn.RNNRule())
+    for t in multihead_attention.TYPES:
+        reg.register(t, multihead_attention.MultiheadAttentionRule())
     reg.register_adapter("t5_relative_bias", t5_relative_bias.is_t5_relative_attention,
                          t5_relative_bias.T5RelativeBiasAdapter())
     reg.register_adapter("deberta_rel_embeddings", deberta_relative.is_deberta_rel_encoder,
