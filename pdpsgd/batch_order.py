@@ -1,27 +1,34 @@
 """Seeing a forward order its batch by a computed index, even where that order is the identity.
 
-Book-keeping reads row b of a layer's (B, ...) input as example b's. A model that sorts its batch
-(by length, say, for ``pack_padded_sequence(enforce_sorted=True)``) and restores the order later
+Book-keeping reads row b of a layer's batch as example b's. A model that sorts its batch (by
+length, say, for ``pack_padded_sequence(enforce_sorted=True)``) and restores the order later
 breaks that for the layers in between. The example-order check (``bookkeeping._order_disagree``)
 sees a reordering by its effect on each example's norms, but only in the batch it checks, once per
 batch shape: a batch whose order the sort leaves as it is (every length equal: every text truncated
 to T) shows none, and a later batch of the same shape is reordered. ``ReorderWatch`` sees the
-cause instead: while the check's first forward runs, it marks every integer or boolean tensor
-computed from an ordering (``sort``, ``argsort``, ``topk``, ``randperm``, ``nonzero``, ``unique``,
-...) and reports an op that selects or places the rows of a tensor whose first dimension is the
-batch by such an index, whatever its values are in this batch.
+cause instead: while one forward of the step's own mode runs, it marks every tensor computed from
+an ordering (``sort``, ``argsort``, ``topk``, ``randperm``, ``nonzero``, ``where(cond)``, ``unique``,
+...) and whatever is computed from a marked tensor (a marked value written into a tensor marks it),
+and reports an op that selects or places the B rows of a dimension of size B (the batch's, first or
+not) by a marked integer index of B entries, or by a Python list or NumPy array of B entries (whose
+origin it cannot see), whatever their values are in this batch. An index of another length (the
+rows of a token mask's ``nonzero``, scattered back to their own examples) is not a reordering of the
+batch and is not reported.
 
-Not seen: an order computed in Python (``sorted(...)`` turned into a tensor), one computed from
-an index the model keeps between steps, and one on a code path this batch does not take. Calls
-from torch's own ``torch.nn.utils.rnn`` / ``torch.nn.modules.rnn`` (``pack_padded_sequence``
-sorts and restores the batch for the RNN, whose rules know it) and from pdpsgd are not watched.
+Not seen: an order that leaves the tensors (a Python ``sorted`` turned into a new tensor by
+``torch.tensor``), one kept in the model between steps, one computed by comparisons, and one on a
+code path this batch does not take. Ops called from torch's own ``torch.nn.utils.rnn`` /
+``torch.nn.modules.rnn`` (``pack_padded_sequence`` sorts and restores the batch for the RNN, whose
+rules know it) and from pdpsgd are not reported (their results are still marked:
+``PackedSequence.sorted_indices`` used by the model is seen).
 """
 from __future__ import annotations
 
+import operator
 import os
 import sys
 import weakref
-from typing import Any, Dict, Optional, Set
+from typing import Any, Dict, Optional
 
 import torch
 from torch import Tensor
@@ -31,16 +38,17 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["ReorderWatch"]
 
 # ops whose integer outputs are an order, or positions found by value
-ORDERINGS = frozenset({"sort", "argsort", "msort", "topk", "kthvalue", "randperm", "nonzero", "argwhere",
-                       "unique", "unique_consecutive", "multinomial"})
+ORDERINGS = frozenset({"sort", "argsort", "msort", "topk", "kthvalue", "randperm", "nonzero", "nonzero_static",
+                       "argwhere", "unique", "unique_consecutive", "multinomial"})
 
-# ops that select or place rows along a dimension: name -> (position of dim, position of index);
+# ops that select or place slices along a dimension: name -> (position of dim, position of index);
 # keyword names ``dim`` and ``index`` (``indices`` for take_along_dim)
 ROW_OPS = {name: (1, 2) for name in (
     "index_select", "index_copy", "index_copy_", "index_add", "index_add_", "index_fill", "index_fill_",
     "index_reduce", "index_reduce_", "gather", "scatter", "scatter_", "scatter_add", "scatter_add_",
     "scatter_reduce", "scatter_reduce_")}
 ROW_OPS["take_along_dim"] = (2, 1)
+_KEYED = ("__getitem__", "__setitem__", "index_put", "index_put_")
 
 _TORCH_RNN = (os.path.join("torch", "nn", "utils", "rnn.py"), os.path.join("torch", "nn", "modules", "rnn.py"))
 _OURS = os.path.dirname(os.path.abspath(__file__))
@@ -50,16 +58,22 @@ def _exempt(filename: str) -> bool:
     return filename.endswith(_TORCH_RNN) or os.path.abspath(filename).startswith(_OURS + os.sep)
 
 
+def _int_dim(d: Any, ndim: int) -> Optional[int]:
+    try:
+        d = operator.index(d)
+    except TypeError:
+        return None
+    return d + ndim if d < 0 else d
+
+
 class ReorderWatch(TorchFunctionMode):
     """A TorchFunctionMode for one forward of a batch of ``B`` examples: ``found`` describes the first
-    op that selected or placed the batch's rows by a computed order (None: none); ``after`` collects
-    what the caller adds while ``found`` is set (the parameters of the layers that ran after it)."""
+    op that selected or placed the batch's rows by a computed order (None: none)."""
 
     def __init__(self, B: int):
         super().__init__()
         self.B = B
         self.found: Optional[str] = None
-        self.after: Set[str] = set()
         self._marked: Dict[int, "weakref.ref[Tensor]"] = {}
 
     def _is_marked(self, x: Any) -> bool:
@@ -70,34 +84,71 @@ class ReorderWatch(TorchFunctionMode):
 
     def _mark(self, out: Any) -> None:
         for t in tree_flatten(out)[0]:
-            if isinstance(t, Tensor) and not t.is_floating_point() and not t.is_complex():
+            if isinstance(t, Tensor):
                 self._marked[id(t)] = weakref.ref(t)
 
-    def _rows_by_order(self, name: str, args, kwargs) -> bool:
-        """Whether this call selects or places the rows (dim 0) of a (B, ...) tensor by a marked index."""
-        x = args[0] if args else kwargs.get("input")
-        if not isinstance(x, Tensor) or x.dim() == 0 or x.shape[0] != self.B:
+    def _orders(self, index: Any, size: int) -> bool:
+        """Whether ``index``, on a dimension of size B, is a computed order of the B rows."""
+        if size != self.B:
             return False
-        if name in ("__getitem__", "__setitem__", "index_put", "index_put_"):
+        if isinstance(index, Tensor):
+            return (self._is_marked(index) and not index.is_floating_point() and index.dtype != torch.bool
+                    and index.dim() == 1 and index.shape[0] == self.B)
+        if isinstance(index, (list, tuple)) and len(index) == self.B:
+            return all(isinstance(i, int) or (isinstance(i, Tensor) and i.dim() == 0) for i in index)
+        ndarray = getattr(sys.modules.get("numpy"), "ndarray", None)
+        return ndarray is not None and isinstance(index, ndarray) and index.ndim == 1 and index.shape[0] == self.B \
+            and index.dtype.kind in "iu"
+
+    def _keyed(self, x: Tensor, key: Any) -> bool:
+        """``x[key]`` / ``x[key] = ...``: a key entry that orders a dimension of size B."""
+        items = list(key) if isinstance(key, tuple) else [key]  # (a list is one advanced index)
+        d = 0
+        for j, k in enumerate(items):
+            if k is None:
+                continue
+            if k is Ellipsis:  # the entries after it index the last dimensions
+                d = x.dim() - sum(1 for kk in items[j + 1:] if kk is not None and kk is not Ellipsis)
+                continue
+            if 0 <= d < x.dim() and self._orders(k, x.shape[d]):
+                return True
+            d += 1
+        return False
+
+    def _rows_by_order(self, name: str, args, kwargs) -> bool:
+        """Whether this call selects or places the B rows of a dimension of size B by a computed order."""
+        x = args[0] if args else kwargs.get("input")
+        if not isinstance(x, Tensor) or x.dim() == 0:
+            return False
+        if name in _KEYED:
             key = args[1] if len(args) > 1 else kwargs.get("indices")
-            first = key[0] if isinstance(key, (tuple, list)) and len(key) else key
-            return self._is_marked(first)
+            return self._keyed(x, key)
         pos = ROW_OPS.get(name)
         if pos is None:
             return False
-        dim = args[pos[0]] if len(args) > pos[0] else kwargs.get("dim")
+        dim = _int_dim(args[pos[0]] if len(args) > pos[0] else kwargs.get("dim"), x.dim())
         index = args[pos[1]] if len(args) > pos[1] else kwargs.get("indices" if name == "take_along_dim" else "index")
-        return isinstance(dim, int) and dim in (0, -x.dim()) and self._is_marked(index)
+        if dim is None or not 0 <= dim < x.dim() or not isinstance(index, Tensor):
+            return False
+        if index.dim() == x.dim() and index.dim() > 1:  # gather / scatter: the index's extent on that dimension
+            if not (self._is_marked(index) and index.shape[dim] == self.B and x.shape[dim] == self.B):
+                return False
+            return not index.is_floating_point() and index.dtype != torch.bool
+        return self._orders(index, x.shape[dim])
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        caller = sys._getframe(1)
-        watched = not _exempt(caller.f_code.co_filename)
-        if watched and self.found is None and self._rows_by_order(name, args, kwargs):
-            self.found = (f"{name} at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}, by an index "
-                          "computed from an ordering: sort, argsort, topk, nonzero, ...")
+        if self.found is None and (name in _KEYED or name in ROW_OPS):
+            caller = sys._getframe(1)
+            if not _exempt(caller.f_code.co_filename) and self._rows_by_order(name, args, kwargs):
+                self.found = (f"{name} at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}, by an "
+                              "order computed with sort, argsort, topk, nonzero, ... or a Python list")
         out = func(*args, **kwargs)
-        if watched and (name in ORDERINGS or any(self._is_marked(a) for a in tree_flatten((args, kwargs))[0])):
+        ordering = name in ORDERINGS or (name == "where" and len(args) + len(kwargs) == 1)
+        flat = tree_flatten((args, kwargs))[0]
+        if ordering or any(self._is_marked(a) for a in flat):
             self._mark(out)
+            if (name.endswith("_") or name == "__setitem__") and args and isinstance(args[0], Tensor):
+                self._mark(args[0])  # (an in-place write of marked values: the written tensor)
         return out

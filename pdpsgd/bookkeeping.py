@@ -1369,8 +1369,6 @@ _OOM = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch
 # Set (for the duration of one capture, its checks and probes included) when a capture with the
 # registry's adapters failed and runs again without them (see ``_collect``).
 _ADAPTERS_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("pdpsgd_adapters_off", default=False)
-# the example-order check's first run: the watch on the batch's order (``batch_order``), None otherwise
-_WATCH: contextvars.ContextVar[Optional[ReorderWatch]] = contextvars.ContextVar("pdpsgd_reorder_watch", default=None)
 
 
 def _adapters_apply(model: nn.Module, registry: RuleRegistry) -> bool:
@@ -1593,9 +1591,6 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
 
     def on_output(module, args, kwargs, output):
         mname, rule, local = ruled[module]
-        watch = _WATCH.get()
-        if watch is not None and watch.found is not None:  # a layer that ran after the batch was ordered
-            watch.after.update(local.values())
         if not replay[0]:
             real_dims.setdefault(mname, []).append(
                 _out_dim(output) if getattr(rule, "batch_dim_of_output", False) else _first_dim(args, kwargs))
@@ -1669,8 +1664,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     leaf_names = [n for n in ruled_names]
 
     def forward_backward():
-        watch = _WATCH.get()
-        with torch.enable_grad(), (watch if watch is not None else contextlib.nullcontext()):
+        with torch.enable_grad():
             losses = loss_module(batch)
         replay[0] = True
         flat.clear()  # (the forward's nodes are not held beyond it)
@@ -2175,6 +2169,19 @@ def _alone_norms(loss_module: LossModule, params: Params, constants: Mapping[str
     return {n: torch.cat(v) for n, v in out.items()}
 
 
+def _watch_order(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
+                 B: int) -> Optional[str]:
+    """One forward of the batch in the step's own mode (module flags as they are: a sort taken only
+    in training is seen), without gradients, on forked random streams, under ``ReorderWatch``: where
+    it selected or placed the batch's rows by a computed order, or None."""
+    watch = ReorderWatch(B)
+    with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params, 0):
+        with watch:
+            functional_call(loss_module, LossModule.prefixed({**constants, **{n: v.detach() for n, v in params.items()}}),
+                            (batch,))
+    return watch.found
+
+
 def _order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo,
                     no_expand) -> Tuple[Dict[str, str], Set[str], Set[str]]:
     """({parameter: reason} found attributed to another example, {parameters checked and passed},
@@ -2206,13 +2213,9 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         return _order_verdicts(known)
     bnd1: Dict[str, Tensor] = {}
     bnd2: Dict[str, Tensor] = {}
-    watch = ReorderWatch(B)  # (run 1's forward: an ordering of the batch by a computed index)
     try:
-        tok = _WATCH.set(watch)
-        try:
-            s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
-        finally:
-            _WATCH.reset(tok)
+        reordered = _watch_order(loss_module, params, constants, batch, B)
+        s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
         names = sorted(s1.uses)
         n1, fb1 = _example_norms(s1, params, names, B, bnd1), dict(s1.fallback)
         del s1  # (one pass's captures alive at a time)
@@ -2330,14 +2333,17 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         for n, v in n1b.items():
             if bool(differ(v, n1[n], n).any()):
                 res[n] = None  # random: trusted, as without the check (README)
-    if watch.found is not None:
+    if reordered is not None:
         # ordered by a computed index: whatever this batch's norms showed (its order may be the
-        # identity: every length equal), another batch of this shape may be reordered
-        sorted_why = (f"the forward reorders the batch's rows by a computed index before this layer ({watch.found}): "
-                      "book-keeping reads row b as example b's, which a batch in another order breaks, even where "
-                      "this batch's order is the identity (exact fallback)")
-        for n in watch.after:
-            if n in params and not _is_reason(res.get(n)):
+        # identity: every length equal), another batch of this shape may be reordered. Every layer
+        # (before the op too: it may be the restore of an order the watch did not see; a broadcast
+        # output computed before it is read after it), which costs the fallback little more: one
+        # parameter on it runs the whole model per example anyway
+        sorted_why = (f"the forward reorders the batch's rows by a computed index ({reordered}): book-keeping reads "
+                      "row b as example b's, which a batch in another order breaks, even where this batch's order "
+                      "is the identity (exact fallback)")
+        for n in names:
+            if not _is_reason(res.get(n)):
                 res[n] = sorted_why
     # a parameter once seen to differ stays so: a later batch that happens not to show it (re-checked
     # because other parameters were undecided) must not clear the verdict; only a reordering found

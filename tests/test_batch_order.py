@@ -94,6 +94,42 @@ def test_a_sort_that_is_the_identity_in_the_checked_batch_is_not_trusted(B, T, h
         assert_exact(m, _loss, b, method="bk", max_grad_norm=0.5, chunk_size=chunk)
 
 
+class _TrainOnlySort(nn.Module):
+    """Sorts by length only in training (a bucketing trick), and adds a position embedding computed
+    before the sort to the sorted rows."""
+
+    def __init__(self, d=6, T=8):
+        super().__init__()
+        self.emb, self.pos, self.head = nn.Embedding(V, d, padding_idx=0), nn.Embedding(T, d), nn.Linear(d, 3)
+
+    def forward(self, ids, lengths):
+        pos = self.pos(torch.arange(ids.shape[1])[None])  # (1, T, d): broadcast over the batch
+        if not self.training:
+            return self.head(torch.tanh(self.emb(ids) + pos).mean(1))
+        order = torch.argsort(lengths, descending=True, stable=True)
+        h = torch.tanh(self.emb(ids[order]) + pos)
+        return self.head(h.mean(1)[torch.argsort(order)])
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_a_sort_in_training_only_and_a_broadcast_read_after_it_are_seen(train):
+    """The watch runs in the step's own mode (the order check's runs are in eval mode), and sends
+    every layer to the fallback: also the position embedding, computed before the sort and read
+    after it (found by review, round 23)."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    m = _TrainOnlySort().double().train(train)
+    first, later = _batch([8] * 5, 8, gen), _batch([3, 8, 2, 7, 5], 8, gen)
+    step = pdpsgd.make_dp_step(m, _loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
+    params = pdpsgd.trainable_params(m)
+    routes = step.clipped_sum(params, first).routes
+    if train:
+        assert set(routes.values()) == {"vmap"}, routes
+    else:  # (no sort in eval mode: on the rules)
+        assert "vmap" not in routes.values(), routes
+    assert check_sensitivity(step, params, later).max_ratio <= 1 + 1e-9
+
+
 def _watch(fn, B):
     w = ReorderWatch(B)
     with w:
@@ -109,6 +145,38 @@ def test_the_watch_sees_an_order_by_value_not_by_its_values():
     assert _watch(lambda: x[torch.nonzero(lengths > 0).squeeze(1)], 4) is not None
 
 
+def test_the_watch_sees_an_order_on_any_dimension_and_through_conversions():
+    """(Found by review, round 23.) A sequence-first (T, B, d) tensor reordered on dim 1; an order
+    built with ``where``; an order that became a list, a NumPy array, a float tensor, or was written
+    into a buffer; the order ``pack_padded_sequence`` computes, used by the model."""
+    import numpy as np
+    x, lengths = torch.randn(4, 3), torch.tensor([3, 3, 3, 3])
+    seq_first = torch.randn(5, 4, 3)  # (T, B, d)
+    o = lambda: torch.argsort(lengths)  # noqa: E731
+    assert _watch(lambda: seq_first[:, o()], 4) is not None
+    assert _watch(lambda: seq_first.index_select(1, o()), 4) is not None
+    assert _watch(lambda: x[None, o()], 4) is not None
+    assert _watch(lambda: seq_first.permute(2, 0, 1)[..., o()], 4) is not None  # (d, T, B)
+    assert _watch(lambda: x.index_select(np.int64(0), o()), 4) is not None
+    long = lengths > 2
+    assert _watch(lambda: x[torch.cat([torch.where(long)[0], torch.where(~long)[0]])], 4) is not None
+    assert _watch(lambda: x[o().tolist()], 4) is not None
+    assert _watch(lambda: x[o().numpy()], 4) is not None
+    assert _watch(lambda: x[o().float().long()], 4) is not None
+
+    def buffered():
+        buf = torch.empty(4, dtype=torch.long)
+        buf[:] = o()
+        return x[buf]
+    assert _watch(buffered, 4) is not None
+
+    def packed_order():
+        p = nn.utils.rnn.pack_padded_sequence(x[:, :, None], torch.tensor([3, 1, 2, 3]), batch_first=True,
+                                              enforce_sorted=False)
+        return x[p.sorted_indices]
+    assert _watch(packed_order, 4) is not None
+
+
 def test_the_watch_leaves_other_indexing_alone():
     x, lengths = torch.randn(4, 3), torch.tensor([1, 3, 2, 3])
     assert _watch(lambda: x[torch.arange(4), lengths - 1], 4) is None  # a token per row (a classifier's pick)
@@ -119,6 +187,12 @@ def test_the_watch_leaves_other_indexing_alone():
     packed = lambda: nn.utils.rnn.pack_padded_sequence(x[:, :, None], lengths, batch_first=True,  # noqa: E731
                                                         enforce_sorted=False)
     assert _watch(packed, 4) is None
+    # a token mask's positions, gathered and scattered back to their own rows (not B entries)
+    mask = torch.arange(5)[None] < torch.tensor([2, 5, 3, 1])[:, None]  # (4, 5)
+    h = torch.randn(4, 5, 3)
+    nz = mask.nonzero()
+    assert _watch(lambda: torch.zeros(4, 3).index_add(0, nz[:, 0], h[mask.nonzero(as_tuple=True)]), 4) is None
+    assert _watch(lambda: torch.zeros(4, dtype=torch.long).scatter_reduce(0, nz[:, 0], nz[:, 1], "amax"), 4) is None
 
 
 @pytest.mark.parametrize("check_order", [True, False])

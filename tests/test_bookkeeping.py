@@ -1675,33 +1675,40 @@ class _SortsByLength(nn.Module):
     batch, unsorts: each example's loss is its own, but the layers in between see example order[b] at
     row b. The example-order check sends them to the exact fallback."""
 
-    def __init__(self, d, flat):
+    def __init__(self, d, flat, by="argsort"):
         super().__init__()
         self.inp, self.fc1, self.fc2 = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-        self.flat = flat
+        self.flat, self.by = flat, by
 
     def forward(self, x, lengths):
         B, T, d = x.shape
         h = torch.tanh(self.inp(x))
-        order = torch.argsort(lengths, descending=True, stable=True)
+        if self.by == "argsort":
+            order = torch.argsort(lengths, descending=True, stable=True)
+            inv = torch.argsort(order)
+        else:  # by comparisons: not seen by the watch on ordering ops, only by the check's runs
+            order, inv = _rank_order(lengths)
         hs = h[order]
         if self.flat:
             y = self.fc2(F.gelu(self.fc1(hs.reshape(-1, d)))).view(B, T, d)
         else:
             y = self.fc2(F.gelu(self.fc1(hs)))
-        return y[torch.argsort(order)]
+        return y[inv]
 
 
+@pytest.mark.parametrize("by", ["argsort", "ranks"])
 @pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("B,T", [(2, 3), (3, 4), (5, 2)])
-def test_batch_reordered_inside_the_forward_falls_back(B, T, flat):
+def test_batch_reordered_inside_the_forward_falls_back(B, T, flat, by):
+    """By argsort: the watch on ordering ops sends every layer to the fallback (round 23); by
+    comparisons: the check's runs see the layers between the sort and the restore."""
     torch.manual_seed(0)
     b = {"x": torch.randn(B, T, 4), "y": torch.randn(B, T, 4), "len": torch.arange(B)}
     loss = lambda m, bb: ((m(bb["x"], bb["len"]) - bb["y"]) ** 2).sum((1, 2))  # noqa: E731
-    m = _SortsByLength(4, flat)
+    m = _SortsByLength(4, flat, by)
     for method in ("bk", "auto"):
         r = assert_exact(m, loss, b, method=method, max_grad_norm=0.5)
-        assert r.routes["fc1.weight"] == "vmap" and r.routes["inp.weight"] != "vmap", r.routes
+        assert r.routes["fc1.weight"] == "vmap" and (r.routes["inp.weight"] != "vmap") == (by == "ranks"), r.routes
     why = pdpsgd.make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk").fallback_reasons(b)
     assert "reorder" in why["fc2.weight"], why
 
@@ -2218,8 +2225,9 @@ def test_checks_switch_modes_by_flag_not_by_train_overrides():
 
 
 class _TrainOnlyAux(_SortsByLength):
-    """An auxiliary head used only in training, on the batch sorted by length: the order check (eval
-    mode) never reaches it, so it is not trusted: exact fallback."""
+    """An auxiliary head used only in training, on the batch sorted by length (by comparisons: the
+    watch on ordering ops, which runs in the step's own mode, would see an argsort): the order check
+    (eval mode) never reaches it, so it is not trusted: exact fallback."""
 
     def __init__(self, d=4):
         super().__init__(d, False)
@@ -2229,8 +2237,8 @@ class _TrainOnlyAux(_SortsByLength):
         h = torch.tanh(self.inp(x))
         y = self.fc2(F.gelu(self.fc1(h)))
         if self.training:
-            order = torch.argsort(lengths, descending=True, stable=True)
-            y = y + self.aux(h[order])[torch.argsort(order)]
+            order, inv = _rank_order(lengths)
+            y = y + self.aux(h[order])[inv]
         return y
 
 
