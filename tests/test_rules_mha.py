@@ -142,3 +142,30 @@ def test_linear_is_restored_after_the_step():
     orig = F.linear
     pdpsgd.make_dp_step(m, _loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")(pdpsgd.trainable_params(m), b)
     assert F.linear is orig and torch.backends.mha.get_fastpath_enabled()
+
+
+def test_two_threads_capturing_at_once_are_both_exact():
+    """F.linear is replaced by one dispatcher while any thread is inside an attention's forward; each
+    thread's calls go to its own capture, and the original is back when the last one leaves."""
+    import threading
+
+    orig, errors = F.linear, []
+
+    def work(seed):
+        try:
+            torch.manual_seed(seed)
+            m = _Attn(8, 2, "self" if seed % 2 else "separate", bool(seed % 2), True, True, False)
+            for _ in range(3):
+                r = assert_exact(m, _loss, _batch(4, 5, torch.Generator().manual_seed(seed)), method="bk",
+                                 max_grad_norm=0.5)
+                assert "vmap" not in r.routes.values(), r.routes
+        except BaseException as err:  # (reported by the main thread)
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert F.linear is orig

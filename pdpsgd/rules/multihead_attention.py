@@ -56,27 +56,38 @@ class MHACapture:
         return [c.out for c in self.calls] + self.leaves
 
 
-_LOCAL = threading.local()
+_LOCAL = threading.local()  # .active: this thread's replacement (None: the original)
+_LOCK = threading.Lock()
+_INSTALLED: List[Any] = []  # [the original F.linear] while any thread's capture is in a layer's forward
+_DEPTH = [0]
+
+
+def _dispatch(input, weight, bias=None):
+    orig = _INSTALLED[0]
+    fn = getattr(_LOCAL, "active", None)
+    return orig(input, weight, bias) if fn is None else fn(orig, input, weight, bias)
 
 
 @contextlib.contextmanager
 def _linear_replaced(fn) -> Iterator[None]:
-    """``F.linear`` is ``fn`` in this thread for the block (other threads: the original)."""
-    orig = F.__dict__["linear"]
-    owner = threading.get_ident()
-
-    def linear(input, weight, bias=None):
-        if threading.get_ident() == owner and getattr(_LOCAL, "active", None) is fn:
-            return fn(orig, input, weight, bias)
-        return orig(input, weight, bias)
-
-    F.linear = linear
+    """``F.linear`` is ``fn(original, input, weight, bias)`` in this thread for the block; other
+    threads, and this one after it, get the original (one dispatcher, installed while any thread
+    is inside such a block, the original put back when the last one leaves)."""
+    with _LOCK:
+        if _DEPTH[0] == 0:
+            _INSTALLED[:] = [F.__dict__["linear"]]
+            F.linear = _dispatch
+        _DEPTH[0] += 1
+    prev = getattr(_LOCAL, "active", None)
     _LOCAL.active = fn
     try:
         yield
     finally:
-        F.linear = orig
-        _LOCAL.active = None
+        _LOCAL.active = prev
+        with _LOCK:
+            _DEPTH[0] -= 1
+            if _DEPTH[0] == 0:
+                F.linear = _INSTALLED.pop()
 
 
 def _view_of(t: Tensor, base: Tensor) -> bool:
