@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from typing import Iterator
 
 import torch
+
+
+_FASTPATH_LOCK = threading.Lock()
+_FASTPATH = [True, 0]  # (the flag before the first block, blocks open)
 
 
 @contextlib.contextmanager
@@ -25,12 +30,20 @@ def mha_fastpath_off() -> Iterator[None]:
     if backend is None or not hasattr(backend, "set_fastpath_enabled"):  # pragma: no cover - old torch
         yield
         return
-    was = backend.get_fastpath_enabled()
-    backend.set_fastpath_enabled(False)
+    # (a process-wide flag: counted under a lock, so that threads entering and leaving in any order
+    # put back the value from before the first of them)
+    with _FASTPATH_LOCK:
+        if _FASTPATH[1] == 0:
+            _FASTPATH[0] = backend.get_fastpath_enabled()
+            backend.set_fastpath_enabled(False)
+        _FASTPATH[1] += 1
     try:
         yield
     finally:
-        backend.set_fastpath_enabled(was)
+        with _FASTPATH_LOCK:
+            _FASTPATH[1] -= 1
+            if _FASTPATH[1] == 0:
+                backend.set_fastpath_enabled(_FASTPATH[0])
 
 
 @contextlib.contextmanager

@@ -169,3 +169,70 @@ def test_two_threads_capturing_at_once_are_both_exact():
         t.join()
     assert not errors, errors
     assert F.linear is orig
+
+
+def test_a_parametrized_input_projection_falls_back_exactly():
+    """(Found by review.) A parametrization (or the old weight_norm) removes ``in_proj_weight`` from
+    the module's parameters: the rule declines (it raised a KeyError)."""
+    from torch.nn.utils import parametrize
+
+    class Scale(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(0)
+    m = _Attn(8, 2, "self", True, True, False, False)
+    parametrize.register_parametrization(m.mha, "in_proj_weight", Scale())
+    b = _batch(4, 5, torch.Generator().manual_seed(0))
+    r = assert_exact(m, _loss, b, method="bk", max_grad_norm=0.5)
+    assert r.routes["mha.parametrizations.in_proj_weight.original"] == "vmap", r.routes
+    assert r.routes["head.weight"] != "vmap", r.routes
+
+
+def test_the_dispatcher_stays_callable_and_the_fast_path_flag_is_restored_across_threads():
+    """(Found by review.) A reference to F.linear taken by another thread while a capture had the
+    dispatcher installed must work after it left; threads entering and leaving the fast-path-off
+    blocks in any order put the flag back as it was."""
+    import threading
+
+    from pdpsgd._compat import mha_fastpath_off
+
+    seen = []
+    m = _Attn(8, 2, "self", True, True, False, False)
+    b = _batch(3, 4, torch.Generator().manual_seed(0))
+    step = pdpsgd.make_dp_step(m, _loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    orig_forward = nn.Linear.forward
+
+    def grab(self, x):
+        seen.append(F.linear)  # (the dispatcher, while the attention's capture is on)
+        return orig_forward(self, x)
+
+    nn.Linear.forward = grab
+    try:
+        step(pdpsgd.trainable_params(m), b)
+    finally:
+        nn.Linear.forward = orig_forward
+    assert any(f is not F.linear for f in seen)  # the dispatcher was seen
+    for f in seen:
+        f(torch.randn(2, 3), torch.randn(4, 3))  # still callable
+    was = torch.backends.mha.get_fastpath_enabled()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with mha_fastpath_off():
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def second():
+        a_in.wait(5)
+        with mha_fastpath_off():
+            b_in.set()
+            a_out.wait(5)  # leaves after the first thread
+
+    ts = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert torch.backends.mha.get_fastpath_enabled() == was

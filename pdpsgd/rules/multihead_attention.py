@@ -58,12 +58,12 @@ class MHACapture:
 
 _LOCAL = threading.local()  # .active: this thread's replacement (None: the original)
 _LOCK = threading.Lock()
-_INSTALLED: List[Any] = []  # [the original F.linear] while any thread's capture is in a layer's forward
-_DEPTH = [0]
+_ORIGINAL: List[Any] = [None]  # F.linear as it was when first replaced (kept: a reference to the dispatcher
+_DEPTH = [0]  # that another thread took while it was installed stays callable)
 
 
 def _dispatch(input, weight, bias=None):
-    orig = _INSTALLED[0]
+    orig = _ORIGINAL[0]
     fn = getattr(_LOCAL, "active", None)
     return orig(input, weight, bias) if fn is None else fn(orig, input, weight, bias)
 
@@ -75,7 +75,8 @@ def _linear_replaced(fn) -> Iterator[None]:
     is inside such a block, the original put back when the last one leaves)."""
     with _LOCK:
         if _DEPTH[0] == 0:
-            _INSTALLED[:] = [F.__dict__["linear"]]
+            if F.__dict__["linear"] is not _dispatch:
+                _ORIGINAL[0] = F.__dict__["linear"]
             F.linear = _dispatch
         _DEPTH[0] += 1
     prev = getattr(_LOCAL, "active", None)
@@ -87,7 +88,7 @@ def _linear_replaced(fn) -> Iterator[None]:
         with _LOCK:
             _DEPTH[0] -= 1
             if _DEPTH[0] == 0:
-                F.linear = _INSTALLED.pop()
+                F.linear = _ORIGINAL[0]
 
 
 def _view_of(t: Tensor, base: Tensor) -> bool:
@@ -102,6 +103,9 @@ class MultiheadAttentionRule(Rule):
     probe_forward = True  # (the probe must see out_proj called on (B, T, E) rows, as the capture does)
 
     def supports(self, module: nn.Module) -> Optional[str]:
+        if any(n not in module._parameters for n in ("in_proj_weight", "in_proj_bias")) \
+                or getattr(module, "parametrizations", None) is not None:
+            return "its input projection is not a plain parameter (a parametrization, weight_norm)"
         if not getattr(module, "_qkv_same_embed_dim", False) or getattr(module, "in_proj_weight", None) is None:
             return "separate q/k/v projection weights (kdim or vdim other than embed_dim)"
         if getattr(module, "bias_k", None) is not None or getattr(module, "bias_v", None) is not None:
