@@ -8,8 +8,8 @@ rtol 1e-9), with the routes taken and the parameters that fall back to vmap.
 
 For a model of your own: `pdpsgd check FILE` (see README).
 """
+import argparse
 import collections
-import sys
 import warnings
 
 import torch
@@ -20,11 +20,11 @@ from pdpsgd.testing import assert_exact
 
 warnings.filterwarnings("ignore")
 torch.manual_seed(0)
-args = sys.argv[1:]
-B = int(args[args.index("--batch") + 1]) if "--batch" in args else 3
-if "--batch" in args:
-    del args[args.index("--batch"):args.index("--batch") + 2]
-T, V = 7, 50
+ap = argparse.ArgumentParser()
+ap.add_argument("families", nargs="*", help="some families only (default: every one)")
+ap.add_argument("--batch", type=int, default=3)
+args = ap.parse_args()
+B, T, V = args.batch, 7, 50
 CAUSAL = {
  "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=V, max_position_embeddings=32)),
  "mistral": (tf.MistralConfig, tf.MistralForCausalLM, dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=V, max_position_embeddings=32)),
@@ -64,7 +64,7 @@ def t5_loss(m, b):
     out = m(input_ids=b["ids"], attention_mask=b["am"], decoder_input_ids=b["ids"][:, :4].contiguous())
     return F.cross_entropy(out.logits.reshape(-1, V), b["ids"][:, :4].reshape(-1), reduction="none").view(b["ids"].shape[0], 4).sum(1)
 batch = {"ids": ids, "am": am, "y": torch.randint(0, 2, (B,))}
-only = args
+only = args.families
 for name, (cc, mc, kw) in {**CAUSAL, **CLS}.items():
     if only and name not in only: continue
     try:

@@ -1407,6 +1407,12 @@ def _probe_key(batch: Batch, B: int, training: bool):
                                           else _leaf_sig(x) for x in leaves))
 
 
+def _plain_forward(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch):
+    """The loss's forward at the step's values (detached), no capture: the checks' extra forwards."""
+    return functional_call(loss_module, LossModule.prefixed({**constants, **{n: v.detach() for n, v in params.items()}}),
+                           (batch,))
+
+
 def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
                       ruled: Dict[nn.Module, Tuple[str, Rule, Dict[str, str]]], B: int, registry: RuleRegistry):
     """(probe size, {module name: (first dim, its whole-view base's first dim) of its calls, in order}),
@@ -1436,8 +1442,7 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
     try:
         with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params), \
                 _adapted(loss_module.model, registry, Bp):
-            functional_call(loss_module, LossModule.prefixed({**constants, **{n: v.detach() for n, v in params.items()}}),
-                            (probe,))
+            _plain_forward(loss_module, params, constants, probe)
     except Exception as err:  # a model that cannot run the probe: nothing is verified
         return Bp, f"{type(err).__name__}: {str(err)[:200]}"
     finally:
@@ -2177,8 +2182,7 @@ def _watch_order(loss_module: LossModule, params: Params, constants: Mapping[str
     watch = ReorderWatch(B)
     with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params, 0):
         with watch:
-            functional_call(loss_module, LossModule.prefixed({**constants, **{n: v.detach() for n, v in params.items()}}),
-                            (batch,))
+            _plain_forward(loss_module, params, constants, batch)
     return watch.found
 
 
