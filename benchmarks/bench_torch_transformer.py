@@ -3,7 +3,11 @@
 one full training step (loss, gradients, Adam) per variant, interleaved in one process, medians
 of CPU time.
 
-    python benchmarks/bench_torch_transformer.py [--reps 7] [--threads 1] [--T 128] [--B 8]
+    python benchmarks/bench_torch_transformer.py [--reps 7] [--threads 1] [--T 128] [--B 8] [--positions flat]
+
+--positions: "batched" (default) looks positions up as (1, T) ids, ``arange(T)[None]``, as Hugging
+Face models do; "flat" as (T,) ids, ``arange(T)``, as nanoGPT does (a (T, d) output broadcast by the
+add; on the embedding rule since round 24, by the exact fallback before).
 
 variants: nonprivate; bk / auto (nn.MultiheadAttention on its rule, pdpsgd/rules/multihead_attention.py);
 bk_no_mha_rule (the registry without that rule: attention's parameters by the exact vmap fallback,
@@ -28,8 +32,9 @@ from interleave import interleaved, padded_ids, print_table, without_missing_opa
 
 
 class Encoder(nn.Module):
-    def __init__(self, V=8192, d=256, layers=4, heads=4, ff=1024, T=128):
+    def __init__(self, V=8192, d=256, layers=4, heads=4, ff=1024, T=128, positions="batched"):
         super().__init__()
+        self.flat = positions == "flat"
         self.emb, self.pos = nn.Embedding(V, d, padding_idx=0), nn.Embedding(T, d)
         self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, heads, ff, dropout=0.1, batch_first=True),
                                          layers, enable_nested_tensor=False)
@@ -37,7 +42,8 @@ class Encoder(nn.Module):
 
     def forward(self, ids):  # (B, T)
         keep = ids != 0
-        h = self.emb(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device)[None])  # (1, T) positions
+        pos = torch.arange(ids.shape[1], device=ids.device)  # (T,)
+        h = self.emb(ids) + self.pos(pos if self.flat else pos[None])  # (T, d) or (1, T, d), broadcast
         h = self.enc(h, src_key_padding_mask=~keep)
         m = keep.unsqueeze(-1).to(h.dtype)
         return self.head((h * m).sum(1) / m.sum(1))
@@ -61,7 +67,7 @@ def make(variant, a, batch):
         from opacus.optimizers import DPOptimizer
         from opacus.validators import ModuleValidator
 
-        model = GradSampleModule(ModuleValidator.fix(Encoder(T=a.T)), loss_reduction="sum")
+        model = GradSampleModule(ModuleValidator.fix(Encoder(T=a.T, positions=a.positions)), loss_reduction="sum")
         opt = DPOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4), noise_multiplier=1.0, max_grad_norm=1.0,
                           expected_batch_size=B, loss_reduction="sum")
 
@@ -70,7 +76,7 @@ def make(variant, a, batch):
             loss_fn(model, batch).sum().backward()
             opt.step()
         return step
-    model = Encoder(T=a.T)
+    model = Encoder(T=a.T, positions=a.positions)
     params = pdpsgd.trainable_params(model)
     opt = torch.optim.Adam(params.values(), lr=1e-4)
     if variant == "nonprivate":
@@ -101,6 +107,7 @@ def main():
     ap.add_argument("--B", type=int, default=8)
     ap.add_argument("--T", type=int, default=128)
     ap.add_argument("--variants", default="nonprivate,bk,auto,bk_no_mha_rule,opacus")
+    ap.add_argument("--positions", default="batched", choices=("batched", "flat"))
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(1)
@@ -108,7 +115,8 @@ def main():
     variants = without_missing_opacus(a.variants.split(","))
     steps = {v: make(v, a, batch) for v in variants}
     times = interleaved(steps, variants, a.reps)  # (a failing variant, Opacus here, is reported and left out)
-    print_table(f"nn.TransformerEncoder 4x256, B={a.B} T={a.T} threads={a.threads}, CPU time, median of {a.reps}",
+    print_table(f"nn.TransformerEncoder 4x256, B={a.B} T={a.T} positions={a.positions} threads={a.threads}, "
+                f"CPU time, median of {a.reps}",
                 times)
 
 

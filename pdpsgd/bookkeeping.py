@@ -53,7 +53,7 @@ import functools
 import math
 import types
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -933,7 +933,9 @@ class _Call:
     rows: int = 0  # > 0: the input is the batch flattened, (B·rows, ...), example-major (see ``_flat_rows``)
     root: Optional[Tuple[str, int]] = None  # (module name, call index) of the call whose input showed the flattening
     chain: Tuple[int, ...] = ()  # calls (indices) whose outputs the flattened input was traced through
-    bcast: bool = False  # its (1, T, ...) output was expanded to the batch (``Rule.broadcast_batch``)
+    bcast: bool = False  # its (1, T, ...) or batch-free (T, ...) output was expanded to the batch (``Rule.broadcast_batch``)
+    lift: int = 0  # > 0: batch-free ids (T,) of this length, expanded (``bcast``); the rule reads them as (1, T)
+    liftable: bool = False  # 1-d ids (B,) with a (B, ...) output: batch-free (T,) ones with T = B, if the probe says so
     ok: bool = True  # the rule's check of the call as it ran (``Rule.verify``) passed
 
     @property
@@ -1306,6 +1308,14 @@ def _first_tensor(args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[
     return None
 
 
+def _lift_first(args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """args, kwargs with their first tensor given a leading dimension of 1 (a view)."""
+    x = _first_tensor(args, kwargs)
+    args = tuple(a.unsqueeze(0) if a is x else a for a in args)
+    kwargs = {k: (v.unsqueeze(0) if v is x else v) for k, v in kwargs.items()}
+    return args, kwargs
+
+
 def _first_dim(args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[int]:
     x = _first_tensor(args, kwargs)
     return int(x.shape[0]) if x is not None and x.dim() > 0 else None
@@ -1517,7 +1527,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     # reference kept in a list or a closure): refused, never a silently missing gradient term
     stray = trainable_parameters(model, params)
     ruled, fallback, owner = _model_layout(model, params, registry, overrides)
-    # modules whose (1, T, ...) outputs are not expanded: the duplicated-example check (below) found
+    # modules whose (1, T, ...) or (T, ...) outputs are not expanded: the duplicated-example check (below) found
     # them read otherwise (module name -> reason); known from an earlier step of this batch shape, or
     # found in this one (then the capture runs again without them)
     no_expand = dict(no_expand or {})
@@ -1525,6 +1535,9 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     if check_broadcast and probe_memo is not None and dkey in probe_memo:
         no_expand.update(probe_memo[dkey][1])
     expanded: Set[str] = set()  # modules whose outputs this forward expanded
+    # modules whose 1-d ids (B,) the probe found batch-free (T = B): expanded as (T,) ones are
+    lkey = ("lift", _probe_key(batch, B, model.training))
+    force_lift: FrozenSet[str] = probe_memo.get(lkey, frozenset()) if probe_memo is not None else frozenset()
     # the example-order check runs first (its passes, one at a time, are freed before this one's)
     order = (_order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo, no_expand)
              if check_order and B > 1 else None)
@@ -1631,15 +1644,39 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                 and mname not in no_expand:
             # e.g. GPT-2's position embedding of (1, T) ids, broadcast over the batch downstream:
             # expanding it to B rows (same values) lets the backward keep each example's gradient.
-            # Only (1, T, ...) outputs: a (1, d) one (T = 1 positions, no batch dim) would broadcast
-            # against (B, 1, d) into (B, B, d).
+            # Only (1, T, ...) outputs here: a (1, d) one (T = 1 positions, no batch dim) would
+            # broadcast against (B, 1, d) into (B, B, d); it is expanded to (B, 1, d) below.
             # A copy, not a stride-0 view: the model may edit its output in place (p *= 2); the
             # copy lives no longer than the original would (its own gradient edge is what is kept).
             output = output.expand(B, *output.shape[1:]).contiguous()
             bcast = True
             expanded.add(mname)
+        lift, liftable = 0, False
+        if getattr(rule, "broadcast_batch", False) and not bcast and mname not in no_expand:
+            # e.g. nanoGPT's ``wpe(torch.arange(T))``: 1-d ids (T,) with no batch dim, a (T, d) output
+            # that the model broadcasts over the batch: the same expansion, to (B, T, d), and the rule
+            # reads the ids as (1, T). Not when the ids are the batch flattened (traced, below). When
+            # T = B the ids might be the batch's (a (B,) label lookup): the probe decides
+            # (``_check_batch_dims``; a first dim that stays B with fewer examples is batch-free: the
+            # capture runs again with the module in ``force_lift``). The duplicated-example check
+            # guards the use, as above.
+            x0 = _first_tensor(args, kwargs)
+            if x0 is not None and x0.dim() == 1 and not x0.is_floating_point() and not x0.is_complex() \
+                    and output.dim() == 2 and output.shape[0] == x0.shape[0] \
+                    and not (B > 1 and x0.shape[0] % B == 0 and _flat_rows(x0, B, flat, (mname, -1))[0]):
+                if B == 1:  # one example owns every gradient: the ids read as (1, T), the forward as it is
+                    lift = int(output.shape[0]) if x0.shape[0] != 1 else 0
+                elif x0.shape[0] != B or mname in force_lift:
+                    lift = int(output.shape[0])
+                    output = output.expand(B, *output.shape).contiguous()
+                    bcast = True
+                    expanded.add(mname)
+                else:
+                    liftable = True
         if not replay[0]:
             vers = tuple(x._version for x in args if isinstance(x, Tensor))
+            if lift:  # the rule reads the batch-free ids as (1, T), as a broadcast (1, T) call's
+                args, kwargs = _lift_first(args, kwargs)
             k = len(real_dims[mname]) - 1
             rows, root, chain = 0, None, ()
             x0 = _first_tensor(args, kwargs)
@@ -1660,10 +1697,11 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                 # edited in place.
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, edge=_gradient_edge(src),
                                    k=k, gshape=output.shape if src is not output else None, rows=rows, root=root,
-                                   chain=chain, bcast=bcast, ok=ok))
+                                   chain=chain, bcast=bcast, lift=lift, liftable=liftable, ok=ok))
             else:
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers, k=k,
-                                   rows=rows, root=root, chain=chain, bcast=bcast, ok=ok))
+                                   rows=rows, root=root, chain=chain, bcast=bcast, lift=lift, liftable=liftable,
+                                   ok=ok))
         return output
 
     leaf_names = [n for n in ruled_names]
@@ -1737,7 +1775,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         for m in patched:
             m.__dict__.pop("forward", None)
     if failed is not None:  # run again without expanding them (their parameters: exact fallback)
-        why = f"expanding its (1, T, ...) output to the batch made the forward fail ({type(failed).__name__})"
+        why = f"expanding its (1, T, ...) or (T, ...) output to the batch made the forward fail ({type(failed).__name__})"
         bad = {mn: why for mn in expanded}
         try:
             col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
@@ -1747,8 +1785,14 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         old = probe_memo.get(dkey, (frozenset(), {})) if probe_memo is not None else (frozenset(), {})
         _memo_put(probe_memo, dkey, (old[0] | frozenset(bad), {**old[1], **bad}))
         return _apply_order(col, order, loss_module, batch, probe_memo, params)
-    _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo,
-                      registry)
+    relift = _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback,
+                               probe_memo, registry)
+    if relift - force_lift and probe_memo is not None:  # run again with them expanded
+        _memo_put(probe_memo, lkey, force_lift | relift)
+        del calls[:]
+        col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
+                       loss_weights, no_expand, check_order=False)
+        return _apply_order(col, order, loss_module, batch, probe_memo, params)
     n_call = sum(len(t) for t in call_targets)
     for n, g in zip(leaf_names, grads[n_call:]):
         if g is not None:
@@ -1803,7 +1847,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     checked = probe_memo[dkey][0] if probe_memo is not None and dkey in probe_memo else frozenset()
     if check_broadcast and spread and not set(spread) <= checked:
         bad = _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, uses, spread,
-                                   probe_memo, dkey)
+                                   probe_memo, dkey, avoid={c.lift for c in calls if c.lift})
         if bad:  # the forward itself ran with those outputs expanded (a sum(0) changes it): run again without
             col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
                            check_broadcast=False, loss_weights=loss_weights, no_expand={**no_expand, **bad},
@@ -1871,7 +1915,9 @@ def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[st
 # mixed. Checked once per batch shape (in eval mode) on a batch of one example twice, [x_j, x_j],
 # with the losses weighted 1 and 2: the second copy's per-example gradient must be exactly twice the
 # first's (a power of two: exact in floating point, up to the kernels' row order; rtol below).
-# ``pos[0]`` gives (3g, 0), ``mean(0)`` / ``sum(0)`` give equal rows: both fail.
+# ``pos[0]`` gives (3g, 0), ``mean(0)`` / ``sum(0)`` give equal rows: both fail. The same holds for
+# batch-free (T, ...) outputs of (T,) ids (nanoGPT's ``wpe(arange(T))``), expanded to (B, T, ...);
+# as those are expanded only when T ≠ B, the check then takes three copies (weights 1, 2, 1) if T = 2.
 DUPLICATE_RTOL = 1e-4
 
 
@@ -1883,12 +1929,18 @@ def _duplicates_key(loss_module: LossModule, batch: Batch, B: int):
 
 
 def _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, uses: Mapping[str, List[Use]],
-                         spread: Mapping[str, List[str]], probe_memo, key) -> Dict[str, str]:
+                         spread: Mapping[str, List[str]], probe_memo, key, avoid: Set[int] = frozenset()
+                         ) -> Dict[str, str]:
     """{module name: reason} for the expanded modules of ``spread`` (module name -> its parameters
-    with uses) that the check above finds read otherwise; memoised per batch shape."""
-    why = ("its (1, T, ...) output, expanded to the batch, is not used row by row: of two copies of one example "
-           "with losses weighted 1 and 2, the second's gradient was not twice the first's (does the model index or "
-           "reduce that output over its first dimension?)")
+    with uses) that the check above finds read otherwise; memoised per batch shape. ``avoid``: the
+    lengths of the batch-free ids expanded (``_Call.lift``); the copies are as many as none of them
+    (an expansion needs T ≠ B), two unless one is 2."""
+    m = 2
+    while m in avoid:
+        m += 1
+    why = ("its (1, T, ...) or (T, ...) output, expanded to the batch, is not used row by row: of copies of one "
+           "example with losses weighted 1, 2, 1, ..., a copy's gradient was not its weight times the first's (does "
+           "the model index or reduce that output over its first dimension?)")
     # the example: the one whose gradient through these modules in this step is largest (finite)
     score: Optional[Tensor] = None
     for ns in spread.values():
@@ -1903,31 +1955,32 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
     if not bool((score > 0).any()):
         return {}  # no gradient reaches them in this step: their attribution does not matter now (asked again)
     j = int(score.argmax())
-    idx = torch.tensor([j, j])
+    idx = torch.full((m,), j)
+    wts = 1.0 + (torch.arange(m) % 2).to(torch.float64)  # 1, 2, 1, 2, ...
     dup = tree_map(lambda x: x.index_select(0, idx.to(x.device)) if isinstance(x, Tensor) else x, batch)
     finite = True
-    # in eval mode: dropout would give the two copies different masks (and the check must not draw
+    # in eval mode: dropout would give the copies different masks (and the check must not draw
     # from the user's random streams); how the model reads the expanded output is the same
     try:
-        sub = _side_collect(loss_module, params, constants, dup, registry, overrides, probe_memo,
-                            torch.tensor([1.0, 2.0]))
-    except Exception as err:  # a model that cannot run two copies: nothing is verified
+        sub = _side_collect(loss_module, params, constants, dup, registry, overrides, probe_memo, wts)
+    except Exception as err:  # a model that cannot run the copies: nothing is verified
         if isinstance(err, _OOM):
             raise
-        bad = {mn: f"the duplicated-example check of its expanded (1, T, ...) output failed ({type(err).__name__})"
+        bad = {mn: f"the duplicated-example check of its expanded (1, T, ...) or (T, ...) output failed "
+                   f"({type(err).__name__})"
                for mn in spread}
     else:
         bad = {}
         for mn, names in spread.items():
             for n in names:
                 if n in sub.fallback:
-                    bad[mn] = why + f" (with two copies it fell back: {sub.fallback[n]})"
+                    bad[mn] = why + f" (with {m} copies it fell back: {sub.fallback[n]})"
                     break
                 us = sub.uses.get(n, [])
                 acc = _acc(params[n].dtype)
                 G: Optional[Tensor] = None
                 for u in us:
-                    Gu = _materialise(u, params[n].shape, acc)  # (2, *shape)
+                    Gu = _materialise(u, params[n].shape, acc)  # (m, *shape)
                     G = Gu if G is None else G + Gu
                 if G is None or not bool((G != 0).any()):  # its own gradient, non-zero in the step, is gone
                     bad[mn] = why
@@ -1936,7 +1989,8 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
                     bad[mn], finite = why + " (undecided: a non-finite gradient for the example tried)", False
                     break
                 rtol = max(DUPLICATE_RTOL, 16 * torch.finfo(params[n].dtype).eps)
-                if bool((G[1] - 2 * G[0]).abs().max() > rtol * G[1].abs().max()):
+                want = wts.to(G)[(slice(None),) + (None,) * (G.dim() - 1)] * G[:1]  # (m, *shape)
+                if bool((G - want).abs().max() > rtol * G.abs().max()):
                     bad[mn] = why
                     break
     if probe_memo is not None and finite:
@@ -2361,13 +2415,15 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
 
 
 def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo,
-                      registry):
+                      registry) -> Set[str]:
     """Send to the vmap fallback every parameter of a call whose input's first dimension equals B
-    but did not follow the probe's batch size (see ``PROBE_B``)."""
-    todo = [c for c in calls if c.capture is None and (real_dims[c.mname][c.k] == B or c.rows)
+    but did not follow the probe's batch size (see ``PROBE_B``). Returns the modules to run again
+    with their 1-d ids expanded as batch-free (T,) ones (``_Call.liftable``; every call of the module
+    such a call whose first dim stayed B in the probe) instead."""
+    todo = [c for c in calls if c.capture is None and (real_dims[c.mname][c.k] == B or c.rows or c.bcast and c.lift)
             and not all(n in fallback for n in ruled[c.module][2].values())]
     if not todo:
-        return
+        return set()
     # (the ruled modules are part of the key: a probe only records the modules ruled when it ran)
     key = ((_probe_key(batch, B, loss_module.model.training), tuple(sorted(v[0] for v in ruled.values())))
            if probe_memo is not None else None)
@@ -2377,7 +2433,13 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
         if key is not None and not isinstance(got[1], str):
             _memo_put(probe_memo, key, got)
     Bp, seen = got
+    constant = {id(c) for c in todo if c.liftable and not isinstance(seen, str)
+                and len(seen.get(c.mname, [])) == len(real_dims[c.mname]) and seen[c.mname][c.k][0] == B}
+    relift = {c.mname for c in todo if id(c) in constant}
+    relift -= {c.mname for c in calls if c.mname in relift and id(c) not in constant}
     for c in todo:
+        if c.mname in relift:
+            continue
         if isinstance(seen, str):
             reason = f"the batch-dimension probe failed ({seen})"
         elif c.rows:
@@ -2391,12 +2453,15 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
         else:
             dims = [d for d, _ in seen.get(c.mname, [])]
             if len(dims) == len(real_dims[c.mname]) and (
-                    dims[c.k] == Bp or (dims[c.k] == 1 and getattr(c.rule, "broadcast_batch", False))):
-                continue  # the first dimension is the batch (or, B == 1, a broadcast one, e.g. positions)
+                    dims[c.k] == Bp or (dims[c.k] == 1 and getattr(c.rule, "broadcast_batch", False))
+                    or (c.lift and dims[c.k] == c.lift)):
+                continue  # the first dimension is the batch (or, B == 1, a broadcast one, e.g. positions;
+                # or batch-free ids, expanded: it stayed T with fewer examples)
             reason = (f"input's first dimension equals the batch size {B} but is not the batch dimension "
                       f"(a probe with {Bp} examples gave {dims[c.k] if c.k < len(dims) else 'no such call'})")
         for n in ruled[c.module][2].values():
             fallback.setdefault(n, f"{type(c.module).__name__} ({c.mname}): {reason}")
+    return relift
 
 
 def _options(method: str, opts: Mapping[str, Any]):

@@ -77,6 +77,36 @@ class SharedTwice(nn.Module):
         return self.out(h)
 
 
+class NanoGPT(nn.Module):
+    """nanoGPT's GPT (Karpathy), small: wte tied to lm_head, positions ``wpe(torch.arange(t))`` of
+    shape (T, d) broadcast over the batch by the add, fused c_attn, scaled_dot_product_attention."""
+
+    def __init__(self, vocab=23, block=16, d=8, heads=2, layers=2, dropout=0.0, bias=True):
+        super().__init__()
+        self.heads = heads
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList(nn.ModuleDict(dict(
+            ln_1=nn.LayerNorm(d, bias=bias), c_attn=nn.Linear(d, 3 * d, bias=bias), c_proj=nn.Linear(d, d, bias=bias),
+            ln_2=nn.LayerNorm(d, bias=bias), c_fc=nn.Linear(d, 4 * d, bias=bias), m_proj=nn.Linear(4 * d, d, bias=bias),
+        )) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d, bias=bias)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx):
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)  # shape (t)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for blk in self.h:
+            q, k, v = blk["c_attn"](blk["ln_1"](x)).split(x.size(-1), dim=2)
+            q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + blk["c_proj"](y.transpose(1, 2).contiguous().view(b, t, -1))
+            x = x + blk["m_proj"](F.gelu(blk["c_fc"](blk["ln_2"](x))))
+        return self.lm_head(self.ln_f(x))
+
+
 def lm_loss_fn(model, b):
     """Per-example summed next-token loss for any model returning logits (or .logits)."""
     out = model(b["input_ids"])

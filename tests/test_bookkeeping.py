@@ -1567,6 +1567,98 @@ def test_shared_position_table_exact_for_T_one_and_T_equal_B(T):
         assert_exact(_TablePositions(), loss, b, method=method, max_grad_norm=0.1)
 
 
+@settings(max_examples=12, deadline=None)
+@given(B=st.integers(1, 5), T=st.integers(1, 7), C=st.sampled_from([0.05, 1.0, 100.0]),
+       method=st.sampled_from(["bk", "auto"]), seed=st.integers(0, 3))
+def test_nanogpt_batch_free_positions_on_the_rules(B, T, C, method, seed):
+    """nanoGPT's ``wpe(arange(t))`` (a (T, d) output, no batch dim, broadcast by the add) is expanded
+    to (B, T, d) and stays on the embedding rule, T = B (the probe decides), T = 1, T = 2 (the
+    duplicated-example check then runs three copies) and B = 1 included; exact against the naive loop."""
+    torch.manual_seed(seed)
+    m = models.NanoGPT()
+    ids = torch.randint(0, 23, (B, T))
+    b = {"input_ids": ids, "labels": ids}
+    r = assert_exact(m, models.lm_loss_fn, b, method=method, max_grad_norm=C)
+    assert r.routes["wpe.weight"] != "vmap" and "vmap" not in r.routes.values(), r.routes
+    step = make_dp_step(m, models.lm_loss_fn, max_grad_norm=C, noise_multiplier=0.0, method=method)
+    assert step.fallback_reasons(b) == {}
+
+
+def test_nanogpt_batch_free_positions_sensitivity():
+    """Masking or removing one example moves the clipped sum by at most C, every example's own
+    contribution at most C (tied wte / lm_head included), with the positions expanded; T = B too."""
+    torch.manual_seed(0)
+    m = models.NanoGPT().double()
+    for B, T in ((4, 6), (5, 5)):
+        ids = torch.randint(0, 23, (B, T))
+        b = {"input_ids": ids, "labels": ids}
+        step = make_dp_step(m, models.lm_loss_fn, max_grad_norm=0.2, noise_multiplier=0.0, method="bk")
+        assert step.plan(b)["wpe.weight"] != "vmap"
+        assert check_sensitivity(step, trainable_params(m), b).max_ratio <= 1 + 1e-9
+
+
+class _TableTwice(nn.Module):
+    """One table looked up by the batch's ids and by batch-free positions (T,); and a label table
+    looked up by (B,) ids, a batched call the probe must not take for batch-free when T = B."""
+
+    def __init__(self, shared=True):
+        super().__init__()
+        self.emb, self.lab, self.head = nn.Embedding(11, 4), nn.Embedding(3, 4), nn.Linear(4, 11)
+        self.pos = self.emb if shared else nn.Embedding(11, 4)
+
+    def forward(self, ids, y):
+        x = self.emb(ids) + self.pos(torch.arange(ids.shape[1])) + self.lab(y)[:, None]
+        return self.head(torch.tanh(x))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("T", [3, 4])
+def test_batch_free_ids_beside_batched_ones(shared, T):
+    torch.manual_seed(0)
+    b = {"ids": torch.randint(0, 11, (4, T)), "y": torch.tensor([0, 1, 2, 1])}
+
+    def loss(m, bb):
+        lg = m(bb["ids"], bb["y"])
+        return F.cross_entropy(lg.reshape(-1, 11), bb["ids"].reshape(-1), reduction="none").view(bb["ids"].shape).sum(1)
+
+    for method in ("bk", "auto"):
+        r = assert_exact(_TableTwice(shared), loss, b, method=method, max_grad_norm=0.3)
+        assert r.routes["lab.weight"] != "vmap", r.routes
+        if not shared:  # its own table: the batch-free positions stay on the rules, T = B (4) too
+            assert r.routes["pos.weight"] != "vmap", r.routes
+        elif T == 4:  # one module with a batched and a batch-free (T = B) call: not expanded
+            assert r.routes["emb.weight"] == "vmap", r.routes
+        else:
+            assert r.routes["emb.weight"] != "vmap", r.routes
+
+
+class _ReducesTable(nn.Module):
+    """Reads its batch-free (T, d) position output over its first dimension ([0], mean(0), sum(0)):
+    expanded to (B, T, d), that would change the forward and mix the examples' gradients."""
+
+    def __init__(self, how="index"):
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(11, 4), nn.Embedding(8, 4), nn.Linear(4, 11)
+        self.how = how
+
+    def forward(self, ids):
+        p = self.pos(torch.arange(ids.shape[1]))  # (T, d)
+        p = {"index": lambda: p[0], "mean": lambda: p.mean(0), "sum": lambda: p.sum(0)}[self.how]()  # (d,)
+        return self.head(torch.tanh(self.tok(ids) + p))
+
+
+@pytest.mark.parametrize("how", ["index", "mean", "sum"])
+@pytest.mark.parametrize("T", [2, 5])
+def test_batch_free_output_read_otherwise_falls_back(how, T):
+    torch.manual_seed(0)
+    b = {"ids": torch.randint(0, 11, (3, T))}
+    m = _ReducesTable(how)
+    r = assert_exact(m, _ids_lm_loss, b, method="bk", max_grad_norm=0.1)
+    assert r.routes["pos.weight"] == "vmap", r.routes
+    why = make_dp_step(m, _ids_lm_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk").fallback_reasons(b)
+    assert "not used row by row" in why["pos.weight"] or "made the forward fail" in why["pos.weight"], why
+
+
 class _IndexesPositions(nn.Module):
     """Reads its (1, T) position embedding over its first dimension before the broadcast add ([0],
     mean(0), sum(0): the same in the user's model): an expanded copy would mix the examples'
