@@ -4,10 +4,14 @@ one full training step (loss, gradients, Adam) per variant, interleaved in one p
 of CPU time.
 
     python benchmarks/bench_torch_transformer.py [--reps 7] [--threads 1] [--T 128] [--B 8] [--positions flat]
+                                                 [--time-major]
 
 --positions: "batched" (default) looks positions up as (1, T) ids, ``arange(T)[None]``, as Hugging
 Face models do; "flat" as (T,) ids, ``arange(T)``, as nanoGPT does (a (T, d) output broadcast by the
-add; on the embedding rule since round 24, by the exact fallback before).
+add; on the embedding rule since round 24, by the exact fallback before). --time-major: torch's
+default layout, batch_first=False: the encoder on (T, B, d), ids and positions (T, B) (its Linear,
+LayerNorm and Embedding layers read with the batch in dim 1 since round 24; the exact fallback
+before).
 
 variants: nonprivate; bk / auto (nn.MultiheadAttention on its rule, pdpsgd/rules/multihead_attention.py);
 bk_no_mha_rule (the registry without that rule: attention's parameters by the exact vmap fallback,
@@ -32,19 +36,24 @@ from interleave import interleaved, padded_ids, print_table, without_missing_opa
 
 
 class Encoder(nn.Module):
-    def __init__(self, V=8192, d=256, layers=4, heads=4, ff=1024, T=128, positions="batched"):
+    def __init__(self, V=8192, d=256, layers=4, heads=4, ff=1024, T=128, positions="batched", time_major=False):
         super().__init__()
-        self.flat = positions == "flat"
+        self.flat, self.tm = positions == "flat", time_major
         self.emb, self.pos = nn.Embedding(V, d, padding_idx=0), nn.Embedding(T, d)
-        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, heads, ff, dropout=0.1, batch_first=True),
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, heads, ff, dropout=0.1, batch_first=not time_major),
                                          layers, enable_nested_tensor=False)
         self.head = nn.Linear(d, 2)
 
     def forward(self, ids):  # (B, T)
         keep = ids != 0
-        pos = torch.arange(ids.shape[1], device=ids.device)  # (T,)
-        h = self.emb(ids) + self.pos(pos if self.flat else pos[None])  # (T, d) or (1, T, d), broadcast
-        h = self.enc(h, src_key_padding_mask=~keep)
+        B, T = ids.shape
+        pos = torch.arange(T, device=ids.device)  # (T,)
+        if self.tm:  # (T, B) ids, (T, B, d) activations
+            h = self.emb(ids.t()) + self.pos(pos[:, None].expand(T, B))
+            h = self.enc(h, src_key_padding_mask=~keep).transpose(0, 1)  # (B, T, d)
+        else:
+            h = self.emb(ids) + self.pos(pos if self.flat else pos[None])  # (T, d) or (1, T, d), broadcast
+            h = self.enc(h, src_key_padding_mask=~keep)
         m = keep.unsqueeze(-1).to(h.dtype)
         return self.head((h * m).sum(1) / m.sum(1))
 
@@ -67,7 +76,7 @@ def make(variant, a, batch):
         from opacus.optimizers import DPOptimizer
         from opacus.validators import ModuleValidator
 
-        model = GradSampleModule(ModuleValidator.fix(Encoder(T=a.T, positions=a.positions)), loss_reduction="sum")
+        model = GradSampleModule(ModuleValidator.fix(Encoder(T=a.T, positions=a.positions, time_major=a.time_major)), loss_reduction="sum")
         opt = DPOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4), noise_multiplier=1.0, max_grad_norm=1.0,
                           expected_batch_size=B, loss_reduction="sum")
 
@@ -76,7 +85,7 @@ def make(variant, a, batch):
             loss_fn(model, batch).sum().backward()
             opt.step()
         return step
-    model = Encoder(T=a.T, positions=a.positions)
+    model = Encoder(T=a.T, positions=a.positions, time_major=a.time_major)
     params = pdpsgd.trainable_params(model)
     opt = torch.optim.Adam(params.values(), lr=1e-4)
     if variant == "nonprivate":
@@ -108,6 +117,7 @@ def main():
     ap.add_argument("--T", type=int, default=128)
     ap.add_argument("--variants", default="nonprivate,bk,auto,bk_no_mha_rule,opacus")
     ap.add_argument("--positions", default="batched", choices=("batched", "flat"))
+    ap.add_argument("--time-major", action="store_true", help="batch_first=False: (T, B, d) activations")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(1)
@@ -115,7 +125,8 @@ def main():
     variants = without_missing_opacus(a.variants.split(","))
     steps = {v: make(v, a, batch) for v in variants}
     times = interleaved(steps, variants, a.reps)  # (a failing variant, Opacus here, is reported and left out)
-    print_table(f"nn.TransformerEncoder 4x256, B={a.B} T={a.T} positions={a.positions} threads={a.threads}, "
+    print_table(f"nn.TransformerEncoder 4x256, B={a.B} T={a.T} positions={a.positions} "
+                f"{'time-major' if a.time_major else 'batch-first'} threads={a.threads}, "
                 f"CPU time, median of {a.reps}",
                 times)
 

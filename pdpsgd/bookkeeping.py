@@ -935,7 +935,10 @@ class _Call:
     chain: Tuple[int, ...] = ()  # calls (indices) whose outputs the flattened input was traced through
     bcast: bool = False  # its (1, T, ...) or batch-free (T, ...) output was expanded to the batch (``Rule.broadcast_batch``)
     lift: int = 0  # > 0: batch-free ids (T,) of this length, expanded (``bcast``); the rule reads them as (1, T)
-    liftable: bool = False  # 1-d ids (B,) with a (B, ...) output: batch-free (T,) ones with T = B, if the probe says so
+    # the probe may read this call otherwise (T = B made it ambiguous): "lift", 1-d ids (B,) that are
+    # batch-free (T,) ones; "time", a (B, B, ...) input that is time-major. Then the capture runs again.
+    retry: str = ""
+    bdim: int = 0  # 1: a time-major call, (T, B, ...) with T ≠ B (``_time_major``); its rule reads it as (B, T, ...)
     ok: bool = True  # the rule's check of the call as it ran (``Rule.verify``) passed
 
     @property
@@ -1070,8 +1073,33 @@ def _flat_rows(x: Tensor, B: int, flat: Dict[Tuple[Any, int], _Flat],
     return 0, None, ()
 
 
+def _time_major(rule: Rule, module: nn.Module, args, kwargs, output, B: int) -> bool:
+    """Whether a call reads as time-major, batch in dim 1: a row-wise rule (``Rule.rowwise``) whose
+    only tensor argument x is (T, B, ...) (T = B too: the caller asks the probe) and at least two leading (row) dims (ids: all
+    dims; float input: all but the features, or the normalised dims), and an output (T, B, ...).
+    Torch's ``batch_first=False`` layout (nn.TransformerEncoder's default, time-major RNN models).
+    Moving dim 1 to the front of input, output and output gradient is exact for a layer that acts
+    on each row alone, if dim 1 is the batch: the batch-dimension probe confirms that (dim 1
+    follows the probe's size, dim 0 does not), else the layer falls back."""
+    if not getattr(rule, "rowwise", False) or not isinstance(output, Tensor) or output.dim() < 2:
+        return False
+    ts = [x for x in list(args) + list(kwargs.values()) if isinstance(x, Tensor)]
+    if len(ts) != 1:
+        return False
+    x = ts[0]
+    ids = not x.is_floating_point() and not x.is_complex()
+    lead = x.dim() - (0 if ids else max(1, _normalised_dims(module)))
+    return lead >= 2 and x.shape[1] == B and tuple(output.shape[:2]) == tuple(x.shape[:2])
+
+
 def _unflatten(c: "_Call", B: int, args, kwargs, output, g):
-    """A flattened call (``c.rows``) as its rule reads it: every (B·rows, ...) tensor as (B, rows, ...)."""
+    """A flattened call (``c.rows``) as its rule reads it: every (B·rows, ...) tensor as (B, rows, ...);
+    a time-major one (``c.bdim``): its input, output and output gradient (T, B, ...) as (B, T, ...)."""
+    if c.bdim:
+        def m(x):
+            return x.movedim(c.bdim, 0) if isinstance(x, Tensor) else x
+
+        return tuple(m(x) for x in args), {k: m(x) for k, x in kwargs.items()}, m(output), m(g)
     if not c.rows:
         return args, kwargs, output, g
     N = B * c.rows
@@ -1425,20 +1453,21 @@ def _plain_forward(loss_module: LossModule, params: Params, constants: Mapping[s
 
 def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
                       ruled: Dict[nn.Module, Tuple[str, Rule, Dict[str, str]]], B: int, registry: RuleRegistry):
-    """(probe size, {module name: (first dim, its whole-view base's first dim) of its calls, in order}),
-    or (probe size, error text)."""
+    """(probe size, {module name: (first dim, its whole-view base's first dim, second dim) of its calls,
+    in order}), or (probe size, error text)."""
     Bp = PROBE_B if B != PROBE_B else PROBE_B + 1
     idx = torch.arange(Bp) % B  # examples 0, 1, ... (repeated when B is smaller)
     probe = tree_map(lambda x: x.index_select(0, idx.to(x.device)) if isinstance(x, Tensor) else x, batch)
-    seen: Dict[str, List[Tuple[Optional[int], Optional[int]]]] = {}
+    seen: Dict[str, List[Tuple[Optional[int], Optional[int], Optional[int]]]] = {}
 
-    def hook(module, args, kwargs, output):  # (first dim, first dim of the base it is a whole view of)
+    def hook(module, args, kwargs, output):  # (first dim, first dim of the base it is a whole view of, second dim)
         if getattr(ruled[module][1], "batch_dim_of_output", False):
-            seen.setdefault(ruled[module][0], []).append((_out_dim(output), None))
+            seen.setdefault(ruled[module][0], []).append((_out_dim(output), None, None))
             return
         x = _first_tensor(args, kwargs)
         base = _whole_view_of(x) if x is not None and x.dim() > 0 else None
-        seen.setdefault(ruled[module][0], []).append((_first_dim(args, kwargs), None if base is None else int(base.shape[0])))
+        seen.setdefault(ruled[module][0], []).append((_first_dim(args, kwargs), None if base is None else int(base.shape[0]),
+                                                      int(x.shape[1]) if x is not None and x.dim() > 1 else None))
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m, (_, rule, _) in ruled.items()
                if not getattr(rule, "custom_forward", False)]  # (custom-forward rules check their own layout)
@@ -1536,8 +1565,9 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         no_expand.update(probe_memo[dkey][1])
     expanded: Set[str] = set()  # modules whose outputs this forward expanded
     # modules whose 1-d ids (B,) the probe found batch-free (T = B): expanded as (T,) ones are
-    lkey = ("lift", _probe_key(batch, B, model.training))
-    force_lift: FrozenSet[str] = probe_memo.get(lkey, frozenset()) if probe_memo is not None else frozenset()
+    # (module name, "lift" | "time"): modules the probe found batch-free or time-major with T = B (``_Call.retry``)
+    lkey = ("reread", _probe_key(batch, B, model.training))
+    forced: FrozenSet[Tuple[str, str]] = probe_memo.get(lkey, frozenset()) if probe_memo is not None else frozenset()
     # the example-order check runs first (its passes, one at a time, are freed before this one's)
     order = (_order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo, no_expand)
              if check_order and B > 1 else None)
@@ -1640,8 +1670,12 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
             # output is freed (a leaf alias and its clone would keep both); an in-place edit
             # downstream is allowed.
             output = torch.sub(output, torch.zeros((), dtype=output.dtype, device=output.device, requires_grad=True))
+        # (before any expansion below; T = 1 time-major (1, B, ...) ids read as (1, T = B) positions
+        # until the probe says otherwise)
+        tm = _time_major(rule, module, args, kwargs, output, B)  # (in a checkpoint's replay too: the same graph)
+        retry = ""
         if getattr(rule, "broadcast_batch", False) and output.dim() >= 3 and output.shape[0] == 1 and B > 1 \
-                and mname not in no_expand:
+                and mname not in no_expand and not (tm and (mname, "time") in forced):
             # e.g. GPT-2's position embedding of (1, T) ids, broadcast over the batch downstream:
             # expanding it to B rows (same values) lets the backward keep each example's gradient.
             # Only (1, T, ...) outputs here: a (1, d) one (T = 1 positions, no batch dim) would
@@ -1651,14 +1685,15 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
             output = output.expand(B, *output.shape[1:]).contiguous()
             bcast = True
             expanded.add(mname)
-        lift, liftable = 0, False
+            retry = "time" if tm else ""
+        lift = 0
         if getattr(rule, "broadcast_batch", False) and not bcast and mname not in no_expand:
             # e.g. nanoGPT's ``wpe(torch.arange(T))``: 1-d ids (T,) with no batch dim, a (T, d) output
             # that the model broadcasts over the batch: the same expansion, to (B, T, d), and the rule
             # reads the ids as (1, T). Not when the ids are the batch flattened (traced, below). When
             # T = B the ids might be the batch's (a (B,) label lookup): the probe decides
             # (``_check_batch_dims``; a first dim that stays B with fewer examples is batch-free: the
-            # capture runs again with the module in ``force_lift``). The duplicated-example check
+            # capture runs again with the module in ``forced``). The duplicated-example check
             # guards the use, as above.
             x0 = _first_tensor(args, kwargs)
             if x0 is not None and x0.dim() == 1 and not x0.is_floating_point() and not x0.is_complex() \
@@ -1666,13 +1701,13 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                     and not (B > 1 and x0.shape[0] % B == 0 and _flat_rows(x0, B, flat, (mname, -1))[0]):
                 if B == 1:  # one example owns every gradient: the ids read as (1, T), the forward as it is
                     lift = int(output.shape[0]) if x0.shape[0] != 1 else 0
-                elif x0.shape[0] != B or mname in force_lift:
+                elif x0.shape[0] != B or (mname, "lift") in forced:
                     lift = int(output.shape[0])
                     output = output.expand(B, *output.shape).contiguous()
                     bcast = True
                     expanded.add(mname)
                 else:
-                    liftable = True
+                    retry = "lift"
         if not replay[0]:
             vers = tuple(x._version for x in args if isinstance(x, Tensor))
             if lift:  # the rule reads the batch-free ids as (1, T), as a broadcast (1, T) call's
@@ -1688,6 +1723,12 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                 rows, root, chain = _flat_rows(x0, B, flat, (mname, k))
                 if rows and output.grad_fn is not None:  # (this call's index: len(calls))
                     flat[(output.grad_fn, output.output_nr)] = (rows, tuple(output.shape), root, chain + (len(calls),))
+            bdim = 0
+            if not rows and not lift and not bcast and tm:
+                if x0.shape[0] != B or (mname, "time") in forced:
+                    bdim = 1
+                else:  # (B, B, ...): batch-first as it stands; the probe may say time-major
+                    retry = "time"
             src = _edge_source(output, args, kwargs) if not getattr(rule, "needs_output", True) else None
             if src is not None:
                 # keep only the gradient edge of the output (or of the base it reshapes), from now on:
@@ -1697,11 +1738,11 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                 # edited in place.
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, edge=_gradient_edge(src),
                                    k=k, gshape=output.shape if src is not output else None, rows=rows, root=root,
-                                   chain=chain, bcast=bcast, lift=lift, liftable=liftable, ok=ok))
+                                   chain=chain, bcast=bcast, lift=lift, retry=retry, bdim=bdim, ok=ok))
             else:
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers, k=k,
-                                   rows=rows, root=root, chain=chain, bcast=bcast, lift=lift, liftable=liftable,
-                                   ok=ok))
+                                   rows=rows, root=root, chain=chain, bcast=bcast, lift=lift, retry=retry,
+                                   bdim=bdim, ok=ok))
         return output
 
     leaf_names = [n for n in ruled_names]
@@ -1787,8 +1828,8 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         return _apply_order(col, order, loss_module, batch, probe_memo, params)
     relift = _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback,
                                probe_memo, registry)
-    if relift - force_lift and probe_memo is not None:  # run again with them expanded
-        _memo_put(probe_memo, lkey, force_lift | relift)
+    if relift - forced and probe_memo is not None:  # run again with them read so
+        _memo_put(probe_memo, lkey, forced | relift)
         del calls[:]
         col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
                        loss_weights, no_expand, check_order=False)
@@ -2417,10 +2458,12 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
 def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo,
                       registry) -> Set[str]:
     """Send to the vmap fallback every parameter of a call whose input's first dimension equals B
-    but did not follow the probe's batch size (see ``PROBE_B``). Returns the modules to run again
-    with their 1-d ids expanded as batch-free (T,) ones (``_Call.liftable``; every call of the module
-    such a call whose first dim stayed B in the probe) instead."""
-    todo = [c for c in calls if c.capture is None and (real_dims[c.mname][c.k] == B or c.rows or c.bcast and c.lift)
+    but did not follow the probe's batch size (see ``PROBE_B``), or that was read as time-major and
+    whose second dimension did not. Returns {(module name, kind)} to run again read otherwise instead
+    (``_Call.retry``; every call of the module one whose first dim stayed B in the probe, and for
+    "time" whose second dim followed it)."""
+    todo = [c for c in calls if c.capture is None
+            and (real_dims[c.mname][c.k] == B or c.rows or c.bcast and c.lift or c.bdim or c.retry)
             and not all(n in fallback for n in ruled[c.module][2].values())]
     if not todo:
         return set()
@@ -2433,25 +2476,40 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
         if key is not None and not isinstance(got[1], str):
             _memo_put(probe_memo, key, got)
     Bp, seen = got
-    constant = {id(c) for c in todo if c.liftable and not isinstance(seen, str)
-                and len(seen.get(c.mname, [])) == len(real_dims[c.mname]) and seen[c.mname][c.k][0] == B}
-    relift = {c.mname for c in todo if id(c) in constant}
-    relift -= {c.mname for c in calls if c.mname in relift and id(c) not in constant}
+
+    def reread(c: _Call) -> bool:  # dim 0 stayed (batch-free ids; time-major: and dim 1 followed)
+        dims = [] if isinstance(seen, str) else seen.get(c.mname, [])
+        return bool(c.retry) and len(dims) == len(real_dims[c.mname]) \
+            and dims[c.k][0] == real_dims[c.mname][c.k] and (c.retry == "lift" or dims[c.k][2] == Bp)
+
+    confirmed = {id(c) for c in todo if reread(c)}
+    relift = {(c.mname, c.retry) for c in todo if id(c) in confirmed}
+    # only a module all of whose calls are read so (one kind)
+    relift = {(mn, kind) for mn, kind in relift
+              if all(id(c) in confirmed and c.retry == kind for c in calls if c.mname == mn)}
     for c in todo:
-        if c.mname in relift:
+        if (c.mname, c.retry) in relift:
             continue
         if isinstance(seen, str):
             reason = f"the batch-dimension probe failed ({seen})"
+        elif c.bdim:
+            dims = seen.get(c.mname, [])
+            if len(dims) == len(real_dims[c.mname]) and dims[c.k][0] == real_dims[c.mname][c.k] \
+                    and dims[c.k][2] == Bp:
+                continue  # time-major: dim 0 stayed, dim 1 followed the probe's size
+            got_ = dims[c.k][::2] if c.k < len(dims) else "no such call"
+            reason = (f"read as time-major ((T, B, ...), T = {real_dims[c.mname][c.k]}), but a probe with {Bp} "
+                      f"examples gave first and second dims {got_}")
         elif c.rows:
             dims = seen.get(c.mname, [])
             rdims = seen.get(c.root[0], []) if c.root is not None else []
             if len(dims) == len(real_dims[c.mname]) and len(rdims) == len(real_dims[c.root[0]]) \
-                    and dims[c.k][0] == Bp * c.rows and rdims[c.root[1]] == (Bp * c.rows, Bp):
+                    and dims[c.k][0] == Bp * c.rows and rdims[c.root[1]][:2] == (Bp * c.rows, Bp):
                 continue  # flattened (B·rows, ...) rows traced to a (B, ...) view whose first dim is the batch
             reason = (f"its input has {B * c.rows} rows, the batch flattened, but a probe with {Bp} examples did "
                       "not confirm that the flattened tensor's first dimension is the batch")
         else:
-            dims = [d for d, _ in seen.get(c.mname, [])]
+            dims = [d for d, *_ in seen.get(c.mname, [])]
             if len(dims) == len(real_dims[c.mname]) and (
                     dims[c.k] == Bp or (dims[c.k] == 1 and getattr(c.rule, "broadcast_batch", False))
                     or (c.lift and dims[c.k] == c.lift)):

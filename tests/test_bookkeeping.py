@@ -967,7 +967,9 @@ def _ce(m, b):
 @pytest.mark.parametrize("case", ["time_major", "class_table"])
 def test_first_dim_equal_to_B_by_coincidence_is_not_taken_for_the_batch(case):
     """A layer input whose first dimension only happens to equal B (T == B time-major, V == B
-    table) must not be split by example: exact, and a padded example never moves the sum."""
+    table) must not be split by example along it: exact, and a padded example never moves the sum.
+    The time-major layers are then read with the batch in dim 1 (the probe: dim 0 stays B with
+    fewer examples, dim 1 follows), on their rules; the table takes the fallback."""
     import pdpsgd.bookkeeping as bk
 
     torch.manual_seed(0)
@@ -984,7 +986,10 @@ def test_first_dim_equal_to_B_by_coincidence_is_not_taken_for_the_batch(case):
     mask = torch.tensor([True, True, True, False])
     for m in METHODS:
         r = assert_exact(model, _ce, b, method=m, max_grad_norm=0.05, mask=mask)
-        assert "vmap" in r.routes.values()  # the coincidental layer went to the exact fallback
+        if case == "time_major":
+            assert "vmap" not in r.routes.values(), r.routes
+        else:
+            assert "vmap" in r.routes.values()  # the coincidental layer went to the exact fallback
         m64 = to_float64(model)
         step = make_dp_step(m64, _ce, max_grad_norm=0.05, noise_multiplier=0.0, method=m)
         p = trainable_params(m64)
@@ -1657,6 +1662,61 @@ def test_batch_free_output_read_otherwise_falls_back(how, T):
     assert r.routes["pos.weight"] == "vmap", r.routes
     why = make_dp_step(m, _ids_lm_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk").fallback_reasons(b)
     assert "not used row by row" in why["pos.weight"] or "made the forward fail" in why["pos.weight"], why
+
+
+class _TimeMajorEncoder(nn.Module):
+    """torch's default layout: nn.TransformerEncoder with batch_first=False on (T, B, d), token and
+    position ids (T, B); the head on the pooled (B, d)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(13, d), nn.Embedding(16, d)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, 2, 16, dropout=0.0), 2, enable_nested_tensor=False)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, ids):  # (B, T)
+        T, B = ids.shape[1], ids.shape[0]
+        x = self.emb(ids.t()) + self.pos(torch.arange(T)[:, None].expand(T, B))  # (T, B, d)
+        return self.head(self.enc(x).mean(0))
+
+
+def _tm_loss(m, b):
+    return F.cross_entropy(m(b["ids"]), b["y"], reduction="none")
+
+
+@settings(max_examples=10, deadline=None)
+@given(B=st.integers(1, 5), T=st.integers(1, 6), C=st.sampled_from([0.05, 1.0, 100.0]),
+       method=st.sampled_from(["bk", "auto"]), seed=st.integers(0, 3))
+def test_time_major_layers_on_the_rules(B, T, C, method, seed):
+    """Linear, LayerNorm and Embedding on (T, B, ...) inputs (batch_first=False) stay on their rules,
+    read as (B, T, ...): T = B too (the probe decides: dim 0 stays, dim 1 follows its size)."""
+    torch.manual_seed(seed)
+    b = {"ids": torch.randint(0, 13, (B, T)), "y": torch.randint(0, 3, (B,))}
+    r = assert_exact(_TimeMajorEncoder(), _tm_loss, b, method=method, max_grad_norm=C)
+    assert "vmap" not in r.routes.values(), r.routes
+
+
+class _FixedSecondDim(nn.Module):
+    """A (3, K, d) buffer through a Linear, K = the batch size by chance: dim 1 is not the batch."""
+
+    def __init__(self, K=4, d=5):
+        super().__init__()
+        self.register_buffer("table", torch.randn(3, K, d))
+        self.lin, self.out = nn.Linear(d, d), nn.Linear(d, 2)
+
+    def forward(self, x):  # (B, d)
+        return self.out(torch.tanh(x + self.lin(self.table).mean((0, 1))))
+
+
+def test_second_dim_equal_to_the_batch_by_chance_falls_back():
+    torch.manual_seed(0)
+    b = {"x": torch.randn(4, 5), "y": torch.tensor([0, 1, 1, 0])}
+    loss = lambda m, bb: F.cross_entropy(m(bb["x"]), bb["y"], reduction="none")  # noqa: E731
+    r = assert_exact(_FixedSecondDim(), loss, b, method="bk", max_grad_norm=0.1)
+    assert r.routes["lin.weight"] == "vmap", r.routes
+    why = make_dp_step(_FixedSecondDim(), loss, max_grad_norm=0.1, noise_multiplier=0.0,
+                       method="bk").fallback_reasons(b)
+    assert "time-major" in why["lin.weight"], why
 
 
 class _IndexesPositions(nn.Module):
