@@ -935,8 +935,8 @@ class _Call:
     chain: Tuple[int, ...] = ()  # calls (indices) whose outputs the flattened input was traced through
     bcast: bool = False  # its (1, T, ...) or batch-free (T, ...) output was expanded to the batch (``Rule.broadcast_batch``)
     lift: int = 0  # > 0: batch-free ids (T,) of this length, expanded (``bcast``); the rule reads them as (1, T)
-    # the probe may read this call otherwise (T = B made it ambiguous): "lift", 1-d ids (B,) that are
-    # batch-free (T,) ones; "time", a (B, B, ...) input that is time-major. Then the capture runs again.
+    # the probe may read this call otherwise: "time", a (B, B, ...) input (T = B) or a (1, B, ...) one
+    # (T = 1) that is time-major. Then the capture runs again.
     retry: str = ""
     bdim: int = 0  # 1: a time-major call, (T, B, ...) with T ≠ B (``_time_major``); its rule reads it as (B, T, ...)
     ok: bool = True  # the rule's check of the call as it ran (``Rule.verify``) passed
@@ -1565,7 +1565,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         no_expand.update(probe_memo[dkey][1])
     expanded: Set[str] = set()  # modules whose outputs this forward expanded
     # modules whose 1-d ids (B,) the probe found batch-free (T = B): expanded as (T,) ones are
-    # (module name, "lift" | "time"): modules the probe found batch-free or time-major with T = B (``_Call.retry``)
+    # (module name, "time"): modules the probe found time-major with T = B or T = 1 (``_Call.retry``)
     lkey = ("reread", _probe_key(batch, B, model.training))
     forced: FrozenSet[Tuple[str, str]] = probe_memo.get(lkey, frozenset()) if probe_memo is not None else frozenset()
     # the example-order check runs first (its passes, one at a time, are freed before this one's)
@@ -1575,6 +1575,8 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         if mn in no_expand:
             for c in local.values():
                 fallback.setdefault(c, f"{type(m).__name__} ({mn}): {no_expand[mn]}")
+        elif any(c in fallback for c in local.values()):  # (forced to vmap, say): nothing to expand for
+            no_expand[mn] = "its parameters take the fallback"
     ruled_names: Set[str] = {c for (_, _, local) in ruled.values() for c in local.values()} - set(fallback)
     # Ruled parameters enter as leaves that require grad: inside their own layer's forward they are
     # swapped for a detached alias, so autograd computes no weight gradient there; any *other* use
@@ -1690,24 +1692,23 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         if getattr(rule, "broadcast_batch", False) and not bcast and mname not in no_expand:
             # e.g. nanoGPT's ``wpe(torch.arange(T))``: 1-d ids (T,) with no batch dim, a (T, d) output
             # that the model broadcasts over the batch: the same expansion, to (B, T, d), and the rule
-            # reads the ids as (1, T). Not when the ids are the batch flattened (traced, below). When
-            # T = B the ids might be the batch's (a (B,) label lookup): the probe decides
-            # (``_check_batch_dims``; a first dim that stays B with fewer examples is batch-free: the
-            # capture runs again with the module in ``forced``). The duplicated-example check
-            # guards the use, as above.
+            # reads the ids as (1, T). Not when the ids are the batch flattened (traced, below), nor
+            # when T = B: the ids might be the batch's (a (B,) label lookup; the probe sends a
+            # batch-free one to the fallback), and the expansion would be invisible to the checks
+            # (a forward that reads ``pos.shape[0]`` sees T either way), whose verdicts hold for
+            # every B. The duplicated-example check guards the use, as above; a module expanded
+            # whose parameters fall back for any reason is not expanded (the capture runs again).
             x0 = _first_tensor(args, kwargs)
             if x0 is not None and x0.dim() == 1 and not x0.is_floating_point() and not x0.is_complex() \
                     and output.dim() == 2 and output.shape[0] == x0.shape[0] \
                     and not (B > 1 and x0.shape[0] % B == 0 and _flat_rows(x0, B, flat, (mname, -1))[0]):
                 if B == 1:  # one example owns every gradient: the ids read as (1, T), the forward as it is
                     lift = int(output.shape[0]) if x0.shape[0] != 1 else 0
-                elif x0.shape[0] != B or (mname, "lift") in forced:
+                elif x0.shape[0] != B:
                     lift = int(output.shape[0])
                     output = output.expand(B, *output.shape).contiguous()
                     bcast = True
                     expanded.add(mname)
-                else:
-                    retry = "lift"
         if not replay[0]:
             vers = tuple(x._version for x in args if isinstance(x, Tensor))
             if lift:  # the rule reads the batch-free ids as (1, T), as a broadcast (1, T) call's
@@ -1882,6 +1883,20 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
             for n in ruled[c.module][2].values():
                 fallback.setdefault(n, f"{type(c.module).__name__} ({c.mname}): its input, the batch flattened, "
                                        f"was traced through {unverified[0]}, whose rule did not check that call")
+    # an expanded module a parameter of which falls back here (the probe, its rule declined, a use
+    # outside its layer): nothing checks that expansion (the duplicated-example check below takes
+    # the parameters on their rules), and the forward the other layers were captured in ran with it;
+    # run again without expanding it (memoised per batch shape, as below)
+    dropped = {c.mname: next(fallback[n] for n in ruled[c.module][2].values() if n in fallback)
+               for c in calls if c.bcast and any(n in fallback for n in ruled[c.module][2].values())}
+    if dropped:
+        bad = {mn: f"its expanded (1, T, ...) or (T, ...) output could not stay on its rule ({why[:160]})"
+               for mn, why in dropped.items()}
+        col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
+                       loss_weights, {**no_expand, **bad}, check_order=False)
+        old = probe_memo.get(dkey, (frozenset(), {})) if probe_memo is not None else (frozenset(), {})
+        _memo_put(probe_memo, dkey, (old[0] | frozenset(bad), {**old[1], **bad}))
+        return _apply_order(col, order, loss_module, batch, probe_memo, params)
     uses = {n: u for n, u in uses.items() if n not in fallback}
     spread = {c.mname: [n for n in ruled[c.module][2].values() if n in uses] for c in calls if c.bcast}
     spread = {mn: ns for mn, ns in spread.items() if ns}
@@ -1956,7 +1971,9 @@ def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[st
 # mixed. Checked once per batch shape (in eval mode) on a batch of one example twice, [x_j, x_j],
 # with the losses weighted 1 and 2: the second copy's per-example gradient must be exactly twice the
 # first's (a power of two: exact in floating point, up to the kernels' row order; rtol below).
-# ``pos[0]`` gives (3g, 0), ``mean(0)`` / ``sum(0)`` give equal rows: both fail. The same holds for
+# ``pos[0]`` gives (3g, 0), ``mean(0)`` / ``sum(0)`` give equal rows: both fail. And the copies' losses
+# must be the model's own (run without the expansion): a forward that reads the expanded shape fails.
+# The same holds for
 # batch-free (T, ...) outputs of (T,) ids (nanoGPT's ``wpe(arange(T))``), expanded to (B, T, ...);
 # as those are expanded only when T ≠ B, the check then takes three copies (weights 1, 2, 1) if T = 2.
 DUPLICATE_RTOL = 1e-4
@@ -2004,6 +2021,13 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
     # from the user's random streams); how the model reads the expanded output is the same
     try:
         sub = _side_collect(loss_module, params, constants, dup, registry, overrides, probe_memo, wts)
+        # the forward with the outputs expanded must be the model's own: the copies' losses as without
+        # the expansion (the same eval flags and random streams). With m ≠ T copies an expanded
+        # output's shape differs from the model's (B for 1, or for T), so a forward that reads it
+        # (``x / pos.shape[0]``, a reshape by it) shows here, which the gradients' ratios may not
+        with _EvalFlags(loss_module.model), _own_rng(params), torch.no_grad(), mha_fastpath_off(), \
+                preserve_module_state(loss_module.model):
+            plain = _plain_forward(loss_module, params, constants, dup)
     except Exception as err:  # a model that cannot run the copies: nothing is verified
         if isinstance(err, _OOM):
             raise
@@ -2012,7 +2036,17 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
                for mn in spread}
     else:
         bad = {}
+        got = sub.losses.detach().double().cpu()
+        ref = plain.detach().double().cpu() if isinstance(plain, Tensor) else None
+        if ref is None or ref.shape != got.shape or not bool(
+                ((got == ref) | (got.isnan() & ref.isnan())
+                 | ((got - ref).abs() <= DUPLICATE_RTOL * ref.abs().clamp_min(1.0))).all()):
+            bad = {mn: ("expanding its (1, T, ...) or (T, ...) output to the batch changed the forward: with "
+                        f"{m} copies of one example the losses differ from the model's own (does the model read that "
+                        "output's shape?)") for mn in spread}
         for mn, names in spread.items():
+            if mn in bad:
+                continue
             for n in names:
                 if n in sub.fallback:
                     bad[mn] = why + f" (with {m} copies it fell back: {sub.fallback[n]})"
@@ -2477,10 +2511,10 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
             _memo_put(probe_memo, key, got)
     Bp, seen = got
 
-    def reread(c: _Call) -> bool:  # dim 0 stayed (batch-free ids; time-major: and dim 1 followed)
+    def reread(c: _Call) -> bool:  # time-major: dim 0 stayed, dim 1 followed
         dims = [] if isinstance(seen, str) else seen.get(c.mname, [])
         return bool(c.retry) and len(dims) == len(real_dims[c.mname]) \
-            and dims[c.k][0] == real_dims[c.mname][c.k] and (c.retry == "lift" or dims[c.k][2] == Bp)
+            and dims[c.k][0] == real_dims[c.mname][c.k] and dims[c.k][2] == Bp
 
     confirmed = {id(c) for c in todo if reread(c)}
     relift = {(c.mname, c.retry) for c in todo if id(c) in confirmed}
