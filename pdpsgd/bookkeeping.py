@@ -2521,6 +2521,8 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
     # only a module all of whose calls are read so (one kind)
     relift = {(mn, kind) for mn, kind in relift
               if all(id(c) in confirmed and c.retry == kind for c in calls if c.mname == mn)}
+    if probe_memo is None:  # no capture again without a memo to carry ``forced``: those go to the fallback
+        relift = set()
     for c in todo:
         if (c.mname, c.retry) in relift:
             continue

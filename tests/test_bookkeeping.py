@@ -1759,6 +1759,39 @@ def test_time_major_layers_on_the_rules(B, T, C, method, seed):
     assert "vmap" not in r.routes.values(), r.routes
 
 
+class _LinTimeMajor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x):  # (B, T, 3) -> (T, B, 3) inside
+        return self.out(torch.tanh(self.lin(x.transpose(0, 1))).mean(0))
+
+
+@pytest.mark.parametrize("T", [3, 4])
+def test_engine_without_a_memo_time_major_T_equal_B(T):
+    """The engine called without a probe memo (``bk_engine``'s default) cannot capture again with a
+    (B, B, d) input read time-major: that layer takes the fallback, never the batch-first reading
+    (review round 24: it stayed on its rule with T = B, its rows taken for examples)."""
+    from pdpsgd.bookkeeping import bk_engine
+    from pdpsgd.clipping import make_groups, make_weights_fn
+    from pdpsgd.functional import LossModule
+
+    torch.manual_seed(0)
+    model = _LinTimeMajor().double()
+    loss_fn = lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none")  # noqa: E731
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    B, C = 4, 0.5
+    b = {"x": torch.randn(B, T, 3, dtype=torch.float64), "y": torch.randint(0, 2, (B,))}
+    res = bk_engine(LossModule(model, loss_fn), params, {}, b, torch.ones(B, dtype=torch.bool),
+                    make_weights_fn(make_groups(list(params), "flat", C)), method="bk", check_order=False)
+    norms, sums = pdpsgd.testing.naive_clipped_sum(model, loss_fn, b, max_grad_norm=C, params=params)
+    assert torch.allclose(sum(res.sq_norms.values()).sqrt(), norms, rtol=1e-9, atol=0)
+    for n in sums:
+        assert torch.allclose(res.clipped_sum[n], sums[n], rtol=1e-9, atol=1e-12), n
+    assert (res.routes["lin.weight"] == "vmap") == (T == B), res.routes
+
+
 class _FixedSecondDim(nn.Module):
     """A (3, K, d) buffer through a Linear, K = the batch size by chance: dim 1 is not the batch."""
 
