@@ -19,7 +19,7 @@ from .clipping import Clipping, make_groups, make_weights_fn, sum_sq_norms
 from .functional import LossModule, ParamIndex, check_no_batch_mixing, model_constants, trainable_params
 from .fused import RNGS, noise_and_scale, resolve_rng
 from .noise import entropy_generator
-from .per_sample import acc_dtype, batch_size, vmap_engine
+from .per_sample import acc_dtype, batch_size, slice_batch, vmap_engine
 
 __all__ = ["make_dp_step", "DPStep", "ClippedSum", "StepOutput"]
 
@@ -221,30 +221,53 @@ class DPStep:
         """Which route each trained parameter takes for this batch's shapes (a pure function of
         them; for method="auto" on the CPU they include each example's non-padded rows; see
         ``pdpsgd.bookkeeping.plan``), with what this step's checks have found so far (a verdict
-        memoised by an earlier step; the step's memo is read, not written)."""
+        memoised by an earlier step; the step's memo is read, not written). With ``chunk_size``,
+        per chunk as the step runs them: a parameter whose chunks differ is "mixed"."""
         params = self._index.resolve(params if params is not None else trainable_params(self.model))
         if self.method == "vmap":
             return {n: "vmap" for n in params}
         from .bookkeeping import plan as bk_plan
 
         _check_grad_mode(params, batch)
-        with torch.enable_grad():
-            return bk_plan(self.model, self.loss_fn, params, batch, method=self.method,
-                           clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo), **self.bk_options)
+        routes: Dict[str, str] = {}
+        for sub in self._chunks(batch):
+            with torch.enable_grad():
+                r = bk_plan(self.model, self.loss_fn, params, sub, method=self.method,
+                            clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo), **self.bk_options)
+            for n, v in r.items():
+                routes[n] = v if routes.get(n, v) == v else "mixed"
+        return routes
+
+    def _chunks(self, batch: Batch):
+        """The batch as the step splits it (``chunk_size`` examples per pass)."""
+        B = batch_size(batch)
+        chunk = self.chunk_size or B
+        for start in range(0, B, chunk):
+            yield batch if (start == 0 and start + chunk >= B) else slice_batch(batch, start, min(B, start + chunk))
 
     def fallback_reasons(self, batch: Batch, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, str]:
         """{parameter name: why it takes the exact vmap fallback} for the parameters whose route in
-        ``plan(batch)`` is "vmap" (method="vmap": all of them)."""
+        ``plan(batch)`` is "vmap" or, with ``chunk_size``, "mixed" (then the reason of the first
+        chunk that takes it, marked so) (method="vmap": all of them)."""
         params = self._index.resolve(params if params is not None else trainable_params(self.model))
         if self.method == "vmap":
             return {n: "method='vmap'" for n in params}
         from .bookkeeping import fallback_reasons
 
         _check_grad_mode(params, batch)
-        with torch.enable_grad():
-            return fallback_reasons(self.model, self.loss_fn, params, batch, method=self.method,
-                                    clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo),
-                                    **self.bk_options)
+        why: Dict[str, str] = {}
+        chunks = list(self._chunks(batch))
+        count: Dict[str, int] = {}
+        for sub in chunks:
+            with torch.enable_grad():
+                r = fallback_reasons(self.model, self.loss_fn, params, sub, method=self.method,
+                                     clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo),
+                                     **self.bk_options)
+            for n, v in r.items():
+                why.setdefault(n, v)
+                count[n] = count.get(n, 0) + 1
+        return {n: (v if count[n] == len(chunks) else f"in {count[n]} of {len(chunks)} chunks: {v}")
+                for n, v in why.items()}
 
     def _clip_groups(self, params: Mapping[str, Tensor]):
         return make_groups(list(params), self.clipping, self.max_grad_norm, budget=self.clip_budget).names

@@ -2909,3 +2909,20 @@ def test_torch_transformer_encoder_with_its_fast_path_is_exact(train):
         r = assert_exact(m, loss, b, method=method, max_grad_norm=0.5)
         assert r.routes["emb.weight"] != "vmap" and r.routes["head.weight"] != "vmap", r.routes
     assert torch.backends.mha.get_fastpath_enabled()  # (restored)
+
+
+@pytest.mark.parametrize("B,chunk", [(6, 2), (5, 2), (4, None)])
+def test_plan_and_reasons_follow_the_step_chunks(B, chunk):
+    """``plan`` / ``fallback_reasons`` report the routes the step takes per chunk (review round 24:
+    with (T,) positions and T = 2, chunks of 2 take the fallback, the whole batch of 6 does not)."""
+    torch.manual_seed(0)
+    m = models.NanoGPT().eval()
+    ids = torch.randint(0, 23, (B, 2))
+    b = {"input_ids": ids, "labels": ids}
+    s = make_dp_step(m, models.lm_loss_fn, max_grad_norm=1.0, noise_multiplier=0.0, method="bk", chunk_size=chunk)
+    out = s(trainable_params(m), b)
+    assert s.plan(b)["wpe.weight"] == out.routes["wpe.weight"], (s.plan(b), out.routes)
+    want = {"vmap": True, "mixed": True}.get(out.routes["wpe.weight"], False)
+    assert ("wpe.weight" in s.fallback_reasons(b)) == want
+    if B == 5:  # chunks of 2, 2 and 1: the last one (B = 1) stays on the rule
+        assert out.routes["wpe.weight"] == "mixed" and "in 2 of 3 chunks" in s.fallback_reasons(b)["wpe.weight"]
