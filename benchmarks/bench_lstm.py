@@ -20,7 +20,8 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 import pdpsgd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from interleave import interleaved, padded_ids, print_table, without_missing_opacus  # noqa: E402
+from interleave import (interleaved, opacus_hooks_step, padded_ids, pdpsgd_step, print_table,  # noqa: E402
+                        without_missing_opacus)
 
 
 class BiLSTM(nn.Module):
@@ -52,19 +53,10 @@ def make(variant, a, batch):
     torch.manual_seed(0)
     B = batch["input_ids"].shape[0]
     if variant == "opacus":
-        from opacus import GradSampleModule
         from opacus.layers import DPGRU, DPLSTM
-        from opacus.optimizers import DPOptimizer
 
-        model = GradSampleModule(BiLSTM(a.hidden, a.packed, DPGRU if a.cell == "gru" else DPLSTM), loss_reduction="sum")
-        opt = DPOptimizer(torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3),
-                          noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=B, loss_reduction="sum")
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            loss_fn(model, batch).sum().backward()
-            opt.step()
-        return step
+        return opacus_hooks_step(BiLSTM(a.hidden, a.packed, DPGRU if a.cell == "gru" else DPLSTM), loss_fn, batch, B,
+                                 lr=1e-3)
     model = BiLSTM(a.hidden, a.packed, nn.GRU if a.cell == "gru" else nn.LSTM)
     params = pdpsgd.trainable_params(model)
     opt = torch.optim.Adam(params.values(), lr=1e-3)
@@ -91,13 +83,7 @@ def make(variant, a, batch):
         return step
     dp = pdpsgd.make_dp_step(model, loss_fn, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=B,
                              method=variant, generator=torch.Generator().manual_seed(0))
-
-    def step():
-        out = dp(params, batch)
-        for n, p in params.items():
-            p.grad = out.grads[n]
-        opt.step()
-    return step
+    return pdpsgd_step(dp, params, opt, batch)
 
 
 def main():

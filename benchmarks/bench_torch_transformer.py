@@ -32,7 +32,8 @@ import pdpsgd
 from pdpsgd.rules import default_registry
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from interleave import interleaved, padded_ids, print_table, without_missing_opacus  # noqa: E402
+from interleave import (interleaved, opacus_hooks_step, padded_ids, pdpsgd_step, print_table,  # noqa: E402
+                        without_missing_opacus)
 
 
 class Encoder(nn.Module):
@@ -72,19 +73,10 @@ def make(variant, a, batch):
     torch.manual_seed(0)
     B = batch["input_ids"].shape[0]
     if variant == "opacus":
-        from opacus import GradSampleModule
-        from opacus.optimizers import DPOptimizer
         from opacus.validators import ModuleValidator
 
-        model = GradSampleModule(ModuleValidator.fix(Encoder(T=a.T, positions=a.positions, time_major=a.time_major)), loss_reduction="sum")
-        opt = DPOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4), noise_multiplier=1.0, max_grad_norm=1.0,
-                          expected_batch_size=B, loss_reduction="sum")
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            loss_fn(model, batch).sum().backward()
-            opt.step()
-        return step
+        model = ModuleValidator.fix(Encoder(T=a.T, positions=a.positions, time_major=a.time_major))
+        return opacus_hooks_step(model, loss_fn, batch, B, lr=1e-4)
     model = Encoder(T=a.T, positions=a.positions, time_major=a.time_major)
     params = pdpsgd.trainable_params(model)
     opt = torch.optim.Adam(params.values(), lr=1e-4)
@@ -98,15 +90,7 @@ def make(variant, a, batch):
     opts = {"registry": _registry_without_mha()} if variant == "bk_no_mha_rule" else None
     dp = pdpsgd.make_dp_step(model, loss_fn, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=B,
                              method=method, bk_options=opts, generator=torch.Generator().manual_seed(0))
-
-    def step():
-        out = dp(params, batch)
-        for n, p in params.items():
-            p.grad = out.grads[n]
-        opt.step()
-        for p in params.values():
-            p.grad = None
-    return step
+    return pdpsgd_step(dp, params, opt, batch)
 
 
 def main():

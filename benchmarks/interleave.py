@@ -51,3 +51,32 @@ def print_table(title: str, times: Dict[str, List[float]]) -> None:
     for v, ts in times.items():
         m = statistics.median(ts)
         print(f"| {v} | {m * 1000:.1f} | {m / base:.2f} |")
+
+
+def opacus_hooks_step(model: torch.nn.Module, loss_fn, batch, B: int, lr: float) -> Callable[[], None]:
+    """One Opacus 1.6 training step (GradSampleModule hooks + DPOptimizer over Adam, σ = 1, C = 1)."""
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    gsm = GradSampleModule(model, loss_reduction="sum")
+    opt = DPOptimizer(torch.optim.Adam([p for p in gsm.parameters() if p.requires_grad], lr=lr),
+                      noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=B, loss_reduction="sum")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(gsm, batch).sum().backward()
+        opt.step()
+    return step
+
+
+def pdpsgd_step(dp, params: Dict[str, torch.Tensor], opt: torch.optim.Optimizer, batch) -> Callable[[], None]:
+    """One pdpsgd training step: the DP step's gradients into the optimizer, dropped after it (as the
+    non-private loops' ``zero_grad(set_to_none=True)``)."""
+    def step():
+        out = dp(params, batch)
+        for n, p in params.items():
+            p.grad = out.grads[n]
+        opt.step()
+        for p in params.values():
+            p.grad = None
+    return step

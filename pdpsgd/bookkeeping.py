@@ -1824,8 +1824,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                            loss_weights, {**no_expand, **bad}, check_order=False)
         except Exception:
             raise failed  # it fails without the expansion too: the model's own error (nothing memoised)
-        old = probe_memo.get(dkey, (frozenset(), {})) if probe_memo is not None else (frozenset(), {})
-        _memo_put(probe_memo, dkey, (old[0] | frozenset(bad), {**old[1], **bad}))
+        _memo_expansions(probe_memo, dkey, bad, bad)
         return _apply_order(col, order, loss_module, batch, probe_memo, params)
     relift = _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback,
                                probe_memo, registry)
@@ -1894,8 +1893,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                for mn, why in dropped.items()}
         col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
                        loss_weights, {**no_expand, **bad}, check_order=False)
-        old = probe_memo.get(dkey, (frozenset(), {})) if probe_memo is not None else (frozenset(), {})
-        _memo_put(probe_memo, dkey, (old[0] | frozenset(bad), {**old[1], **bad}))
+        _memo_expansions(probe_memo, dkey, bad, bad)
         return _apply_order(col, order, loss_module, batch, probe_memo, params)
     uses = {n: u for n, u in uses.items() if n not in fallback}
     spread = {c.mname: [n for n in ruled[c.module][2].values() if n in uses] for c in calls if c.bcast}
@@ -1977,6 +1975,14 @@ def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[st
 # batch-free (T, ...) outputs of (T,) ids (nanoGPT's ``wpe(arange(T))``), expanded to (B, T, ...);
 # as those are expanded only when T ≠ B, the check then takes three copies (weights 1, 2, 1) if T = 2.
 DUPLICATE_RTOL = 1e-4
+
+
+def _memo_expansions(probe_memo: Optional[Dict], key, decided, bad: Mapping[str, str]) -> None:
+    """Record under the duplicates key: the modules ``decided`` (checked) and those of them not to
+    expand (``bad``, module name -> reason), added to what an earlier step of this shape found."""
+    if probe_memo is not None:
+        old = probe_memo.get(key, (frozenset(), {}))
+        _memo_put(probe_memo, key, (old[0] | frozenset(decided), {**old[1], **bad}))
 
 
 def _duplicates_key(loss_module: LossModule, batch: Batch, B: int):
@@ -2069,8 +2075,7 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
                     bad[mn] = why
                     break
     if probe_memo is not None and finite:
-        old = probe_memo.get(key, (frozenset(), {}))
-        _memo_put(probe_memo, key, (old[0] | frozenset(spread), {**old[1], **bad}))
+        _memo_expansions(probe_memo, key, spread, bad)
     return bad
 
 

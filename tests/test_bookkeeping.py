@@ -1759,6 +1759,18 @@ def test_time_major_layers_on_the_rules(B, T, C, method, seed):
     assert "vmap" not in r.routes.values(), r.routes
 
 
+def test_time_major_sensitivity():
+    """Masking or removing one example moves the clipped sum of a time-major encoder by at most C,
+    every example's own contribution at most C; one step object over T = B and T ≠ B."""
+    torch.manual_seed(0)
+    m = _TimeMajorEncoder().double()
+    step = make_dp_step(m, _tm_loss, max_grad_norm=0.2, noise_multiplier=0.0, method="bk")
+    for B, T in ((4, 4), (3, 5), (4, 1)):
+        b = {"ids": torch.randint(0, 13, (B, T)), "y": torch.randint(0, 3, (B,))}
+        assert "vmap" not in step.plan(b).values()
+        assert check_sensitivity(step, trainable_params(m), b).max_ratio <= 1 + 1e-9
+
+
 class _LinTimeMajor(nn.Module):
     def __init__(self):
         super().__init__()
