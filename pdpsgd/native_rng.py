@@ -18,6 +18,15 @@ hash of the source, the flags, the compiler and the CPU's flags, written to a te
 renamed into place (atomic: a concurrent or interrupted build never leaves a partial library under
 the final name).
 
+Threads: where torch runs its parallel work on GNU OpenMP (its Linux wheels) the kernel is built
+with -fopenmp and links against that same, already loaded runtime (the loader matches libgomp.so.1
+by its soname), so the step's noise runs on torch's own ``torch.get_num_threads()`` threads, which
+are still spinning from the step's last matrix product: on several cores a one-thread noise pass
+would otherwise grow against a step whose matrix products all scale. The draws do not depend on
+the thread count (each piece's first counter is fixed before the pieces are shared). A compiler
+without OpenMP, another runtime, or a load that would map a second libgomp: one thread
+(``threaded()`` says which).
+
 Keying: every call to ``noise_and_scale`` opens a new stream whose 64-bit key and 64-bit nonce are
 drawn from the step's ``torch.Generator`` (four 32-bit words), so the generator stays the one
 source of entropy and of reproducibility (same generator state, same noise; checkpoints that save
@@ -55,6 +64,7 @@ BLOCK = 16  # Philox counters per block (BLK in the C source)
 _PER_BLOCK = {torch.float32: 64, torch.float64: 32}
 
 _LIB: Optional[ctypes.CDLL] = None
+_THREADED = False  # the loaded kernel shares torch's OpenMP threads (see threaded())
 _ERR: Optional[Tuple] = None  # (the failure's circumstances, its message)
 _LOCK = threading.Lock()
 
@@ -107,12 +117,29 @@ def _run(cmd) -> subprocess.CompletedProcess:
 # so builds for different instruction sets draw bit-identical normals
 BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-std=c99", "-ffp-contract=off"]
 NATIVE_VARIANTS = (["-march=native"], [])
+OPENMP_FLAGS = ["-fopenmp"]
 
 
-def _build(variants=None) -> Path:
+def _gomp_mapped() -> frozenset:
+    """The GNU OpenMP runtimes mapped into this process (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return frozenset(line.split()[-1] for line in f if "libgomp" in line.split()[-1])
+    except OSError:
+        return frozenset()
+
+
+def _openmp_possible() -> bool:
+    """torch runs its parallel work on GNU OpenMP here, already loaded: a kernel built with -fopenmp
+    then links against that same runtime (the dynamic loader matches libgomp.so.1 by its soname)
+    and shares torch's threads instead of starting a second pool."""
+    return bool(getattr(torch._C, "has_openmp", False)) and bool(_gomp_mapped())
+
+
+def _build(variants=None, openmp: bool = False) -> Path:
     """The compiled library for this machine: from the cache, else built and renamed into place
     (``variants``: extra flags to try in order, the first that compiles is taken; by default
-    -march=native, where the CPU's flags are known, then none)."""
+    -march=native, where the CPU's flags are known, then none; ``openmp``: each with -fopenmp)."""
     if os.name == "nt":
         raise RuntimeError("noise_rng='native' builds with a Unix C compiler; on Windows use noise_rng='torch' "
                            "or 'mkl'")
@@ -128,7 +155,7 @@ def _build(variants=None) -> Path:
                            "a working one, or use noise_rng='torch'") from err
     errors = []
     for extra in variants:
-        flags = BASE_FLAGS + list(extra)
+        flags = BASE_FLAGS + list(extra) + (OPENMP_FLAGS if openmp else [])
         key = hashlib.sha256(b"\0".join([src, " ".join(cc[1:] + flags).encode(), " ".join(version).encode(),
                                          (cpu or "").encode(), platform.machine().encode()])).hexdigest()[:20]
         out = cache_dir() / f"philox_normal-{key}.so"
@@ -169,7 +196,7 @@ def _dlopen_fresh(path: Path) -> ctypes.CDLL:
         os.unlink(tmp)  # the mapping stays
 
 
-def _open_library(path: Path) -> ctypes.CDLL:
+def _open_library(path: Path, openmp: bool = False) -> ctypes.CDLL:
     """Load and bind a built library; a cached one that does not load (truncated, damaged) is
     removed and built again, once."""
     try:
@@ -181,7 +208,7 @@ def _open_library(path: Path) -> ctypes.CDLL:
             raise RuntimeError(f"noise_rng='native': the cached kernel {path} does not load ({err}) and cannot be "
                                f"removed ({rm}); delete it or set PDPSGD_CACHE_DIR elsewhere") from err
         try:
-            return _bind(_dlopen_fresh(_build()))
+            return _bind(_dlopen_fresh(_build(openmp=openmp)))
         except (OSError, AttributeError) as err2:
             raise RuntimeError(f"noise_rng='native': the rebuilt kernel {path} does not load ({err2}); "
                                "use noise_rng='torch'") from err2
@@ -195,7 +222,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         f.restype = i64
     for fn, ft in (("pdpsgd_normal_f32_many", ctypes.c_float), ("pdpsgd_normal_f64_many", ctypes.c_double)):
         f = getattr(lib, fn)
-        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, i64, u64, u32, u32, u32, u32, ft, ctypes.c_int, ft]
+        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, i64, u64, u32, u32, u32, u32, ft, ctypes.c_int, ft,
+                      ctypes.c_int]
         f.restype = i64
     lib.pdpsgd_philox_raw.argtypes = [ctypes.c_void_p, i64, u64, u32, u32, u32, u32]
     lib.pdpsgd_philox_raw.restype = None
@@ -211,18 +239,27 @@ def _failure_key():
 def _load() -> Optional[ctypes.CDLL]:
     """The library, built and loaded once per process; a failure is remembered only while its
     circumstances (cache directory, $CC, PATH) stay the same, so fixing them lets a retry work."""
-    global _LIB, _ERR
+    global _LIB, _ERR, _THREADED
     with _LOCK:
         if _LIB is not None:
             return _LIB
         if _ERR is not None and _ERR[0] == _failure_key():
             return None
-        try:
-            _LIB = _open_library(_build())
-            _ERR = None
-        except Exception as err:  # noqa: BLE001 - any build failure (a malformed $CC, undecodable compiler
-            # output, ...) means "not available": "auto" then falls back to torch, "native" raises it
-            _ERR = (_failure_key(), f"{type(err).__name__}: {err}" if not isinstance(err, RuntimeError) else str(err))
+        # with torch's OpenMP runtime loaded, first the threaded build (a compiler without OpenMP, or a
+        # runtime that refuses the library, leaves the plain one)
+        for openmp in ((True, False) if _openmp_possible() else (False,)):
+            try:
+                before = _gomp_mapped()
+                lib = _open_library(_build(openmp=openmp), openmp=openmp)
+            except Exception as err:  # noqa: BLE001 - any build failure (a malformed $CC, undecodable compiler
+                # output, ...) means "not available": "auto" then falls back to torch, "native" raises it
+                _ERR = (_failure_key(), f"{type(err).__name__}: {err}" if not isinstance(err, RuntimeError)
+                        else str(err))
+                continue
+            # (a second OpenMP runtime mapped by the load would start its own threads beside torch's:
+            # then the kernel is only ever called with one thread)
+            _LIB, _ERR, _THREADED = lib, None, openmp and _gomp_mapped() == before
+            break
         return _LIB
 
 
@@ -237,6 +274,16 @@ def require() -> ctypes.CDLL:
 def available() -> bool:
     """True when the native kernel is built (or builds now) and loads."""
     return _load() is not None
+
+
+def threaded() -> bool:
+    """True when the loaded kernel shares torch's OpenMP threads: ``NativeStream.add_many`` (the
+    step's noise) then runs on ``torch.get_num_threads()`` threads; else on one. The draws are the
+    same bits either way."""
+    return _load() is not None and _THREADED
+
+
+MIN_PER_THREAD = 1 << 17  # coordinates: below this a thread's share costs about what starting it does
 
 
 def _cpu_contiguous(t: Tensor, dtypes, what: str) -> None:
@@ -313,11 +360,17 @@ class NativeStream:
             raise RuntimeError(f"NativeStream: the kernel used {used} counters for {n} draws, {need} reserved")
         return out
 
-    def add_many(self, outs: Sequence[Tensor], std: float, scale: float, chunk: Optional[int] = None) -> None:
+    def add_many(self, outs: Sequence[Tensor], std: float, scale: float, chunk: Optional[int] = None, *,
+                 threads: Optional[int] = None) -> None:
         """``add_(piece, std, scale)`` on each piece of each tensor in turn, in one foreign call:
         the pieces are the tensor itself, or (``chunk``) its consecutive ``chunk``-element slices.
         Same draws as those successive calls (each piece takes whole blocks of counters from where
-        the previous one ended); all tensors contiguous, on the CPU, of one dtype (float32/float64)."""
+        the previous one ended); all tensors contiguous, on the CPU, of one dtype (float32/float64).
+
+        ``threads``: how many threads share the pieces where the kernel is ``threaded()`` (default
+        ``torch.get_num_threads()``, one below ``MIN_PER_THREAD`` coordinates a thread). Each piece's
+        first counter is fixed before they are shared, so the draws are the same bits for any
+        number of threads: the thread count changes the speed, never the noise."""
         outs = [t for t in outs if t.numel() > 0]  # (an empty piece takes no counters)
         if not outs:
             return
@@ -327,6 +380,8 @@ class NativeStream:
             if t.dtype != dtype:
                 raise ValueError(f"NativeStream.add_many: one dtype for all tensors, got {dtype} and {t.dtype}")
         self._check_args(dtype, std, scale)
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"NativeStream.add_many: threads must be an int >= 1 (or None), got {threads!r}")
         per, es = _PER_BLOCK[dtype], outs[0].element_size()
         ptrs: List[int] = []
         lens: List[int] = []
@@ -337,11 +392,14 @@ class NativeStream:
                 ptrs.append(base + a * es)
                 lens.append(min(step, n - a))
         need = sum(-(-m // per) for m in lens) * BLOCK
+        if threads is None:
+            threads = min(torch.get_num_threads(), sum(lens) // MIN_PER_THREAD)
+        threads = max(1, min(threads, len(lens))) if _THREADED else 1
         start = self._reserve(need)
         k = len(ptrs)
         f = self.lib.pdpsgd_normal_f32_many if dtype == torch.float32 else self.lib.pdpsgd_normal_f64_many
         used = f((ctypes.c_void_p * k)(*ptrs), (ctypes.c_int64 * k)(*lens), k, start, *self.key, *self.nonce,
-                 std, 1, scale)
+                 std, 1, scale, threads)
         if used != need:  # the C side's block count disagrees with the reservation: never reuse counters
             raise RuntimeError(f"NativeStream: the kernel used {used} counters for {sum(lens)} draws, {need} reserved")
 

@@ -349,3 +349,67 @@ def test_add_many_refuses_bad_input():
     s.add_many([], 1.0, 1.0)
     s.add_many([torch.zeros(0)], 1.0, 1.0)
     assert s.counter == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=6), chunk=st.one_of(st.none(), st.integers(1, 700)),
+       threads=st.integers(2, 5), dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 2 ** 31))
+def test_add_many_draws_the_same_bits_on_any_number_of_threads(sizes, chunk, threads, dtype, seed):
+    """The pieces shared among threads (each piece's first counter fixed before they are shared)
+    get exactly the draws of one thread, and the stream ends at the same counter."""
+    xs = [torch.randn(n, dtype=dtype) for n in sizes]
+    a, b = [x.clone() for x in xs], [x.clone() for x in xs]
+    s1 = native_rng.NativeStream(torch.Generator().manual_seed(seed))
+    s2 = native_rng.NativeStream(torch.Generator().manual_seed(seed))
+    s1.add_many(a, 0.3, 0.5, chunk, threads=1)
+    s2.add_many(b, 0.3, 0.5, chunk, threads=threads)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert s1.counter == s2.counter
+
+
+def test_the_kernel_shares_torchs_openmp_threads():
+    """Where torch runs on GNU OpenMP (Linux wheels), the kernel is built with -fopenmp and links
+    against that same runtime: no second libgomp is mapped, and the step's noise is threaded."""
+    if not native_rng._openmp_possible():
+        pytest.skip("torch does not run on a loaded GNU OpenMP runtime here")
+    assert native_rng.threaded()
+    assert len(native_rng._gomp_mapped()) == 1, native_rng._gomp_mapped()
+    with pytest.raises(ValueError, match="threads must be an int"):
+        native_rng.NativeStream(torch.Generator()).add_many([torch.zeros(3)], 1.0, 1.0, threads=0)
+
+
+def test_openmp_and_plain_builds_draw_the_same_stream(tmp_path, monkeypatch):
+    """The -fopenmp build, on 1 and on 3 threads, against the plain build: the same bits."""
+    import ctypes
+
+    if not native_rng._openmp_possible():
+        pytest.skip("torch does not run on a loaded GNU OpenMP runtime here")
+    monkeypatch.setenv("PDPSGD_CACHE_DIR", str(tmp_path))
+    libs = [native_rng._open_library(native_rng._build(openmp=o), openmp=o) for o in (False, True)]
+    sizes = [5000, 64, 1, 70000, 333]
+    for dtype, f in ((torch.float32, "pdpsgd_normal_f32_many"), (torch.float64, "pdpsgd_normal_f64_many")):
+        outs = []
+        for lib, th in ((libs[0], 1), (libs[1], 1), (libs[1], 3)):
+            xs = [torch.ones(n, dtype=dtype) for n in sizes]
+            used = getattr(lib, f)((ctypes.c_void_p * 5)(*[x.data_ptr() for x in xs]), (ctypes.c_int64 * 5)(*sizes), 5,
+                                   2 ** 32 - 7, 1, 2, 3, 4, 0.5, 1, 3.0, th)
+            outs.append((used, xs))
+        for used, xs in outs[1:]:
+            assert used == outs[0][0] > 0
+            assert all(torch.equal(x, y) for x, y in zip(xs, outs[0][1]))
+
+
+def test_a_compiler_without_openmp_leaves_the_plain_kernel(tmp_path, monkeypatch):
+    """-fopenmp refused (a compiler without OpenMP): the plain build is loaded, one thread."""
+    if not native_rng._openmp_possible():
+        pytest.skip("torch does not run on a loaded GNU OpenMP runtime here")
+    monkeypatch.setenv("PDPSGD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native_rng, "_LIB", None)
+    monkeypatch.setattr(native_rng, "_ERR", None)
+    monkeypatch.setattr(native_rng, "_THREADED", True)
+    monkeypatch.setattr(native_rng, "OPENMP_FLAGS", ["-fno-such-openmp-flag"])
+    assert native_rng.available() and not native_rng.threaded()
+    x = torch.zeros(1 << 18)
+    native_rng.NativeStream(torch.Generator().manual_seed(0)).add_many([x], 1.0, 1.0, 1 << 16, threads=4)
+    assert 0.9 < float(x.std()) < 1.1

@@ -15,6 +15,7 @@
  * remaining normals are discarded (the caller advances its counter by whole blocks).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <math.h>
 
@@ -184,15 +185,36 @@ int64_t pdpsgd_normal_f32(float *out, int64_t n, uint64_t ctr, uint32_t k0, uint
     return (int64_t)(c - ctr);
 }
 
-/* pdpsgd_normal_f32 over count buffers in turn, each starting where the previous one's counters
- * ended: the same draws as count successive calls, in one call (no per-buffer foreign-call cost);
- * returns the number of counters used in all */
-int64_t pdpsgd_normal_f32_many(float *const *outs, const int64_t *ns, int64_t count, uint64_t ctr, uint32_t k0,
-                               uint32_t k1, uint32_t n0, uint32_t n1, float std, int add, float scale) {
-    uint64_t c = ctr;
-    for (int64_t i = 0; i < count; i++) c += (uint64_t)pdpsgd_normal_f32(outs[i], ns[i], c, k0, k1, n0, n1, std, add, scale);
-    return (int64_t)(c - ctr);
+/* The first counter of each of count buffers of ns[i] normals taken in turn from ctr, per whole
+ * blocks of per normals (starts[count]: where the last one ends). */
+static void piece_starts(const int64_t *ns, int64_t count, uint64_t ctr, int64_t per, uint64_t *starts) {
+    for (int64_t i = 0; i < count; i++) { starts[i] = ctr; ctr += (uint64_t)((ns[i] + per - 1) / per) * BLK; }
+    starts[count] = ctr;
 }
+
+/* NAME: ONE (pdpsgd_normal_f32 / _f64) over count buffers in turn, each starting where the previous
+ * one's counters ended: the same draws as count successive calls, in one call (no per-buffer
+ * foreign-call cost). nthreads > 1 (a build with OpenMP): the buffers are shared among that many
+ * threads; each buffer's first counter is fixed beforehand, so the draws are the same bits for any
+ * thread count. Returns the number of counters used in all, or -1 if a buffer's count disagreed. */
+#define DEFINE_MANY(NAME, ONE, T, PER) \
+    int64_t NAME(T *const *outs, const int64_t *ns, int64_t count, uint64_t ctr, uint32_t k0, uint32_t k1, \
+                 uint32_t n0, uint32_t n1, T std, int add, T scale, int nthreads) { \
+        uint64_t *starts = (uint64_t *)malloc((size_t)(count + 1) * sizeof(uint64_t)); \
+        if (!starts) return -1; \
+        piece_starts(ns, count, ctr, PER, starts); \
+        int64_t bad = 0; \
+        (void)nthreads; \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1) reduction(+ : bad)") \
+        for (int64_t i = 0; i < count; i++) \
+            bad += ONE(outs[i], ns[i], starts[i], k0, k1, n0, n1, std, add, scale) \
+                   != (int64_t)(starts[i + 1] - starts[i]); \
+        int64_t used = (int64_t)(starts[count] - ctr); \
+        free(starts); \
+        return bad ? -1 : used; \
+    }
+
+DEFINE_MANY(pdpsgd_normal_f32_many, pdpsgd_normal_f32, float, PB32)
 
 /* float64: 53-bit uniforms from two words each, libm's log/cos/sin in double (not vectorised: the
  * float64 path is for exactness tests, not speed); same contract as pdpsgd_normal_f32 */
@@ -221,9 +243,4 @@ int64_t pdpsgd_normal_f64(double *out, int64_t n, uint64_t ctr, uint32_t k0, uin
 }
 
 /* pdpsgd_normal_f64 over count buffers in turn (as pdpsgd_normal_f32_many) */
-int64_t pdpsgd_normal_f64_many(double *const *outs, const int64_t *ns, int64_t count, uint64_t ctr, uint32_t k0,
-                               uint32_t k1, uint32_t n0, uint32_t n1, double std, int add, double scale) {
-    uint64_t c = ctr;
-    for (int64_t i = 0; i < count; i++) c += (uint64_t)pdpsgd_normal_f64(outs[i], ns[i], c, k0, k1, n0, n1, std, add, scale);
-    return (int64_t)(c - ctr);
-}
+DEFINE_MANY(pdpsgd_normal_f64_many, pdpsgd_normal_f64, double, PB64)
