@@ -19,13 +19,14 @@ renamed into place (atomic: a concurrent or interrupted build never leaves a par
 the final name).
 
 Threads: where torch runs its parallel work on GNU OpenMP (its Linux wheels) the kernel is built
-with -fopenmp and links against that same, already loaded runtime (the loader matches libgomp.so.1
-by its soname), so the step's noise runs on torch's own ``torch.get_num_threads()`` threads, which
-are still spinning from the step's last matrix product: on several cores a one-thread noise pass
-would otherwise grow against a step whose matrix products all scale. The draws do not depend on
-the thread count (each piece's first counter is fixed before the pieces are shared). A compiler
-without OpenMP, another runtime, or a load that would map a second libgomp: one thread
-(``threaded()`` says which).
+with -fopenmp and binds to that same, already loaded runtime (torch loads it into the global
+symbol scope; the loader also matches ``libgomp.so.1`` by its soname), so the step's noise runs on
+torch's own ``torch.get_num_threads()`` threads (called from the main thread, the ones still
+spinning from the step's last matrix product): on several cores a one-thread noise pass would
+otherwise grow against a step whose matrix products all scale. The draws do not depend on the
+thread count (each piece's first counter is fixed before the pieces are shared). A compiler
+without OpenMP, or a load that maps a second OpenMP runtime (a renamed torch libgomp, LLVM's or
+Intel's): the plain build, one thread (``threaded()`` says which).
 
 Keying: every call to ``noise_and_scale`` opens a new stream whose 64-bit key and 64-bit nonce are
 drawn from the step's ``torch.Generator`` (four 32-bit words), so the generator stays the one
@@ -120,19 +121,29 @@ NATIVE_VARIANTS = (["-march=native"], [])
 OPENMP_FLAGS = ["-fopenmp"]
 
 
-def _gomp_mapped() -> frozenset:
-    """The GNU OpenMP runtimes mapped into this process (Linux; empty elsewhere)."""
+_OMP_RUNTIMES = ("libgomp", "libomp", "libiomp")  # GNU, LLVM, Intel OpenMP runtimes (file name prefixes)
+
+
+def _omp_mapped(prefixes=_OMP_RUNTIMES) -> frozenset:
+    """The OpenMP runtime files mapped into this process (Linux; empty elsewhere)."""
     try:
         with open("/proc/self/maps") as f:
-            return frozenset(line.split()[-1] for line in f if "libgomp" in line.split()[-1])
+            paths = {line.split()[-1] for line in f if "/" in line}
     except OSError:
         return frozenset()
+    return frozenset(p for p in paths if os.path.basename(p).startswith(prefixes))
+
+
+def _gomp_mapped() -> frozenset:
+    """The GNU OpenMP runtimes mapped into this process (Linux; empty elsewhere)."""
+    return _omp_mapped(("libgomp",))
 
 
 def _openmp_possible() -> bool:
     """torch runs its parallel work on GNU OpenMP here, already loaded: a kernel built with -fopenmp
-    then links against that same runtime (the dynamic loader matches libgomp.so.1 by its soname)
-    and shares torch's threads instead of starting a second pool."""
+    may then bind to that same runtime (torch loads it into the global symbol scope, and a
+    ``libgomp.so.1`` is matched by its soname) and share torch's threads. Whether it did is known
+    only after the load (``_load``: no new OpenMP runtime mapped)."""
     return bool(getattr(torch._C, "has_openmp", False)) and bool(_gomp_mapped())
 
 
@@ -249,16 +260,19 @@ def _load() -> Optional[ctypes.CDLL]:
         # runtime that refuses the library, leaves the plain one)
         for openmp in ((True, False) if _openmp_possible() else (False,)):
             try:
-                before = _gomp_mapped()
+                before = _omp_mapped()
                 lib = _open_library(_build(openmp=openmp), openmp=openmp)
             except Exception as err:  # noqa: BLE001 - any build failure (a malformed $CC, undecodable compiler
                 # output, ...) means "not available": "auto" then falls back to torch, "native" raises it
                 _ERR = (_failure_key(), f"{type(err).__name__}: {err}" if not isinstance(err, RuntimeError)
                         else str(err))
                 continue
-            # (a second OpenMP runtime mapped by the load would start its own threads beside torch's:
-            # then the kernel is only ever called with one thread)
-            _LIB, _ERR, _THREADED = lib, None, openmp and _gomp_mapped() == before
+            if openmp and _omp_mapped() != before:
+                # the load mapped a second OpenMP runtime (torch's is renamed, or the compiler links
+                # another one), which would start its own threads beside torch's: the plain build
+                # instead (the runtime stays mapped, unused: nothing here calls into it)
+                continue
+            _LIB, _ERR, _THREADED = lib, None, openmp
             break
         return _LIB
 
@@ -313,6 +327,12 @@ def box_muller_f32(x: Tensor, y: Tensor, std: float = 1.0):
     c, s = torch.empty(x.shape), torch.empty(x.shape)
     lib.pdpsgd_box_muller_f32(x.data_ptr(), y.data_ptr(), c.data_ptr(), s.data_ptr(), x.numel(), std)
     return c, s
+
+
+def _overlap(ts: Sequence[Tensor]) -> bool:
+    """Whether the memory of two of these contiguous tensors overlaps."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in ts)
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
 
 
 class NativeStream:
@@ -370,7 +390,8 @@ class NativeStream:
         ``threads``: how many threads share the pieces where the kernel is ``threaded()`` (default
         ``torch.get_num_threads()``, one below ``MIN_PER_THREAD`` coordinates a thread). Each piece's
         first counter is fixed before they are shared, so the draws are the same bits for any
-        number of threads: the thread count changes the speed, never the noise."""
+        number of threads: the thread count changes the speed, never the noise. Tensors whose
+        memory overlaps are taken on one thread (in turn, as the serial contract says)."""
         outs = [t for t in outs if t.numel() > 0]  # (an empty piece takes no counters)
         if not outs:
             return
@@ -395,6 +416,8 @@ class NativeStream:
         if threads is None:
             threads = min(torch.get_num_threads(), sum(lens) // MIN_PER_THREAD)
         threads = max(1, min(threads, len(lens))) if _THREADED else 1
+        if threads > 1 and _overlap(outs):  # (two threads would read-add-write the same elements)
+            threads = 1
         start = self._reserve(need)
         k = len(ptrs)
         f = self.lib.pdpsgd_normal_f32_many if dtype == torch.float32 else self.lib.pdpsgd_normal_f64_many
