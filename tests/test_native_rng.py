@@ -441,3 +441,46 @@ def test_a_compiler_without_openmp_leaves_the_plain_kernel(tmp_path, monkeypatch
     x = torch.zeros(1 << 18)
     native_rng.NativeStream(torch.Generator().manual_seed(0)).add_many([x], 1.0, 1.0, 1 << 16, threads=4)
     assert 0.9 < float(x.std()) < 1.1
+
+
+def test_step_noise_follows_torchs_thread_count_with_the_same_bits(monkeypatch):
+    """``noise_and_scale`` (the step's noise) on ``torch.get_num_threads()`` threads where the kernel
+    is threaded, one below ``MIN_PER_THREAD`` a thread: the same bits as on one thread."""
+    from pdpsgd.fused import noise_and_scale
+
+    seen = []
+
+    class Spy:
+        def __init__(self, lib):
+            self._lib = lib
+
+        def __getattr__(self, name):
+            f = getattr(self._lib, name)
+            if not name.endswith("_many"):
+                return f
+            return lambda *a: (seen.append(a[-1]), f(*a))[1]
+
+    real_init = native_rng.NativeStream.__init__
+
+    def init(self, generator):
+        real_init(self, generator)
+        self.lib = Spy(self.lib)
+
+    monkeypatch.setattr(native_rng.NativeStream, "__init__", init)
+    sizes = {"w": (700, 1000), "b": (1000,), "tiny": (3,)}
+    base = {n: torch.randn(s) for n, s in sizes.items()}
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for th in (1, 3):
+            torch.set_num_threads(th)
+            sums = {n: t.clone() for n, t in base.items()}
+            outs.append(noise_and_scale(sums, 1.0, torch.Generator().manual_seed(5), 4.0,
+                                        {n: torch.float32 for n in sums}, compile=False, rng="native"))
+        small = noise_and_scale({"b": base["b"].clone()}, 1.0, torch.Generator().manual_seed(5), 4.0,
+                                {"b": torch.float32}, compile=False, rng="native")
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0][n], outs[1][n]) for n in sizes)
+    assert seen == [1, 3 if native_rng.threaded() else 1, 1]  # (1000 coordinates: one thread)
+    assert small["b"].shape == (1000,)
