@@ -6,7 +6,8 @@ The revision's ``pdpsgd`` package is extracted (``git archive``) into a temporar
 imported as ``pdpsgd_old``; old, new and non-private steps (Adam, lr 0) run on the same model and
 batch. Each timed step follows an untimed step of the same variant (steady state) and both orders
 (old first / new first) are run, because a step that follows a different variant pays for the
-memory that variant freed. Prints CPU-time medians and ratios to non-private.
+memory that variant freed. Prints CPU-time medians and ratios to non-private (``--clock wall``:
+elapsed time, for ``--threads`` > 1, where CPU time also counts the other threads' spinning).
 """
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ def main():
     ap.add_argument("--method", default="bk")
     ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", default="cpu", choices=("cpu", "wall"))
     a = ap.parse_args()
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
     torch.set_num_threads(a.threads)
     tmp = tempfile.mkdtemp()
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=HERE, capture_output=True, text=True,
@@ -77,9 +80,9 @@ def main():
             for _ in range(a.reps):
                 for k in order:
                     steps[k]()  # untimed: steady state
-                    t = time.process_time()
+                    t = clock()
                     steps[k]()
-                    ts[k].append(time.process_time() - t)
+                    ts[k].append(clock() - t)
             m = {k: statistics.median(v) * 1e3 for k, v in ts.items()}
             print(f"| {cfg} | {'/'.join(order)} | {m['old']:.1f} | {m['new']:.1f} | {m['np']:.1f} | "
                   f"{m['old'] / m['np']:.2f} | {m['new'] / m['np']:.2f} |")
