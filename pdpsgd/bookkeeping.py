@@ -1569,7 +1569,10 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     lkey = ("reread", _probe_key(batch, B, model.training))
     forced: FrozenSet[Tuple[str, str]] = probe_memo.get(lkey, frozenset()) if probe_memo is not None else frozenset()
     # the example-order check runs first (its passes, one at a time, are freed before this one's)
-    order = (_order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo, no_expand)
+    # (its verdicts are keyed by the expansions its runs took: verdicts found through an expansion that a
+    # later step's duplicated-example check drops are not reused once it is dropped)
+    okey = _order_key(loss_module, batch, params, no_expand)
+    order = (_order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo, no_expand, okey)
              if check_order and B > 1 else None)
     for m, (mn, _, local) in ruled.items():
         if mn in no_expand:
@@ -1825,7 +1828,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         except Exception:
             raise failed  # it fails without the expansion too: the model's own error (nothing memoised)
         _memo_expansions(probe_memo, dkey, bad, bad)
-        return _apply_order(col, order, loss_module, batch, probe_memo, params)
+        return _apply_order(col, order, batch, probe_memo, params, okey)
     relift = _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback,
                                probe_memo, registry)
     if relift - forced and probe_memo is not None:  # run again with them read so
@@ -1833,7 +1836,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         del calls[:]
         col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
                        loss_weights, no_expand, check_order=False)
-        return _apply_order(col, order, loss_module, batch, probe_memo, params)
+        return _apply_order(col, order, batch, probe_memo, params, okey)
     n_call = sum(len(t) for t in call_targets)
     for n, g in zip(leaf_names, grads[n_call:]):
         if g is not None:
@@ -1894,21 +1897,26 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
                        loss_weights, {**no_expand, **bad}, check_order=False)
         _memo_expansions(probe_memo, dkey, bad, bad)
-        return _apply_order(col, order, loss_module, batch, probe_memo, params)
+        return _apply_order(col, order, batch, probe_memo, params, okey)
     uses = {n: u for n, u in uses.items() if n not in fallback}
     spread = {c.mname: [n for n in ruled[c.module][2].values() if n in uses] for c in calls if c.bcast}
     spread = {mn: ns for mn, ns in spread.items() if ns}
     checked = probe_memo[dkey][0] if probe_memo is not None and dkey in probe_memo else frozenset()
-    if check_broadcast and spread and not set(spread) <= checked:
-        bad = _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, uses, spread,
-                                   probe_memo, dkey, avoid={c.lift for c in calls if c.lift})
+    # expanded modules no gradient reached in this step: the forward that every other layer was
+    # captured through ran with their outputs expanded, so that forward is checked now (the copies'
+    # losses), their gradients when one reaches them
+    fwd_ok = probe_memo.get(_fwd_key(dkey), frozenset()) if probe_memo is not None else frozenset()
+    unreached = {c.mname for c in calls if c.bcast} - set(spread) - set(checked) - set(fwd_ok)
+    if check_broadcast and ((spread and not set(spread) <= checked) or unreached):
+        bad = _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, uses,
+                                   spread if not set(spread) <= checked else {}, probe_memo, dkey,
+                                   avoid={c.lift for c in calls if c.lift}, forward_only=unreached)
         if bad:  # the forward itself ran with those outputs expanded (a sum(0) changes it): run again without
             col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
                            check_broadcast=False, loss_weights=loss_weights, no_expand={**no_expand, **bad},
                            check_order=False)
-            return _apply_order(col, order, loss_module, batch, probe_memo, params)
-    return _apply_order(_Collected(losses.detach(), uses, fallback, owner), order, loss_module, batch, probe_memo,
-                        params)
+            return _apply_order(col, order, batch, probe_memo, params, okey)
+    return _apply_order(_Collected(losses.detach(), uses, fallback, owner), order, batch, probe_memo, params, okey)
 
 
 def _zero_use(u: Use, p: Tensor) -> bool:
@@ -1916,8 +1924,8 @@ def _zero_use(u: Use, p: Tensor) -> bool:
     return not bool((_inner(u, u, p.shape, _acc(p.dtype)) != 0).any())
 
 
-def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[str], Set[str]]], loss_module, batch,
-                 probe_memo, params: Params) -> "_Collected":
+def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[str], Set[str]]], batch,
+                 probe_memo, params: Params, okey) -> "_Collected":
     """The example-order check's verdicts on a step's uses: only parameters it checked and passed stay
     on their rules; one it found attributed wrongly, or could not decide (no gradient reached it in
     its eval-mode run), takes the exact fallback (undecided ones are checked again on later steps of
@@ -1953,7 +1961,6 @@ def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[st
             continue
         col.uses.pop(n)
     if unseen and probe_memo is not None:
-        okey = _order_key(loss_module, batch, params)
         known, open_ = probe_memo.get(okey, ({}, {}))
         new = {n: 0 for n in unseen if n not in known and n not in open_}
         if new:
@@ -1993,12 +2000,15 @@ def _duplicates_key(loss_module: LossModule, batch: Batch, B: int):
 
 
 def _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, uses: Mapping[str, List[Use]],
-                         spread: Mapping[str, List[str]], probe_memo, key, avoid: Set[int] = frozenset()
-                         ) -> Dict[str, str]:
+                         spread: Mapping[str, List[str]], probe_memo, key, avoid: Set[int] = frozenset(),
+                         forward_only: Set[str] = frozenset()) -> Dict[str, str]:
     """{module name: reason} for the expanded modules of ``spread`` (module name -> its parameters
     with uses) that the check above finds read otherwise; memoised per batch shape. ``avoid``: the
     lengths of the batch-free ids expanded (``_Call.lift``); the copies are as many as none of them
-    (an expansion needs T ≠ B), two unless one is 2."""
+    (an expansion needs T ≠ B), two unless one is 2. ``forward_only``: expanded modules no gradient
+    reached in this step: only the copies' losses are compared with the model's own (a forward
+    that reads the expanded shape changes what every other layer is captured through, gradient or
+    not); those that pass are memoised apart (``_fwd_key``), their gradients still to be checked."""
     m = 2
     while m in avoid:
         m += 1
@@ -2013,12 +2023,15 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
             for u in us:
                 t = _inner(u, u, params[n].shape, _acc(params[n].dtype))
                 score = t if score is None else score + t
-    if score is None:
-        return {}
-    score = torch.where(torch.isfinite(score), score, torch.full_like(score, -1.0))
-    if not bool((score > 0).any()):
-        return {}  # no gradient reaches them in this step: their attribution does not matter now (asked again)
-    j = int(score.argmax())
+    if score is not None:
+        score = torch.where(torch.isfinite(score), score, torch.full_like(score, -1.0))
+    if score is None or not bool((score > 0).any()):
+        # no gradient reaches them in this step: their attribution does not matter now (asked again)
+        if not forward_only:
+            return {}
+        spread, j = {}, 0  # (the forward alone is compared, on any example)
+    else:
+        j = int(score.argmax())
     idx = torch.full((m,), j)
     wts = 1.0 + (torch.arange(m) % 2).to(torch.float64)  # 1, 2, 1, 2, ...
     dup = tree_map(lambda x: x.index_select(0, idx.to(x.device)) if isinstance(x, Tensor) else x, batch)
@@ -2039,7 +2052,7 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
             raise
         bad = {mn: f"the duplicated-example check of its expanded (1, T, ...) or (T, ...) output failed "
                    f"({type(err).__name__})"
-               for mn in spread}
+               for mn in (*spread, *forward_only)}
     else:
         bad = {}
         got = sub.losses.detach().double().cpu()
@@ -2049,7 +2062,7 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
                  | ((got - ref).abs() <= DUPLICATE_RTOL * ref.abs().clamp_min(1.0))).all()):
             bad = {mn: ("expanding its (1, T, ...) or (T, ...) output to the batch changed the forward: with "
                         f"{m} copies of one example the losses differ from the model's own (does the model read that "
-                        "output's shape?)") for mn in spread}
+                        "output's shape?)") for mn in (*spread, *forward_only)}
         for mn, names in spread.items():
             if mn in bad:
                 continue
@@ -2075,8 +2088,17 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
                     bad[mn] = why
                     break
     if probe_memo is not None and finite:
-        _memo_expansions(probe_memo, key, spread, bad)
+        _memo_expansions(probe_memo, key, {*spread, *(mn for mn in forward_only if mn in bad)}, bad)
+    if probe_memo is not None and forward_only:
+        fkey = _fwd_key(key)
+        _memo_put(probe_memo, fkey, probe_memo.get(fkey, frozenset()) | {mn for mn in forward_only if mn not in bad})
     return bad
+
+
+def _fwd_key(dkey):
+    """Under the duplicates key: the expanded modules whose copies' losses were found the model's own
+    in a step where no gradient reached them (their gradients not yet checked)."""
+    return ("forward only",) + tuple(dkey)
 
 
 # Example order. Book-keeping reads row b of a layer's (B, ...) input (or block b of a flattened
@@ -2148,10 +2170,12 @@ def _leaf_sig(x: Any):
     return type(x).__name__, len(x) if isinstance(x, (list, tuple)) else None
 
 
-def _order_key(loss_module: LossModule, batch: Batch, params: Params):
-    """Per batch shape (without B) and set of trained parameters (unfreezing more is a new check)."""
+def _order_key(loss_module: LossModule, batch: Batch, params: Params, no_expand: Mapping[str, str]):
+    """Per batch shape (without B), set of trained parameters (unfreezing more is a new check) and set
+    of modules whose outputs are not expanded (the check's runs take the others' expansions)."""
     leaves, spec = tree_flatten(batch)
-    return ("order", loss_module.model.training, str(spec), tuple(_leaf_sig(x) for x in leaves), frozenset(params))
+    return ("order", loss_module.model.training, str(spec), tuple(_leaf_sig(x) for x in leaves), frozenset(params),
+            frozenset(no_expand))
 
 
 ORDER_RETRIES = 8  # a parameter no gradient reached in the check is checked again on this many later steps
@@ -2321,14 +2345,13 @@ def _watch_order(loss_module: LossModule, params: Params, constants: Mapping[str
 
 
 def _order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo,
-                    no_expand) -> Tuple[Dict[str, str], Set[str], Set[str]]:
+                    no_expand, key) -> Tuple[Dict[str, str], Set[str], Set[str]]:
     """({parameter: reason} found attributed to another example, {parameters checked and passed},
     {parameters that differed by rounding only: re-checked each step}); the step trusts only the
     passed ones and the rounding-only ones that are still so (anything else: exact fallback).
     Memoised per batch shape (without B): (verdicts, undecided parameters with the number of checks
     they went through)."""
     B = batch_size(batch)
-    key = _order_key(loss_module, batch, params)
     known, open_ = probe_memo.get(key, ({}, {})) if probe_memo is not None else ({}, {})
     if key in (probe_memo or {}) and all(c >= ORDER_RETRIES for c in open_.values()):
         return _order_verdicts(known)

@@ -2775,9 +2775,9 @@ def test_reordered_verdict_is_not_cleared_by_a_later_recheck():
     params = {n: p.detach() for n, p in m.named_parameters()}
     batch = {"x": torch.randn(4, 3)}
     memo = {}
-    key = bkm._order_key(lm, batch, params)
+    key = bkm._order_key(lm, batch, params, {})
     memo[key] = ({"0.weight": "found reordered earlier"}, {"2.bias": 0})  # 2.bias: still undecided
-    bad, passed, _ = bkm._order_disagree(lm, params, {}, batch, bkm.DEFAULT_REGISTRY, {}, memo, {})
+    bad, passed, _ = bkm._order_disagree(lm, params, {}, batch, bkm.DEFAULT_REGISTRY, {}, memo, {}, key)
     assert bad.get("0.weight") == "found reordered earlier" and "0.weight" not in passed, (bad, passed)
     assert "2.weight" in passed  # the model does not reorder: the re-check passes the others
 
@@ -2938,3 +2938,48 @@ def test_plan_and_reasons_follow_the_step_chunks(B, chunk):
     assert ("wpe.weight" in s.fallback_reasons(b)) == want
     if B == 5:  # chunks of 2, 2 and 1: the last one (B = 1) stays on the rule
         assert out.routes["wpe.weight"] == "mixed" and "in 2 of 3 chunks" in s.fallback_reasons(b)["wpe.weight"]
+
+
+class _ReadsShapeWithoutGradient(nn.Module):
+    """Reads its position output's first dimension (1, or T for batch-free ids: B once expanded) in
+    every step, but adds the output only when ``use`` is set: in the other steps no gradient
+    reaches the table, yet the forward the other layers are captured through depends on the shape."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(11, 4), nn.Embedding(8, 4), nn.Linear(4, 11)
+        self.kind, self.use = kind, False
+
+    def forward(self, ids):
+        ar = torch.arange(ids.shape[1])
+        p = self.pos(ar if self.kind == "flat" else ar[None])  # (T, d) or (1, T, d)
+        x = self.tok(ids) * (p.shape[0] / 2.0)
+        if self.use:
+            x = x + p
+        return self.head(torch.tanh(x))
+
+
+@pytest.mark.parametrize("kind", ["flat", "one"])
+def test_expansion_read_in_steps_no_gradient_reaches_it(kind):
+    """One step object, steps without and with a gradient reaching the table: exact and within the
+    bound in every step; the misread expansion is found in the first step (the copies' losses),
+    not only once a gradient reaches it, and the example-order verdicts found through it are not
+    reused once it is dropped (the other layers are back on their rules from the second step)."""
+    torch.manual_seed(0)
+    m = _ReadsShapeWithoutGradient(kind).double().eval()
+    params = trainable_params(m)
+    step = make_dp_step(m, _ids_lm_loss, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=1.0,
+                        method="bk")
+    for i, (B, use) in enumerate(((3, False), (4, False), (3, True), (3, False), (6, False))):
+        m.use = use
+        b = {"ids": torch.randint(0, 11, (B, 5))}
+        part = step.clipped_sum(params, b)
+        norms, sums = pdpsgd.testing.naive_clipped_sum(m, _ids_lm_loss, b, max_grad_norm=0.1, params=params)
+        assert torch.allclose(part.per_sample_norms, norms, rtol=1e-9, atol=0), (i, B, use)
+        for n in sums:
+            assert torch.allclose(part.sums[n], sums[n], rtol=1e-9, atol=1e-12), (i, n)
+        assert check_sensitivity(step, params, b).max_ratio <= 1 + 1e-9
+        assert part.routes["pos.weight"] == "vmap", part.routes
+        if i:
+            assert all(part.routes[n] != "vmap" for n in ("tok.weight", "head.weight", "head.bias")), (i, part.routes)
+    assert "changed the forward" in step.fallback_reasons(b)["pos.weight"]
