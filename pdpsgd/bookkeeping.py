@@ -1910,7 +1910,8 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     if check_broadcast and ((spread and not set(spread) <= checked) or unreached):
         bad = _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, uses,
                                    spread if not set(spread) <= checked else {}, probe_memo, dkey,
-                                   avoid={c.lift for c in calls if c.lift}, forward_only=unreached)
+                                   avoid={c.lift for c in calls if c.lift}, forward_only=unreached, losses=losses,
+                                   no_expand=no_expand)
         if bad:  # the forward itself ran with those outputs expanded (a sum(0) changes it): run again without
             col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
                            check_broadcast=False, loss_weights=loss_weights, no_expand={**no_expand, **bad},
@@ -2001,14 +2002,19 @@ def _duplicates_key(loss_module: LossModule, batch: Batch, B: int):
 
 def _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, uses: Mapping[str, List[Use]],
                          spread: Mapping[str, List[str]], probe_memo, key, avoid: Set[int] = frozenset(),
-                         forward_only: Set[str] = frozenset()) -> Dict[str, str]:
+                         forward_only: Set[str] = frozenset(), losses: Optional[Tensor] = None,
+                         no_expand: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     """{module name: reason} for the expanded modules of ``spread`` (module name -> its parameters
     with uses) that the check above finds read otherwise; memoised per batch shape. ``avoid``: the
     lengths of the batch-free ids expanded (``_Call.lift``); the copies are as many as none of them
     (an expansion needs T ≠ B), two unless one is 2. ``forward_only``: expanded modules no gradient
     reached in this step: only the copies' losses are compared with the model's own (a forward
     that reads the expanded shape changes what every other layer is captured through, gradient or
-    not); those that pass are memoised apart (``_fwd_key``), their gradients still to be checked."""
+    not); those that pass are memoised apart (``_fwd_key``), their gradients still to be checked. So
+    are the modules of ``spread`` when every gradient through them is exactly 0 in this step (a
+    zero-initialised gate, say). The forward-only comparison takes the example whose loss (``losses``,
+    the step's) is largest in magnitude, and is memoised only if that loss is not 0 (a padding-only
+    batch hides any change). ``no_expand``: the modules not expanded in the step (nor in the copies)."""
     m = 2
     while m in avoid:
         m += 1
@@ -2025,11 +2031,22 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
                 score = t if score is None else score + t
     if score is not None:
         score = torch.where(torch.isfinite(score), score, torch.full_like(score, -1.0))
+    fwd_memo = True
     if score is None or not bool((score > 0).any()):
-        # no gradient reaches them in this step: their attribution does not matter now (asked again)
+        # no gradient reaches them in this step: their attribution does not matter now (asked again),
+        # but the forward the other layers were captured through ran with them expanded
+        seen = probe_memo.get(_fwd_key(key), frozenset()) if probe_memo is not None else frozenset()
+        forward_only = set(forward_only) | (set(spread) - set(seen))
         if not forward_only:
             return {}
-        spread, j = {}, 0  # (the forward alone is compared, on any example)
+        spread, j = {}, 0
+        if losses is not None:  # the example whose loss is largest: a zero (padding-only) loss shows nothing
+            la = losses.detach().double().abs().reshape(-1)
+            la = torch.where(torch.isfinite(la), la, torch.full_like(la, -1.0))
+            j = int(la.argmax())
+            fwd_memo = bool(la[j] > 0)
+        else:
+            fwd_memo = False
     else:
         j = int(score.argmax())
     idx = torch.full((m,), j)
@@ -2039,7 +2056,8 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
     # in eval mode: dropout would give the copies different masks (and the check must not draw
     # from the user's random streams); how the model reads the expanded output is the same
     try:
-        sub = _side_collect(loss_module, params, constants, dup, registry, overrides, probe_memo, wts)
+        sub = _side_collect(loss_module, params, constants, dup, registry, overrides, probe_memo, wts,
+                            no_expand=dict(no_expand or {}))
         # the forward with the outputs expanded must be the model's own: the copies' losses as without
         # the expansion (the same eval flags and random streams). With m ≠ T copies an expanded
         # output's shape differs from the model's (B for 1, or for T), so a forward that reads it
@@ -2089,7 +2107,7 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
                     break
     if probe_memo is not None and finite:
         _memo_expansions(probe_memo, key, {*spread, *(mn for mn in forward_only if mn in bad)}, bad)
-    if probe_memo is not None and forward_only:
+    if probe_memo is not None and forward_only and fwd_memo:
         fkey = _fwd_key(key)
         _memo_put(probe_memo, fkey, probe_memo.get(fkey, frozenset()) | {mn for mn in forward_only if mn not in bad})
     return bad

@@ -2942,44 +2942,63 @@ def test_plan_and_reasons_follow_the_step_chunks(B, chunk):
 
 class _ReadsShapeWithoutGradient(nn.Module):
     """Reads its position output's first dimension (1, or T for batch-free ids: B once expanded) in
-    every step, but adds the output only when ``use`` is set: in the other steps no gradient
-    reaches the table, yet the forward the other layers are captured through depends on the shape."""
+    every step, but adds the output only when ``use`` is set ("nograd": no gradient reaches the
+    table otherwise; "zero": one does, scaled by 0; "detached": never one), so in those steps the
+    table's gradients say nothing, yet the forward the other layers are captured through depends on
+    the shape. The loss weights tokens by ``w`` (an example of weight 0 has loss 0)."""
 
-    def __init__(self, kind):
+    def __init__(self, kind, mode="nograd"):
         super().__init__()
         self.tok, self.pos, self.head = nn.Embedding(11, 4), nn.Embedding(8, 4), nn.Linear(4, 11)
-        self.kind, self.use = kind, False
+        self.kind, self.mode, self.use = kind, mode, False
 
     def forward(self, ids):
         ar = torch.arange(ids.shape[1])
         p = self.pos(ar if self.kind == "flat" else ar[None])  # (T, d) or (1, T, d)
         x = self.tok(ids) * (p.shape[0] / 2.0)
-        if self.use:
+        if self.mode == "zero":
+            x = x + float(self.use) * p
+        elif self.mode == "detached":
+            x = x + p.detach()
+        elif self.use:
             x = x + p
         return self.head(torch.tanh(x))
 
 
+def _weighted_ids_loss(m, b):
+    lg = m(b["ids"])
+    ce = F.cross_entropy(lg.reshape(-1, 11), b["ids"].reshape(-1), reduction="none").view(b["ids"].shape)
+    return (ce * b["w"]).sum(1)
+
+
+@pytest.mark.parametrize("check_order", [True, False])
+@pytest.mark.parametrize("mode", ["nograd", "zero", "detached"])
 @pytest.mark.parametrize("kind", ["flat", "one"])
-def test_expansion_read_in_steps_no_gradient_reaches_it(kind):
-    """One step object, steps without and with a gradient reaching the table: exact and within the
-    bound in every step; the misread expansion is found in the first step (the copies' losses),
-    not only once a gradient reaches it, and the example-order verdicts found through it are not
-    reused once it is dropped (the other layers are back on their rules from the second step)."""
+def test_expansion_read_in_steps_no_gradient_reaches_it(kind, mode, check_order):
+    """One step object, steps without and with a (non-zero) gradient reaching the table, the first
+    one's example 0 of loss 0: exact and within the bound in every step, with the example-order
+    check and without it (``check_order=False``: then nothing but the duplicated-example check
+    guards the expansion). The misread expansion is found in the first step, from the copies' losses
+    of an example whose loss is not 0, not only once a gradient reaches the table; and the
+    example-order verdicts found through it are not reused once it is dropped (the other layers are
+    on their rules from the second step)."""
     torch.manual_seed(0)
-    m = _ReadsShapeWithoutGradient(kind).double().eval()
+    m = _ReadsShapeWithoutGradient(kind, mode).double().eval()
     params = trainable_params(m)
-    step = make_dp_step(m, _ids_lm_loss, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=1.0,
-                        method="bk")
+    step = make_dp_step(m, _weighted_ids_loss, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=1.0,
+                        method="bk", bk_options={"check_order": check_order})
     for i, (B, use) in enumerate(((3, False), (4, False), (3, True), (3, False), (6, False))):
         m.use = use
-        b = {"ids": torch.randint(0, 11, (B, 5))}
+        b = {"ids": torch.randint(0, 11, (B, 5)), "w": torch.ones(B, 5, dtype=torch.float64)}
+        if i == 0:
+            b["w"][0] = 0.0  # example 0: loss 0, whatever the forward
         part = step.clipped_sum(params, b)
-        norms, sums = pdpsgd.testing.naive_clipped_sum(m, _ids_lm_loss, b, max_grad_norm=0.1, params=params)
+        norms, sums = pdpsgd.testing.naive_clipped_sum(m, _weighted_ids_loss, b, max_grad_norm=0.1, params=params)
         assert torch.allclose(part.per_sample_norms, norms, rtol=1e-9, atol=0), (i, B, use)
         for n in sums:
             assert torch.allclose(part.sums[n], sums[n], rtol=1e-9, atol=1e-12), (i, n)
         assert check_sensitivity(step, params, b).max_ratio <= 1 + 1e-9
         assert part.routes["pos.weight"] == "vmap", part.routes
-        if i:
+        if i or not check_order:
             assert all(part.routes[n] != "vmap" for n in ("tok.weight", "head.weight", "head.bias")), (i, part.routes)
     assert "changed the forward" in step.fallback_reasons(b)["pos.weight"]
