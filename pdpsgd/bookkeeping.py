@@ -82,8 +82,8 @@ from ._types import Batch, EngineResult, Params, WeightsFn
 from .batch_order import ReorderWatch
 from .clipping import sum_sq_norms
 from .functional import LossModule, model_constants, preserve_module_state
-from .per_sample import (SQ_NORM_BLOCK, _device_of, acc_dtype, batch_size, cat_chunks, per_sample_grads, slice_batch,
-                         sq_norm_per_example, stray_parameter_error, trainable_parameters, weighted_dot, weighted_sum)
+from .per_sample import (SQ_NORM_BLOCK, _device_of, acc_dtype, batch_chunks, batch_size, cat_chunks, per_sample_grads,
+                         slice_batch, sq_norm_per_example, stray_parameter_error, trainable_parameters, weighted_dot, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
 from .rules.base import Dense, Explicit, Index, Rule, Use, module_attr
 
@@ -2964,8 +2964,7 @@ def bk_engine(
     w_all: Dict[str, List[Tensor]] = {n: [] for n in params}
     total: Dict[str, Tensor] = {}
     routes: Dict[str, str] = {}
-    for start in range(0, B, chunk):
-        stop = min(B, start + chunk)
+    for start, stop, sub in batch_chunks(batch, B, chunk):
         m = mask[start:stop]
         # (a single chunk on a GPU is run whatever its mask: deciding would be a sync; an
         # all-padding batch then gives weight 0 to every example, the same (zero) sums, but its
@@ -2978,7 +2977,6 @@ def bk_engine(
                 sq_all[n].append(z[n])
                 w_all[n].append(z[n])
             continue
-        sub = batch if (start == 0 and stop == B) else slice_batch(batch, start, stop)
         losses, sq, w, sums, r = _chunk(loss_module, params, constants, sub, m, weights_fn, registry,
                                         overrides, cm, bk_options, probe_memo)
         for n in params:

@@ -19,7 +19,7 @@ from ._compat import mha_fastpath_off, transformers_vmap_compat
 from ._types import Batch, EngineResult, Params, WeightsFn
 from .functional import LossModule, preserve_module_state
 
-__all__ = ["batch_size", "slice_batch", "per_sample_grads", "vmap_engine", "default_chunk_size", "cat_chunks",
+__all__ = ["batch_size", "slice_batch", "batch_chunks", "per_sample_grads", "vmap_engine", "default_chunk_size", "cat_chunks",
            "chunk_budget_elems"]
 
 
@@ -46,6 +46,14 @@ def batch_size(batch: Batch) -> int:
 def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
     """Examples start..stop-1 of the batch (tensor leaves sliced, others kept)."""
     return tree_map(lambda x: x[start:stop] if isinstance(x, Tensor) else x, batch)
+
+
+def batch_chunks(batch: Batch, B: int, chunk: int) -> Iterator[Tuple[int, int, Batch]]:
+    """``(start, stop, examples start..stop-1)`` for each pass of ``chunk`` examples over a batch of
+    ``B``; the batch itself when one pass covers it."""
+    for start in range(0, B, chunk):
+        stop = min(B, start + chunk)
+        yield start, stop, (batch if start == 0 and stop == B else slice_batch(batch, start, stop))
 
 
 def _in_dims(batch: Batch):
@@ -282,8 +290,7 @@ def vmap_engine(
     w_all: Dict[str, List[Tensor]] = {n: [] for n in params}
     total: Dict[str, Tensor] = {}
     stray = trainable_parameters(loss_module.model, params)
-    for start in range(0, B, chunk):
-        stop = min(B, start + chunk)
+    for start, stop, sub in batch_chunks(batch, B, chunk):
         m = mask[start:stop]
         if not loss_module.model.training and not bool(m.any()):
             b = stop - start
@@ -294,7 +301,7 @@ def vmap_engine(
                 sq_all[n].append(z)
                 w_all[n].append(z)
             continue
-        losses, grads = per_sample_grads(loss_module, params, constants, slice_batch(batch, start, stop), stray=stray)
+        losses, grads = per_sample_grads(loss_module, params, constants, sub, stray=stray)
         sq = {n: sq_norm_per_example(g) for n, g in grads.items()}
         w = weights_fn(sq, losses, m)
         for n, g in grads.items():

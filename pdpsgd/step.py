@@ -19,7 +19,7 @@ from .clipping import Clipping, make_groups, make_weights_fn, sum_sq_norms
 from .functional import LossModule, ParamIndex, check_no_batch_mixing, model_constants, trainable_params
 from .fused import RNGS, noise_and_scale, resolve_rng
 from .noise import entropy_generator
-from .per_sample import acc_dtype, batch_size, slice_batch, vmap_engine
+from .per_sample import acc_dtype, batch_chunks, batch_size, vmap_engine
 
 __all__ = ["make_dp_step", "DPStep", "ClippedSum", "StepOutput"]
 
@@ -241,9 +241,8 @@ class DPStep:
     def _chunks(self, batch: Batch):
         """The batch as the step splits it (``chunk_size`` examples per pass)."""
         B = batch_size(batch)
-        chunk = self.chunk_size or B
-        for start in range(0, B, chunk):
-            yield batch if (start == 0 and start + chunk >= B) else slice_batch(batch, start, min(B, start + chunk))
+        for _, _, sub in batch_chunks(batch, B, self.chunk_size or B):
+            yield sub
 
     def fallback_reasons(self, batch: Batch, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, str]:
         """{parameter name: why it takes the exact vmap fallback} for the parameters whose route in

@@ -484,3 +484,19 @@ def test_step_noise_follows_torchs_thread_count_with_the_same_bits(monkeypatch):
     assert all(torch.equal(outs[0][n], outs[1][n]) for n in sizes)
     assert seen == [1, 3 if native_rng.threaded() else 1, 1]  # (1000 coordinates: one thread)
     assert small["b"].shape == (1000,)
+
+
+def test_threaded_draws_equal_the_documented_stream():
+    """Shared among threads, the pieces' draws against the independent numpy Philox + float64
+    Box–Muller of the documented layout (not only against the kernel on one thread)."""
+    sizes = [5000, 70, (1 << 17) + 3, 64]
+    outs = [torch.zeros(n) for n in sizes]
+    s = native_rng.NativeStream(torch.Generator().manual_seed(9))
+    s.add_many(outs, 0.5, 1.0, threads=3)
+    blocks = [-(-n // 64) for n in sizes]
+    ref = stream_ref(sum(blocks), s.key, s.nonce, torch.float32) * 0.5
+    at = 0
+    for x, nb in zip(outs, blocks):
+        assert np.abs(x.double().numpy() - ref[at * 64: at * 64 + x.numel()]).max() <= 0.5e-6
+        at += nb
+    assert s.counter == sum(blocks) * 16
