@@ -770,6 +770,73 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
     return out
 
 
+# Ghost norms of equal-shaped layers, taken together. The self pair of a dense use whose Grams no
+# other use shares, held full (B, T, T) (no ``_SymGram`` halvings, no compaction), is computed with
+# the other such uses of the same shapes and dtypes (e.g. every block's attention output projection):
+# their Grams are written into one (2, m, B, T, T) tensor, one bmm per factor as before, and the
+# norms, the cancellation guard's bounds and token counts are then read off it in ~6 ops for the
+# whole group instead of ~8 per layer, with far less Python per layer (a GPU step is launch-bound;
+# ``launch-proxy`` in benchmarks/README.md, round 26). Exact: the same products and sums per
+# example as ``_inner``. A group holds at most GROUP_MAX_ELEMS Gram elements (larger ones split),
+# so at long T, where the Grams are big and the work compute-bound, each layer goes alone.
+GROUP_MAX_ELEMS = 1 << 22
+
+
+def _groupable(u: Use, counts: Mapping, acc: torch.dtype, comp: Optional["_Compact"]) -> Optional[Tuple]:
+    """The group key of a ghost-route parameter's single use ``u`` if its self pair can be taken in a
+    group (``_ghost_groups``), else None."""
+    if not (isinstance(u, Dense) and u.R is not None and comp is None and u.L.dim() == 3 and u.R.dim() == 3
+            and u.L.shape[:2] == u.R.shape[:2] and u.L.shape[0] > 0 and _pair_levels(u) == 0):
+        return None
+    if counts.get(_gram_key(u.L, acc, None, 0), 0) > 1 or counts.get(_gram_key(u.R, acc, None, 0), 0) > 1:
+        return None  # a Gram shared with another use (q/k/v's input): the memo computes it once
+    return (tuple(u.L.shape), tuple(u.R.shape), u.L.dtype, u.R.dtype, acc, u.L.device)
+
+
+def _ghost_groups(items: Sequence[Tuple[str, Dense, Tuple]], rows: Optional[Dict[int, Tensor]],
+                  tokens: Dict[int, Tensor]) -> Dict[str, Tuple[Tensor, Tensor]]:
+    """For the ``(name, use, key)`` items (``_groupable`` keys), in groups of 2 or more of one key:
+    name -> (‖G_i‖² (B,), the bound Σ_t ‖L_t‖‖R_t‖ (B,)) of each use's self pair, as ``_inner`` gives
+    them; fills ``tokens`` (non-float64) and ``rows`` (``_active_rows``) by id(use) as ``_inner`` does.
+    Items left alone (a group of one) are not in the result."""
+    by: Dict[Tuple, List[Tuple[str, Dense]]] = {}
+    for n, u, k in items:
+        by.setdefault(k, []).append((n, u))
+    out: Dict[str, Tuple[Tensor, Tensor]] = {}
+    for (ls, rs, _, _, acc, device), members in by.items():
+        B, T = ls[0], ls[1]
+        per = GROUP_MAX_ELEMS // (2 * B * T * T)
+        if per < 2 or len(members) < 2:
+            continue
+        for s in range(0, len(members), per):
+            part = members[s:s + per]
+            if len(part) < 2:
+                break  # (a last one alone: ``_inner``)
+            G = torch.empty((2, len(part), B, T, T), dtype=acc, device=device)
+            for j, (_, u) in enumerate(part):
+                for f, X in enumerate((u.L, u.R)):
+                    X = X.to(acc)
+                    torch.bmm(X, X.transpose(1, 2), out=G[f, j])  # (B, T, P) x (B, P, T) -> (B, T, T)
+            d = G.diagonal(dim1=3, dim2=4)  # (2, m, B, T): ‖L_t‖², ‖R_t‖²
+            terms = d[0] * d[1]  # (m, B, T)
+            bound = terms.sqrt().sum(2)  # (m, B): Σ_t ‖L_t‖‖R_t‖
+            cnt = torch.count_nonzero(terms, dim=2) if acc != torch.float64 else None  # (m, B), as ``_bound``
+            sq = (G[0] * G[1]).sum((2, 3))  # (m, B, T, T) -> (m, B): ⟨L Lᵀ, R Rᵀ⟩ per example
+            del G
+            check = rows is not None and B * T * ls[2] * rs[2] >= ACTIVE_ROWS_MIN_WORK
+            if check and cnt is not None and int(cnt.sum()) == len(part) * B * T:
+                check = False  # every row of every use has a non-zero term: no zero rows (one host read)
+            for j, (n, u) in enumerate(part):
+                out[n] = (sq[j], bound[j])
+                if cnt is not None:
+                    tokens[id(u)] = cnt[j]
+                if check:
+                    act = _active_rows(u, d[0, j], d[1, j], None if cnt is None else cnt[j])
+                    if act is not None:
+                        rows[id(u)] = act
+    return out
+
+
 # Float32 ghost norms (a sum of T² products of Gram entries) can lose their digits to cancellation
 # when large token terms nearly cancel, which an example can be crafted to do (activations ≈ 1e4
 # with opposing output gradients: a norm of 7.5 computed as 0), while the clipped sum is computed
@@ -2819,6 +2886,16 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
     grams = _GramMemo(counts)
     active: Dict[int, Tensor] = {}  # id(dense use) -> its non-zero factor rows (when few enough)
     rows = active if device.type in ACTIVE_ROWS_DEVICES else None
+    # equal-shaped single-use layers' self pairs, by groups (``_ghost_groups``): name -> (‖G_i‖², bound)
+    items = []
+    for n, r in routes.items():
+        us = col.uses.get(n, [])
+        if r == "ghost" and len(us) == 1:
+            k = _groupable(us[0], counts, _acc(params[n].dtype), compact.get(id(us[0])))
+            if k is not None:
+                items.append((n, us[0], k))
+    grouped = _ghost_groups(items, rows, tokens) if len(items) > 1 else {}
+    del items
     stackable: Dict[Tuple, List[Tuple[str, Tensor]]] = {}  # (numel, dtype, device) -> small explicit G's
     guard = _Guard()  # ghost-route norms, clamped and cancellation-guarded together
     for n, r in routes.items():
@@ -2851,6 +2928,9 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
                 kept += 0 if (small or frees) else G.numel()
                 col.uses[n] = []  # drop this parameter's references to its a and g
             del G, uses
+        elif n in grouped:
+            tot, b = grouped.pop(n)
+            guard.add(n, tot, uses, {id(uses[0]): b}, acc, tokens)
         else:
             tot = None
             bounds: Dict[int, Tensor] = {}

@@ -3002,3 +3002,126 @@ def test_expansion_read_in_steps_no_gradient_reaches_it(kind, mode, check_order)
         if i or not check_order:
             assert all(part.routes[n] != "vmap" for n in ("tok.weight", "head.weight", "head.bias")), (i, part.routes)
     assert "changed the forward" in step.fallback_reasons(b)["pos.weight"]
+
+
+class _Stack(nn.Module):
+    """m Linear(d, d) layers of one shape (one ghost group), a wider one and a head; used twice
+    by nothing, so each layer's self pair may be grouped (``bookkeeping._ghost_groups``)."""
+
+    def __init__(self, m: int, d: int, bias: bool):
+        super().__init__()
+        self.inp = nn.Linear(3, d)
+        self.body = nn.ModuleList(nn.Linear(d, d, bias=bias) for _ in range(m))
+        self.wide = nn.Linear(d, 2 * d)
+        self.head = nn.Linear(2 * d, 2)
+
+    def forward(self, x):  # (B, T, 3) -> (B, T, 2)
+        h = torch.tanh(self.inp(x))
+        for layer in self.body:
+            h = torch.tanh(layer(h)) + h
+        return self.head(torch.tanh(self.wide(h)))
+
+
+def _stack_loss(m, b):
+    return (m(b["x"]) * b["y"]).sum((1, 2))  # (B,)
+
+
+def _spy_groups(monkeypatch):
+    import pdpsgd.bookkeeping as bk
+
+    seen = []
+    real = bk._ghost_groups
+
+    def spy(items, rows, tokens):
+        out = real(items, rows, tokens)
+        seen.append(len(out))
+        return out
+
+    monkeypatch.setattr(bk, "_ghost_groups", spy)
+    return seen
+
+
+@settings(max_examples=12, deadline=None)
+@given(m=st.integers(2, 5), d=st.sampled_from([3, 6, 9]), B=st.integers(1, 5), T=st.integers(1, 9),
+       bias=st.booleans(), chunk=st.sampled_from([None, 1, 2]), C=st.sampled_from([0.05, 0.5, 50.0]),
+       budget=st.sampled_from([None, "two", "one"]), seed=st.integers(0, 2**16))
+def test_equal_shaped_layers_ghost_norms_in_groups(m, d, B, T, bias, chunk, C, budget, seed):
+    """Ghost norms of equal-shaped layers taken as groups (one (2, m, B, T, T) Gram tensor per
+    group): per-example norms and clipped sums equal the naive float64 oracle; with a Gram budget
+    that splits the groups into pairs, or leaves every layer alone (``GROUP_MAX_ELEMS``)."""
+    import pdpsgd.bookkeeping as bk
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bk, "SYM_MIN_T", 128)  # (conftest: block Grams from T = 4) full Grams, which groups take
+        if budget is not None:
+            per = 2 * (chunk or B) * T * T  # a member's Gram elements
+            mp.setattr(bk, "GROUP_MAX_ELEMS", 2 * per if budget == "two" else per)
+        seen = _spy_groups(mp)
+        torch.manual_seed(seed)
+        model = _Stack(m, d, bias)
+        b = {"x": torch.randn(B, T, 3), "y": torch.randn(B, T, 2)}
+        r = assert_exact(model, _stack_loss, b, method="bk", max_grad_norm=C, chunk_size=chunk,
+                         bk_options={"cost_model": "ghost"})
+    assert all(v == "ghost" for n, v in r.routes.items() if n.endswith("weight")), r.routes
+    if budget == "one":
+        assert max(seen) == 0  # no group fits: each layer by ``_inner``, as before
+    else:  # the body's m weights: in pairs (an odd one alone), or all in one group
+        assert max(seen) >= (2 * (m // 2) if budget == "two" else m), seen
+
+
+def test_grouped_ghost_norms_keep_the_cancellation_guard(monkeypatch):
+    """The float32 cancellation guard (``KAPPA_MAX_PER_T``) holds for layers whose norms are taken in
+    a group: a crafted example (activations ≈ 1e4, opposing output gradients) stays within C."""
+    import pdpsgd.bookkeeping as bk
+
+    monkeypatch.setattr(bk, "SYM_MIN_T", 128)  # full Grams, which groups take
+    seen = _spy_groups(monkeypatch)
+    torch.manual_seed(0)
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 3, bias=False), nn.Linear(4, 3, bias=False)
+
+        def forward(self, x):
+            return self.a(x), self.b(x + 0)  # (an input of its own: a shared one's Gram is memoised, not grouped)
+
+    v = torch.tensor([3.0, -2.0, 1.0])
+
+    def loss(m, b):
+        ya, yb = m(b["x"])  # (B, 2, 3) each
+        return (ya[:, 0] - ya[:, 1]) @ v + (yb[:, 0] - yb[:, 1]) @ v
+
+    model = Two()
+    base = torch.randn(4) * 1e4
+    x = torch.stack([torch.stack([base, base + torch.randn(4)]) for _ in range(4)])  # (4, 2, 4)
+    step = make_dp_step(model, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk",
+                        bk_options={"routes": {"a.weight": "ghost", "b.weight": "ghost"}})
+    for i in range(4):
+        part = step.clipped_sum(trainable_params(model), {"x": x[i:i + 1]})
+        total = math.sqrt(sum(float(s.double().norm()) ** 2 for s in part.sums.values()))
+        assert total <= 1.0 * (1 + 1e-4)
+        true = math.sqrt(2) * float(torch.outer(v.double(), (x[i, 0] - x[i, 1]).double()).norm())
+        assert float(part.per_sample_norms[0]) >= true * (1 - 1e-3)
+    assert max(seen) == 2  # both layers' norms were taken in one group
+
+
+def test_grouped_ghost_norms_skip_padded_rows_as_before(monkeypatch):
+    """On the CPU a grouped layer still finds its zero (padded) rows for the clipped sum
+    (``_active_rows``), as ``_inner`` does: exact against the oracle with most rows zero."""
+    import pdpsgd.bookkeeping as bk
+
+    monkeypatch.setattr(bk, "ACTIVE_ROWS_MIN_WORK", 1)
+    monkeypatch.setattr(bk, "SYM_MIN_T", 128)  # full Grams, which groups take
+    seen = _spy_groups(monkeypatch)
+    found = []
+    real = bk._active_rows
+    monkeypatch.setattr(bk, "_active_rows", lambda *a, **k: (lambda r: (found.append(r is not None), r)[1])(real(*a, **k)))
+    torch.manual_seed(1)
+    model = _Stack(3, 6, True)
+    B, T = 4, 10
+    y = torch.randn(B, T, 2)
+    y[:, 2:] = 0  # only the first two positions carry a loss: zero output gradients elsewhere
+    b = {"x": torch.randn(B, T, 3), "y": y}
+    assert_exact(model, _stack_loss, b, method="bk", max_grad_norm=0.3, bk_options={"cost_model": "ghost"})
+    assert max(seen) >= 3 and any(found)
