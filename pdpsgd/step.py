@@ -5,6 +5,7 @@ Gaussian noise -> divide by the expected batch size.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import warnings
@@ -52,6 +53,22 @@ class ClippedSum(NamedTuple):
             # (an empty batch's "skipped" does not hide the route another batch took)
             {**self.routes, **{n: r for n, r in other.routes.items() if r != "skipped" or n not in self.routes}},
         )
+
+
+def _eager_stance():
+    """Inside the engine, code compiled with ``torch.compile`` (a compiled model, or a compiled
+    function in ``loss_fn``) runs as the eager code it wraps (``torch.compiler.set_stance("force_eager")``,
+    torch ≥ 2.6): the engine wraps the layers' forwards and hooks their outputs, which dynamo would
+    trace, guard on and recompile for every layer (minutes of compiling, then eager anyway once its
+    recompile limit is hit). The results are the eager model's either way."""
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    eval_frame = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    cls = getattr(eval_frame, "OptimizedModule", None)
+    return cls is not None and isinstance(model, cls)
 
 
 def _check_grad_mode(params: Mapping[str, Tensor], batch: Batch, *, tensors: bool = True) -> None:
@@ -155,6 +172,12 @@ class DPStep:
 
             native_rng.available()  # build (or find) the kernel now, not inside the first step's timing
         check_no_batch_mixing(model)
+        if _is_compiled(model):
+            warnings.warn(
+                "the model is torch.compile'd: the DP step runs its forward and backward eagerly (the engine "
+                "captures each layer's input and output gradient, which compiled code would not expose), so "
+                "compiling the model speeds up only what runs outside the step. Pass the uncompiled model to "
+                "silence this; the step's noise can be compiled with fused=True.", stacklevel=3)
         self.model = model
         self.loss_fn = loss_fn
         self.max_grad_norm = float(max_grad_norm)
@@ -231,7 +254,7 @@ class DPStep:
         _check_grad_mode(params, batch)
         routes: Dict[str, str] = {}
         for sub in self._chunks(batch):
-            with torch.enable_grad():
+            with torch.enable_grad(), _eager_stance():
                 r = bk_plan(self.model, self.loss_fn, params, sub, method=self.method,
                             clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo), **self.bk_options)
             for n, v in r.items():
@@ -258,7 +281,7 @@ class DPStep:
         chunks = list(self._chunks(batch))
         count: Dict[str, int] = {}
         for sub in chunks:
-            with torch.enable_grad():
+            with torch.enable_grad(), _eager_stance():
                 r = fallback_reasons(self.model, self.loss_fn, params, sub, method=self.method,
                                      clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo),
                                      **self.bk_options)
@@ -291,7 +314,7 @@ class DPStep:
         groups = make_groups(list(detached), self.clipping, self.max_grad_norm, budget=self.clip_budget)
         weights_fn = make_weights_fn(groups, clip_fn=self.clip_fn, gamma=self.gamma)
         _check_grad_mode(params, batch, tensors=self.method != "vmap")
-        with torch.enable_grad():  # (the step's own gradients, also under a caller's no_grad)
+        with torch.enable_grad(), _eager_stance():  # (the step's own gradients, also under a caller's no_grad)
             if self.method == "vmap":
                 res = vmap_engine(self._loss_module, detached, constants, batch, mask, weights_fn,
                                   chunk_size=self.chunk_size)

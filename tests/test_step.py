@@ -528,3 +528,37 @@ def test_step_under_a_callers_no_grad_is_the_same_and_inference_mode_is_refused(
         step.clipped_sum(inf_params, b)
     with pytest.raises(RuntimeError, match="a batch tensor was created under torch.inference_mode"):
         step.clipped_sum(params, {**b, "x": inf_x})
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch.compiler.set_stance: torch >= 2.6")
+@pytest.mark.parametrize("method", ["bk", "vmap"])
+def test_compiled_model_runs_eagerly_inside_the_step(method):
+    """A ``torch.compile``d model (an OptimizedModule, its parameters named ``_orig_mod.*``): the step
+    says at construction that it runs the model eagerly, runs it so (dynamo traces nothing: before,
+    the first bk step compiled for ~2 minutes, recompiling every wrapped layer up to dynamo's
+    limit), and its norms and clipped sums equal the naive float64 oracle's on the eager model."""
+    import warnings
+
+    from models import hf_lm_loss, tiny_gpt2
+
+    torch.manual_seed(0)
+    base = tiny_gpt2().double()
+    model = torch.compile(base)
+    ids = torch.randint(0, 40, (3, 7))
+    b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    with pytest.warns(UserWarning, match="torch.compile'd"):
+        step = pdpsgd.make_dp_step(model, hf_lm_loss, max_grad_norm=0.3, noise_multiplier=0.0, method=method)
+    params = pdpsgd.trainable_params(model)
+    assert all(n.startswith("_orig_mod.") for n in params)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        part = step.clipped_sum(params, b)
+    assert torch._dynamo.utils.counters["stats"]["calls_captured"] == 0  # dynamo traced nothing
+    if method == "bk":
+        assert "vmap" not in part.routes.values(), part.routes
+    norms, sums = pdpsgd.testing.naive_clipped_sum(base, hf_lm_loss, b, max_grad_norm=0.3)
+    torch.testing.assert_close(part.per_sample_norms, norms, rtol=1e-9, atol=0)
+    for n, v in sums.items():
+        torch.testing.assert_close(part.sums["_orig_mod." + n], v, rtol=1e-9, atol=1e-12)
