@@ -63,10 +63,12 @@ def _in_dims(batch: Batch):
 
 @contextlib.contextmanager
 def vmap_context(model: torch.nn.Module) -> Iterator[None]:
-    """Everything a user model needs to run under vmap: transformers masks, exact RNN ops."""
+    """Everything a user model needs to run under vmap: transformers masks, exact RNN ops, dense
+    embedding gradients."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(transformers_vmap_compat())
         stack.enter_context(mha_fastpath_off())
+        stack.enter_context(_dense_embedding_grads(model))
         try:
             from .rnn import exact_rnn_ops, model_has_rnn
         except ImportError:  # pragma: no cover - rnn module always ships
@@ -74,6 +76,23 @@ def vmap_context(model: torch.nn.Module) -> Iterator[None]:
         if model_has_rnn is not None and model_has_rnn(model):
             stack.enter_context(exact_rnn_ops())
         yield
+
+
+@contextlib.contextmanager
+def _dense_embedding_grads(model: torch.nn.Module) -> Iterator[None]:
+    """``nn.Embedding`` / ``nn.EmbeddingBag`` built with ``sparse=True`` give their weight a sparse
+    gradient, which torch.func.vmap cannot batch ("Could not run 'aten::view' with arguments from the
+    'SparseCPU' backend"). Per example the gradient is the same values either way, and the step
+    returns dense gradients, so these layers run with ``sparse=False`` for the block (restored after)."""
+    flipped = [m for m in model.modules()
+               if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and getattr(m, "sparse", False)]
+    for m in flipped:
+        m.sparse = False
+    try:
+        yield
+    finally:
+        for m in flipped:
+            m.sparse = True
 
 
 def _raised_in(err: BaseException, path_end: str) -> bool:

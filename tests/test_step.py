@@ -562,3 +562,34 @@ def test_compiled_model_runs_eagerly_inside_the_step(method):
     torch.testing.assert_close(part.per_sample_norms, norms, rtol=1e-9, atol=0)
     for n, v in sums.items():
         torch.testing.assert_close(part.sums["_orig_mod." + n], v, rtol=1e-9, atol=1e-12)
+
+
+class _SparseEmb(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.e = nn.Embedding(11, 4, sparse=True, **kw)
+        self.bag = nn.EmbeddingBag(11, 3, mode="sum", sparse=True)
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, ids):  # (B, T) -> (B, T, 3)
+        return self.lin(self.e(ids)) + self.bag(ids).unsqueeze(1)
+
+
+@pytest.mark.parametrize("method,kw", [("vmap", {}), ("bk", {}), ("auto", {"padding_idx": 0})])
+def test_sparse_embeddings_get_exact_dense_gradients(method, kw):
+    """``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag(sparse=True)``: torch.func.vmap cannot batch
+    a sparse gradient (before: torch's "Could not run 'aten::view' ... 'SparseCPU' backend"); the
+    layers run with dense gradients inside vmap (the vmap method, and book-keeping's exact fallback,
+    which the bag takes) and are restored after. Exact against the naive float64 oracle."""
+    torch.manual_seed(0)
+    model = _SparseEmb(**kw)
+    ids = torch.randint(0, 11, (4, 6))
+    ids[:, :2] = 3  # a repeated token
+
+    def loss(m, b):
+        return (m(b["ids"]) * b["y"]).sum((1, 2))
+
+    r = assert_exact(model, loss, {"ids": ids, "y": torch.randn(4, 6, 3)}, method=method, max_grad_norm=0.5)
+    if method != "vmap":
+        assert r.routes["bag.weight"] == "vmap" and r.routes["e.weight"] != "vmap", r.routes
+    assert model.e.sparse and model.bag.sparse  # restored
