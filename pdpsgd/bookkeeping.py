@@ -786,7 +786,7 @@ def _groupable(u: Use, counts: Mapping, acc: torch.dtype, comp: Optional["_Compa
     """The group key of a ghost-route parameter's single use ``u`` if its self pair can be taken in a
     group (``_ghost_groups``), else None."""
     if not (isinstance(u, Dense) and u.R is not None and comp is None and u.L.dim() == 3 and u.R.dim() == 3
-            and u.L.shape[:2] == u.R.shape[:2] and u.L.shape[0] > 0 and _pair_levels(u) == 0):
+            and u.L.shape[:2] == u.R.shape[:2] and u.L.shape[0] > 0 and u.L.shape[1] > 0 and _pair_levels(u) == 0):
         return None
     if counts.get(_gram_key(u.L, acc, None, 0), 0) > 1 or counts.get(_gram_key(u.R, acc, None, 0), 0) > 1:
         return None  # a Gram shared with another use (q/k/v's input): the memo computes it once
@@ -822,10 +822,11 @@ def _ghost_groups(items: Sequence[Tuple[str, Dense, Tuple]], rows: Optional[Dict
             bound = terms.sqrt().sum(2)  # (m, B): Σ_t ‖L_t‖‖R_t‖
             cnt = torch.count_nonzero(terms, dim=2) if acc != torch.float64 else None  # (m, B), as ``_bound``
             sq = (G[0] * G[1]).sum((2, 3))  # (m, B, T, T) -> (m, B): ⟨L Lᵀ, R Rᵀ⟩ per example
-            del G
             check = rows is not None and B * T * ls[2] * rs[2] >= ACTIVE_ROWS_MIN_WORK
             if check and cnt is not None and int(cnt.sum()) == len(part) * B * T:
                 check = False  # every row of every use has a non-zero term: no zero rows (one host read)
+            d = d.clone() if check else None  # (the diagonals alone: the Grams are freed before the next group)
+            del G, terms
             for j, (n, u) in enumerate(part):
                 out[n] = (sq[j], bound[j])
                 if cnt is not None:

@@ -56,19 +56,35 @@ class ClippedSum(NamedTuple):
 
 
 def _eager_stance():
-    """Inside the engine, code compiled with ``torch.compile`` (a compiled model, or a compiled
-    function in ``loss_fn``) runs as the eager code it wraps (``torch.compiler.set_stance("force_eager")``,
-    torch ≥ 2.6): the engine wraps the layers' forwards and hooks their outputs, which dynamo would
-    trace, guard on and recompile for every layer (minutes of compiling, then eager anyway once its
-    recompile limit is hit). The results are the eager model's either way."""
+    """``torch.compiler.set_stance("force_eager")`` (torch ≥ 2.6), else nothing."""
     set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
     return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
+def _run_eagerly(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with gradients on (also under a caller's no_grad), not traced by dynamo
+    (``torch.compiler.disable``: a step called inside the user's own compiled function is a graph
+    break there, run as it is), and with code compiled by ``torch.compile`` (a compiled model, or a
+    compiled function in ``loss_fn``) running as the eager code it wraps (``_eager_stance``): the
+    engine wraps the layers' forwards and hooks their outputs, which dynamo would trace, guard on and
+    recompile for every layer (minutes of compiling, then eager anyway at its recompile limit). The
+    results are the eager model's either way. The stance is process-wide while ``fn`` runs (torch's):
+    compiled code that another thread runs meanwhile runs eagerly too."""
+    def run():
+        with torch.enable_grad(), _eager_stance():
+            return fn(*args, **kwargs)
+
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(run)() if disable is not None else run()
+
+
 def _is_compiled(model: nn.Module) -> bool:
+    """Whether the model or one of its modules is compiled (``torch.compile(module)``, an
+    OptimizedModule, or ``module.compile()`` in place)."""
     eval_frame = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
     cls = getattr(eval_frame, "OptimizedModule", None)
-    return cls is not None and isinstance(model, cls)
+    return any((cls is not None and isinstance(m, cls)) or getattr(m, "_compiled_call_impl", None) is not None
+               for m in model.modules())
 
 
 def _check_grad_mode(params: Mapping[str, Tensor], batch: Batch, *, tensors: bool = True) -> None:
@@ -254,9 +270,8 @@ class DPStep:
         _check_grad_mode(params, batch)
         routes: Dict[str, str] = {}
         for sub in self._chunks(batch):
-            with torch.enable_grad(), _eager_stance():
-                r = bk_plan(self.model, self.loss_fn, params, sub, method=self.method,
-                            clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo), **self.bk_options)
+            r = _run_eagerly(bk_plan, self.model, self.loss_fn, params, sub, method=self.method,
+                             clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo), **self.bk_options)
             for n, v in r.items():
                 routes[n] = v if routes.get(n, v) == v else "mixed"
         return routes
@@ -281,10 +296,9 @@ class DPStep:
         chunks = list(self._chunks(batch))
         count: Dict[str, int] = {}
         for sub in chunks:
-            with torch.enable_grad(), _eager_stance():
-                r = fallback_reasons(self.model, self.loss_fn, params, sub, method=self.method,
-                                     clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo),
-                                     **self.bk_options)
+            r = _run_eagerly(fallback_reasons, self.model, self.loss_fn, params, sub, method=self.method,
+                             clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo),
+                             **self.bk_options)
             for n, v in r.items():
                 why.setdefault(n, v)
                 count[n] = count.get(n, 0) + 1
@@ -314,17 +328,16 @@ class DPStep:
         groups = make_groups(list(detached), self.clipping, self.max_grad_norm, budget=self.clip_budget)
         weights_fn = make_weights_fn(groups, clip_fn=self.clip_fn, gamma=self.gamma)
         _check_grad_mode(params, batch, tensors=self.method != "vmap")
-        with torch.enable_grad(), _eager_stance():  # (the step's own gradients, also under a caller's no_grad)
-            if self.method == "vmap":
-                res = vmap_engine(self._loss_module, detached, constants, batch, mask, weights_fn,
-                                  chunk_size=self.chunk_size)
-            else:
-                from .bookkeeping import bk_engine
+        if self.method == "vmap":
+            res = _run_eagerly(vmap_engine, self._loss_module, detached, constants, batch, mask, weights_fn,
+                               chunk_size=self.chunk_size)
+        else:
+            from .bookkeeping import bk_engine
 
-                res = bk_engine(
-                    self._loss_module, detached, constants, batch, mask, weights_fn,
-                    chunk_size=self.chunk_size, method=self.method, probe_memo=self._probe_memo, **self.bk_options,
-                )
+            res = _run_eagerly(
+                bk_engine, self._loss_module, detached, constants, batch, mask, weights_fn,
+                chunk_size=self.chunk_size, method=self.method, probe_memo=self._probe_memo, **self.bk_options,
+            )
         total_sq = sum_sq_norms(res.sq_norms)
         norms = total_sq.sqrt()
         kept = mask & torch.isfinite(total_sq) & torch.isfinite(res.losses)

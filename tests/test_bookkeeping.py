@@ -3125,3 +3125,68 @@ def test_grouped_ghost_norms_skip_padded_rows_as_before(monkeypatch):
     b = {"x": torch.randn(B, T, 3), "y": y}
     assert_exact(model, _stack_loss, b, method="bk", max_grad_norm=0.3, bk_options={"cost_model": "ghost"})
     assert max(seen) >= 3 and any(found)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_ghost_norms_low_precision_padded(monkeypatch, dtype):
+    """Grouped layers in float32 / bf16 with padded positions (zero output gradients): the token
+    counts (the guard's threshold) and the zero-row search from them are the per-layer path's
+    (``_inner``) value for value, and the step stays within C per example (sensitivity)."""
+    import pdpsgd.bookkeeping as bk
+
+    monkeypatch.setattr(bk, "ACTIVE_ROWS_MIN_WORK", 1)
+    monkeypatch.setattr(bk, "SYM_MIN_T", 128)
+    torch.manual_seed(2)
+    model = _Stack(3, 6, True).to(dtype)
+    B, T = 4, 10
+    y = torch.randn(B, T, 2, dtype=dtype)
+    for i in range(B):
+        y[i, 2 + 2 * i:] = 0  # each example's own number of real positions
+    b = {"x": torch.randn(B, T, 3, dtype=dtype), "y": y}
+    grouped, single = [], []
+    real_g, real_i = bk._ghost_groups, bk._inner
+
+    def spy_g(items, rows, tokens):
+        out = real_g(items, rows, tokens)
+        grouped.append(({n: (v[0].clone(), v[1].clone()) for n, v in out.items()},
+                        {k: v.clone() for k, v in tokens.items()},
+                        {k: v.clone() for k, v in (rows or {}).items()}, {id(u): n for n, u, _ in items}))
+        return out
+
+    monkeypatch.setattr(bk, "_ghost_groups", spy_g)
+    step = make_dp_step(model, _stack_loss, max_grad_norm=0.2, noise_multiplier=0.0, method="bk",
+                        bk_options={"cost_model": "ghost"})
+    params = trainable_params(model)
+    step.clipped_sum(params, b)
+    got, toks, rows, _ = grouped[-1]
+    assert len(got) >= 3
+    # the same uses by ``_inner`` alone
+    monkeypatch.setattr(bk, "_ghost_groups", lambda items, rows, tokens: {})
+
+    def spy_i(u, v, shape, acc, cache=None, rows=None, bounds=None, compact=None, tokens=None):
+        out = real_i(u, v, shape, acc, cache, rows, bounds, compact, tokens)
+        single.append((u, out.clone(), None if bounds is None else bounds.get(id(u)),
+                       None if tokens is None else tokens.get(id(u)), None if rows is None else rows.get(id(u))))
+        return out
+
+    monkeypatch.setattr(bk, "_inner", spy_i)
+    step.clipped_sum(params, b)
+    by_shape = {}
+    for u, out, bd, tk, rw in single:
+        if isinstance(u, bk.Dense) and u.R is not None:
+            by_shape.setdefault((tuple(u.L.shape), tuple(u.R.shape)), []).append((out, bd, tk, rw))
+    # compare in layer order (both passes visit the body's layers in order)
+    singles = by_shape[((B, T, 6), (B, T, 6))]
+    body = [n for n in got if n.startswith("body.")]
+    assert len(body) == len(singles) == 3
+    rows_g = [r for r in rows.values()]
+    for j, n in enumerate(body):
+        sq_g, bd_g = got[n]
+        out, bd, tk, rw = singles[j]
+        assert torch.equal(sq_g, out) and torch.equal(bd_g, bd)
+        assert tk is not None and any(torch.equal(tk, t) for t in toks.values())
+        assert rw is not None and any(torch.equal(rw, r) for r in rows_g)
+    monkeypatch.undo()
+    rep = check_sensitivity(make_dp_step(model, _stack_loss, max_grad_norm=0.2, noise_multiplier=0.0, method="bk",
+                                         bk_options={"cost_model": "ghost"}), params, b)
+    assert rep.max_ratio <= 1 + 1e-3, rep  # (the sums in float32; bf16 inputs)

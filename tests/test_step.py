@@ -530,13 +530,21 @@ def test_step_under_a_callers_no_grad_is_the_same_and_inference_mode_is_refused(
         step.clipped_sum(params, {**b, "x": inf_x})
 
 
+def _stance():
+    from torch._dynamo import eval_frame
+
+    return getattr(getattr(eval_frame, "_stance", None), "stance", "default")
+
+
 @pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch.compiler.set_stance: torch >= 2.6")
 @pytest.mark.parametrize("method", ["bk", "vmap"])
 def test_compiled_model_runs_eagerly_inside_the_step(method):
     """A ``torch.compile``d model (an OptimizedModule, its parameters named ``_orig_mod.*``): the step
-    says at construction that it runs the model eagerly, runs it so (dynamo traces nothing: before,
+    says at construction that it runs the model eagerly, runs it so (dynamo enters no frame: before,
     the first bk step compiled for ~2 minutes, recompiling every wrapped layer up to dynamo's
-    limit), and its norms and clipped sums equal the naive float64 oracle's on the eager model."""
+    limit), and its norms and clipped sums equal the naive float64 oracle's on the eager model. The
+    stance is torch's default again after the step, also after a failing one; plan() and
+    fallback_reasons() run eagerly too."""
     import warnings
 
     from models import hf_lm_loss, tiny_gpt2
@@ -555,13 +563,50 @@ def test_compiled_model_runs_eagerly_inside_the_step(method):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         part = step.clipped_sum(params, b)
-    assert torch._dynamo.utils.counters["stats"]["calls_captured"] == 0  # dynamo traced nothing
+        if method != "vmap":
+            step.plan(b, params)
+            step.fallback_reasons(b, params)
+    assert sum(torch._dynamo.utils.counters["frames"].values()) == 0  # dynamo entered no frame
+    assert _stance() == "default"
     if method == "bk":
         assert "vmap" not in part.routes.values(), part.routes
     norms, sums = pdpsgd.testing.naive_clipped_sum(base, hf_lm_loss, b, max_grad_norm=0.3)
     torch.testing.assert_close(part.per_sample_norms, norms, rtol=1e-9, atol=0)
     for n, v in sums.items():
         torch.testing.assert_close(part.sums["_orig_mod." + n], v, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError):
+        step.clipped_sum(params, {**b, "labels": ids[:2]})  # a failing step
+    assert _stance() == "default"
+
+
+@pytest.mark.parametrize("method", ["bk", "vmap"])
+def test_step_inside_the_users_compiled_function(method):
+    """A training step that the user wraps in ``torch.compile`` and that calls the DP step: the DP
+    step is a graph break there and runs as it is (exact against the oracle); a model compiled in
+    place (``module.compile()``) is recognised too (the warning)."""
+    import warnings
+
+    from models import hf_lm_loss, tiny_gpt2
+
+    torch.manual_seed(0)
+    model = tiny_gpt2().double()
+    ids = torch.randint(0, 40, (3, 7))
+    b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    step = pdpsgd.make_dp_step(model, hf_lm_loss, max_grad_norm=0.3, noise_multiplier=0.0, method=method)
+    params = pdpsgd.trainable_params(model)
+
+    @torch.compile(backend="eager")
+    def train_step(p, batch):
+        return step.clipped_sum(p, batch).per_sample_norms
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = train_step(params, b)
+    norms, _ = pdpsgd.testing.naive_clipped_sum(model, hf_lm_loss, b, max_grad_norm=0.3)
+    torch.testing.assert_close(got, norms, rtol=1e-9, atol=0)
+    model.transformer.h[0].compile()
+    with pytest.warns(UserWarning, match="torch.compile'd"):
+        pdpsgd.make_dp_step(model, hf_lm_loss, max_grad_norm=0.3, noise_multiplier=0.0, method=method)
 
 
 class _SparseEmb(nn.Module):
