@@ -8,8 +8,9 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import threading
 import warnings
-from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -55,10 +56,33 @@ class ClippedSum(NamedTuple):
         )
 
 
-def _eager_stance():
-    """``torch.compiler.set_stance("force_eager")`` (torch ≥ 2.6), else nothing."""
+_STANCE_LOCK = threading.Lock()
+_STANCE: Dict[str, Any] = {"depth": 0, "set": None}  # steps running now (any thread); the stance they set
+
+
+@contextlib.contextmanager
+def _eager_stance() -> Iterator[None]:
+    """``torch.compiler.set_stance("force_eager")`` (torch ≥ 2.6) while any step runs, else nothing.
+    The stance is one for the process: set by the first step to enter, restored (to what it was
+    before) by the last to leave, so steps that overlap in several threads cannot leave it set
+    (each saving and restoring its own, they would: A saves "default", B saves A's "force_eager",
+    A restores "default", B restores "force_eager" for good)."""
     set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
-    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+    if set_stance is None:
+        yield
+        return
+    with _STANCE_LOCK:
+        if _STANCE["depth"] == 0:
+            _STANCE["set"] = set_stance("force_eager")  # set now; its __exit__ restores the stance before
+        _STANCE["depth"] += 1
+    try:
+        yield
+    finally:
+        with _STANCE_LOCK:
+            _STANCE["depth"] -= 1
+            if _STANCE["depth"] == 0:
+                done, _STANCE["set"] = _STANCE["set"], None
+                done.__exit__(None, None, None)
 
 
 def _run_eagerly(fn, *args, **kwargs):

@@ -638,3 +638,36 @@ def test_sparse_embeddings_get_exact_dense_gradients(method, kw):
     if method != "vmap":
         assert r.routes["bag.weight"] == "vmap" and r.routes["e.weight"] != "vmap", r.routes
     assert model.e.sparse and model.bag.sparse  # restored
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch.compiler.set_stance: torch >= 2.6")
+def test_overlapping_steps_in_threads_restore_the_stance():
+    """Steps that overlap in several threads: the compiler stance (one per process) is force_eager
+    while any of them runs and torch's default again after the last (before, each step saved and
+    restored its own: interleaved, the last to leave could restore another's force_eager for good,
+    and every compiled function of the process then ran eagerly)."""
+    import threading
+
+    errors = []
+    gate = threading.Barrier(4)
+
+    def work(seed):
+        try:
+            torch.manual_seed(seed)
+            model = mlp()
+            step = pdpsgd.make_dp_step(model, mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+            params = pdpsgd.trainable_params(model)
+            b = {"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}
+            gate.wait()
+            for _ in range(10):
+                step.clipped_sum(params, b)
+        except Exception as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    ts = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    assert _stance() == "default"
