@@ -1934,7 +1934,8 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
             args, kwargs, out0, g0 = _unflatten(c, B, args, kwargs, None if c.output is None else c.output.detach(), g0)
             swap_in(c.module)  # the parameter values this step ran with (``params``), as the rule may read them
             try:
-                got = rule.uses(c.module, args, kwargs, out0, g0, B)
+                got = (rule.uses(c.module, args, kwargs, out0, g0, B, wanted=frozenset(local)) if rule.wants_names
+                       else rule.uses(c.module, args, kwargs, out0, g0, B))
             finally:
                 swap_out(c.module)
         if got is None:

@@ -427,3 +427,55 @@ def test_separable_and_grouped_convs_on_their_rules(method):
 
     r = assert_exact(model, loss, {"ids": ids, "y": torch.randint(0, 3, (4,))}, method=method, max_grad_norm=0.2)
     assert "vmap" not in r.routes.values(), r.routes
+
+
+class _StandardisedConv(nn.Conv2d):
+    """Weight standardisation in ``_conv_forward`` (its ``forward`` is Conv2d's): not a conv of x
+    with the weight, so not the conv rule's."""
+
+    def _conv_forward(self, input, weight, bias):
+        w = (weight - weight.mean((1, 2, 3), keepdim=True)) / (weight.std((1, 2, 3), keepdim=True) + 1e-5)
+        return super()._conv_forward(input, w, bias)
+
+
+def test_conv_subclass_with_its_own_conv_forward_falls_back():
+    """A conv subclass that overrides ``_conv_forward`` but not ``forward`` is matched by type, so
+    the rule itself refuses it (before: taken by the rule, norms off by up to 88 % with the order
+    check off); exact by the fallback."""
+    from pdpsgd.testing import assert_exact
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_StandardisedConv(2, 4, 3, groups=2), nn.Flatten(), nn.LazyLinear(3))
+    x = torch.randn(3, 2, 6, 6)
+    model(x)  # (materialise the lazy layer)
+    assert default_registry().lookup(model[0]).supports(model[0]) is not None
+    y = torch.randint(0, 3, (3,))
+    r = assert_exact(model, lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none"), {"x": x, "y": y},
+                     method="bk", max_grad_norm=0.5, bk_options={"check_order": False})
+    assert r.routes["0.weight"] == "vmap"
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_with_frozen_weight_builds_no_patches(monkeypatch, groups):
+    """Bias-only training (BiTFiT) or a weight the layer does not own as a parameter (weight_norm):
+    the rule is told which of the layer's parameters the step trains and builds neither the patches
+    nor the weight's per-example gradient; the bias stays exact on the rule."""
+    import pdpsgd.rules.conv as conv_rule
+    from pdpsgd.testing import assert_exact
+
+    calls = []
+    real = conv_rule.F.unfold
+    monkeypatch.setattr(conv_rule.F, "unfold", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(4, 4, 3, groups=groups, padding_mode="reflect", padding=1), nn.Flatten(),
+                          nn.Linear(4 * 9, 3))
+    model[0].weight.requires_grad_(False)
+    b = {"x": torch.randn(3, 4, 9), "y": torch.randint(0, 3, (3,))}
+    r = assert_exact(model, lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none"), b, method="bk",
+                     max_grad_norm=0.5)
+    assert "0.weight" not in r.routes and r.routes["0.bias"] != "vmap", r.routes
+    assert not calls
+    model[0].weight.requires_grad_(True)  # trained again: the patches are built
+    assert_exact(model, lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none"), b, method="bk",
+                 max_grad_norm=0.5)
+    assert calls

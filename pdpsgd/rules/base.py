@@ -129,6 +129,10 @@ class Rule:
     # aside); False, or an exception, sends that call's layer to the fallback. It then needs no
     # output in ``uses`` (``needs_output = False``).
     verify = None
+    # A rule that sets this gets ``wanted`` (frozenset: the names, in the layer, of the parameters
+    # the step trains) as a keyword argument of ``uses``, and may leave the others out (e.g. skip a
+    # frozen weight's per-example gradient when only the bias is trained).
+    wants_names = False
 
     def supports(self, module: nn.Module) -> Optional[str]:
         """None if the layer's configuration is covered, else a short reason (-> vmap fallback)."""

@@ -36,17 +36,29 @@ class ConvRule(Rule):
 
     name = "conv"
     needs_output = False
+    wants_names = True
 
     def supports(self, module: nn.Module) -> Optional[str]:
+        base = nn.Conv1d if isinstance(module, nn.Conv1d) else nn.Conv2d
+        if getattr(type(module), "_conv_forward", None) is not base._conv_forward:
+            # (e.g. weight standardisation there: the output is not the conv of x with the weight)
+            return f"{type(module).__name__} has its own _conv_forward"
         if module.padding_mode not in ("zeros", "reflect", "replicate", "circular"):
             return f"padding_mode={module.padding_mode!r}"
         return None
 
-    def uses(self, module, args, kwargs, output, grad_output, batch_size) -> Optional[Dict[str, Use]]:
+    def uses(self, module, args, kwargs, output, grad_output, batch_size,
+             wanted: Optional[frozenset] = None) -> Optional[Dict[str, Use]]:
         x = first_input(args, kwargs)
         nd = 1 if isinstance(module, nn.Conv1d) else 2
         if x is None or x.dim() != nd + 2 or x.shape[0] != batch_size:
             return None
+        g = grad_output.reshape(batch_size, grad_output.shape[1], -1).transpose(1, 2)  # (B, L, C_out)
+        out: Dict[str, Use] = {}
+        if module.bias is not None:
+            out["bias"] = Dense(g, None)
+        if wanted is not None and "weight" not in wanted:
+            return out  # a frozen (or parametrized) weight: no patches, no per-example gradient
         k, dil, st = tuple(module.kernel_size), tuple(module.dilation), tuple(module.stride)
         pad = _pad(module, k, dil) if module.padding_mode == "zeros" else None
         if pad is None:  # padded as ``_ConvNd``'s forward pads for a non-zeros mode / F.conv for 'same'
@@ -60,11 +72,9 @@ class ConvRule(Rule):
             x = x.unsqueeze(2)
             k, dil, st, pad = (1,) + k, (1,) + dil, (1,) + st, (0,) + pad
         U = F.unfold(x, k, dilation=dil, padding=pad, stride=st).transpose(1, 2)  # (B, L, C_in·k)
-        g = grad_output.reshape(batch_size, grad_output.shape[1], -1).transpose(1, 2)  # (B, L, C_out)
         if U.shape[1] != g.shape[1]:
             return None
         G = module.groups
-        out: Dict[str, Use] = {}
         if G == 1:
             out["weight"] = Dense(g, U)
         else:
@@ -73,8 +83,6 @@ class ConvRule(Rule):
             Uj = U.reshape(B, L, G, U.shape[2] // G)  # (B, L, G, C_in/G·k)
             W = torch.einsum("blgo,blgi->bgoi", gj, Uj)  # (B, G, C_out/G, C_in/G·k)
             out["weight"] = Explicit(W.reshape(B, *module.weight.shape))
-        if module.bias is not None:
-            out["bias"] = Dense(g, None)
         return out
 
 
