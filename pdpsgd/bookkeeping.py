@@ -82,8 +82,8 @@ from ._types import Batch, EngineResult, Params, WeightsFn
 from .batch_order import ReorderWatch
 from .clipping import sum_sq_norms
 from .functional import LossModule, model_constants, preserve_module_state
-from .per_sample import (SQ_NORM_BLOCK, _device_of, acc_dtype, batch_chunks, batch_size, cat_chunks, per_sample_grads,
-                         slice_batch, sq_norm_per_example, stray_parameter_error, trainable_parameters, weighted_dot, weighted_sum)
+from .per_sample import (SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks,
+                         per_sample_grads, slice_batch, sq_norm_per_example, stray_parameter_error, trainable_parameters, weighted_dot, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
 from .rules.base import Dense, Explicit, Index, Rule, Use, module_attr
 
@@ -2864,10 +2864,24 @@ def _stacked_sums(names: List[str], S: Tensor, w: Mapping[str, Tensor], params: 
 
 
 def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts, probe_memo=None):
+    """One chunk: the capture (and the fallback's vmap) under the caller's autocast, if any; the
+    engine's own norms, clip factors and sums with it off (``per_sample.amp``)."""
+    state = amp_state()
+    if not state:
+        return _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts,
+                           probe_memo, state)
+    with amp(state, False):
+        return _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts,
+                           probe_memo, state)
+
+
+def _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts, probe_memo,
+                state):
     B = mask.shape[0]
     device = _device_of(params, mask)  # the parameters' device decides what may sync
-    col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
-                   check_order=bool(opts.get("check_order", True)))
+    with amp(state, True):  # (the model's forward and backward: the caller's mixed precision)
+        col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
+                       check_order=bool(opts.get("check_order", True)))
     _settle_pending(col, params, B, getattr(weights_fn, "clip_groups", None))
     # routes; compact: id(use) -> its non-zero rows, where they are few (CPU: host reads)
     routes, compact = _plan(col, params, B, cm, overrides, opts, device)
@@ -2950,7 +2964,8 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
     if fb:
         others = {n: v.detach() for n, v in params.items() if n not in fb}
         try:
-            _, fb_grads = per_sample_grads(loss_module, {n: params[n] for n in fb}, {**constants, **others}, batch)
+            with amp(state, True):
+                _, fb_grads = per_sample_grads(loss_module, {n: params[n] for n in fb}, {**constants, **others}, batch)
         except RuntimeError as err:
             if isinstance(err, _OOM):
                 raise

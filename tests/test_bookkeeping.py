@@ -935,6 +935,30 @@ def test_autocast_bf16_loss_bounded_and_close_to_float32(method):
     assert len(r.differing) == 4 and float(r.contributions.min()) > C * (1 - 1e-5)
 
 
+@pytest.mark.parametrize("method", [*METHODS, "vmap"])
+def test_step_called_inside_autocast_keeps_the_bound(method):
+    """The whole step called inside ``torch.autocast`` (a training loop's mixed-precision region
+    around forward and backward): the model runs in bf16 (its norms differ from the float32
+    model's) while the engine's norms and clipped sums are float32 arithmetic, so each example's
+    contribution stays ≤ C. Before, the engine's matmuls ran in bf16 under the caller's autocast: a
+    contribution of 0.50024 for C = 0.5. The caller's autocast is in force again after the step."""
+    torch.manual_seed(0)
+    model = models.tiny_gpt2()
+    b = _gpt2_batch()
+    params = trainable_params(model)
+    plain = make_dp_step(model, models.hf_lm_loss, max_grad_norm=0.5, noise_multiplier=0.0,
+                         method=method).clipped_sum(params, b).per_sample_norms
+    step = make_dp_step(model, models.hf_lm_loss, max_grad_norm=0.5, noise_multiplier=0.0, method=method)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = step.clipped_sum(params, b)
+        r = check_sensitivity(step, params, b, rtol=1e-6)  # (raises past it)
+        assert torch.is_autocast_enabled("cpu")
+    assert r.max_ratio <= 1 + 1e-6
+    rel = float(((got.per_sample_norms - plain) / plain).abs().max())
+    assert 1e-4 < rel < 0.02, rel  # the model ran in bf16 (not turned off), to bf16 precision
+    assert got.per_sample_norms.dtype == torch.float32 and all(v.dtype == torch.float32 for v in got.sums.values())
+
+
 class _TimeMajor(nn.Module):
     """Time-major (T, B, d) layers, as nn.Transformer's default batch_first=False."""
 
