@@ -475,7 +475,12 @@ def test_conv_with_frozen_weight_builds_no_patches(monkeypatch, groups):
                      max_grad_norm=0.5)
     assert "0.weight" not in r.routes and r.routes["0.bias"] != "vmap", r.routes
     assert not calls
-    model[0].weight.requires_grad_(True)  # trained again: the patches are built
-    assert_exact(model, lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none"), b, method="bk",
-                 max_grad_norm=0.5)
-    assert calls
+    rule = default_registry().lookup(model[0])
+    x, g = b["x"], torch.randn(3, 4, 9)
+    assert set(rule.uses(model[0], (x,), {}, None, g, 3, wanted=frozenset({"bias"}))) == {"bias"}
+    assert not calls
+    model[0].weight.requires_grad_(True)  # trained again: its per-example gradient is built
+    r = assert_exact(model, lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none"), b, method="bk",
+                     max_grad_norm=0.5)
+    assert r.routes["0.weight"] != "vmap"
+    assert bool(calls) == (groups == 1)  # (a grouped conv's comes from torch's weight-gradient kernel, no patches)

@@ -28,9 +28,11 @@ class ConvRule(Rule):
 
     groups = 1: G_W,i = Σ_l g ⊗ U (C_out, C_in·k), a ``Dense`` use (ghost or explicit route).
     groups = G > 1: output channels of group j (a contiguous block of C_out/G) see only the input
-    channels of group j (C_in/G, a contiguous block of C_in/G·k patch entries, unfold being channel
-    major), so G_W,i = [Σ_l g_j ⊗ U_j]_j (C_out, C_in/G·k), an ``Explicit`` per-example gradient
-    (a grouped / depthwise conv has few weights: C_out·C_in/G·k).
+    channels of group j, so each example's weight gradient is that of a convolution of its own: the
+    batch is run as one convolution of B·G groups (x as (1, B·C_in, ...), g as (1, B·C_out, ...)),
+    whose weight gradient (B·C_out, C_in/G, *k) is every example's, an ``Explicit`` per-example
+    gradient (a grouped / depthwise conv has few weights: C_out·C_in/G·k); no patches (3-4x faster
+    than unfold + einsum at ConvBERT's and Wav2Vec2's depthwise shapes, and no k-fold copy of x).
     A padding mode other than zeros (and an asymmetric 'same' padding) pads x as the layer's own
     forward does (``F.pad`` with the layer's ``_reversed_padding_repeated_twice``) before the unfold."""
 
@@ -71,18 +73,30 @@ class ConvRule(Rule):
         if nd == 1:  # treat as 2-d with height 1
             x = x.unsqueeze(2)
             k, dil, st, pad = (1,) + k, (1,) + dil, (1,) + st, (0,) + pad
-        U = F.unfold(x, k, dilation=dil, padding=pad, stride=st).transpose(1, 2)  # (B, L, C_in·k)
-        if U.shape[1] != g.shape[1]:
-            return None
         G = module.groups
         if G == 1:
+            U = F.unfold(x, k, dilation=dil, padding=pad, stride=st).transpose(1, 2)  # (B, L, C_in·k)
+            if U.shape[1] != g.shape[1]:
+                return None
             out["weight"] = Dense(g, U)
-        else:
-            B, L = g.shape[0], g.shape[1]
-            gj = g.reshape(B, L, G, g.shape[2] // G)  # (B, L, G, C_out/G)
-            Uj = U.reshape(B, L, G, U.shape[2] // G)  # (B, L, G, C_in/G·k)
-            W = torch.einsum("blgo,blgi->bgoi", gj, Uj)  # (B, G, C_out/G, C_in/G·k)
-            out["weight"] = Explicit(W.reshape(B, *module.weight.shape))
+            return out
+        # grouped: the B examples as B·G groups of one convolution, whose weight gradient is then each
+        # example's own (B·C_out, C_in/G, *k); no patches (a depthwise conv's unfold is k times its
+        # input): torch's own weight-gradient kernel, in float32 at least
+        B, C_out = batch_size, module.out_channels
+        acc = torch.promote_types(x.dtype, torch.float32)
+        xb = x.to(acc).reshape(1, B * x.shape[1], *x.shape[2:])  # (1, B·C_in, H, W)
+        go = grad_output.unsqueeze(2) if nd == 1 else grad_output  # (B, C_out, H', W')
+        if go.dim() != 4 or go.shape[:2] != (B, C_out):
+            return None
+        gb = go.to(acc).reshape(1, B * C_out, *go.shape[2:])  # (1, B·C_out, H', W')
+        w = xb.new_zeros((B * C_out, module.in_channels // G, *k))  # (its values are not read: only the shape)
+        try:
+            dw = torch.ops.aten.convolution_backward(gb, xb, w, None, list(st), list(pad), list(dil), False,
+                                                     [0] * len(k), B * G, [False, True, False])[1]
+        except RuntimeError:
+            return None  # (shapes that do not match the layer's own: its exact fallback)
+        out["weight"] = Explicit(dw.reshape(B, *module.weight.shape))  # (B, C_out, C_in/G, *k)
         return out
 
 
