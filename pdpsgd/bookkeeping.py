@@ -1989,6 +1989,22 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     return _apply_order(_Collected(losses.detach(), uses, fallback, owner), order, batch, probe_memo, params, okey)
 
 
+def _amp_off(fn):
+    """``fn`` run with the caller's autocast off (``per_sample.amp``): the engine's own arithmetic
+    inside the capture's checks (the example-order and duplicated-example checks compare norms to
+    ~1e-3, below bf16's rounding), which run under the caller's autocast with the model."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        state = amp_state()
+        if not state:
+            return fn(*args, **kwargs)
+        with amp(state, False):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+@_amp_off
 def _zero_use(u: Use, p: Tensor) -> bool:
     """Whether this use's per-example gradients are all exactly 0 (by their squared norms)."""
     return not bool((_inner(u, u, p.shape, _acc(p.dtype)) != 0).any())
@@ -2096,7 +2112,7 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
         for n in ns:
             us = uses.get(n, [])
             for u in us:
-                t = _inner(u, u, params[n].shape, _acc(params[n].dtype))
+                t = _amp_off(_inner)(u, u, params[n].shape, _acc(params[n].dtype))
                 score = t if score is None else score + t
     if score is not None:
         score = torch.where(torch.isfinite(score), score, torch.full_like(score, -1.0))
@@ -2209,6 +2225,7 @@ def _fwd_key(dkey):
 ORDER_RTOL = 1e-3  # float32 / float64 norms; 4 ulps for narrower parameters
 
 
+@_amp_off
 def _norm_and_bound(uses: List[Use], p: Tensor, B: int) -> Tuple[Tensor, Tensor]:
     """Each example's squared norm over these uses of p (B,), and the triangle bound
     Σ_uses Σ_t ‖L_t‖‖R_t‖ ≥ ‖G_i‖ (B,) (``_inner``'s bounds of the uses' self pairs; a use without
