@@ -2185,7 +2185,7 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
                 if not bool(torch.isfinite(G).all()):  # undecided: fall back this time, ask again next time
                     bad[mn], finite = why + " (undecided: a non-finite gradient for the example tried)", False
                     break
-                rtol = max(DUPLICATE_RTOL, 16 * torch.finfo(params[n].dtype).eps)
+                rtol = max(DUPLICATE_RTOL, 16 * _use_eps(us, params[n].dtype))
                 want = wts.to(G)[(slice(None),) + (None,) * (G.dim() - 1)] * G[:1]  # (m, *shape)
                 if bool((G - want).abs().max() > rtol * G.abs().max()):
                     bad[mn] = why
@@ -2222,7 +2222,7 @@ def _fwd_key(dkey):
 # random numbers (a noisy loss) is recognised by a repeat of the first run with other random
 # streams, and is not checked. ``bk_options={"check_order": False}`` skips
 # the check (for a model known not to reorder whose eval forward differs, say).
-ORDER_RTOL = 1e-3  # float32 / float64 norms; 4 ulps for narrower parameters
+ORDER_RTOL = 1e-3  # float32 / float64 norms; 4 ulps for narrower parameters or factors (``_use_eps``)
 
 
 @_amp_off
@@ -2241,6 +2241,19 @@ def _norm_and_bound(uses: List[Use], p: Tensor, B: int) -> Tuple[Tensor, Tensor]
     for u in uses:
         bnd = bnd + bounds.get(id(u), torch.zeros((), dtype=acc, device=p.device))
     return sq.clamp_min(0), bnd
+
+
+def _use_eps(uses: List[Use], dtype: torch.dtype) -> float:
+    """The rounding unit of what a parameter's per-example gradients were computed from: the
+    parameter's dtype's, or a narrower captured factor's (a float32 model under bf16 autocast has
+    bf16 activations and output gradients: its batched and single-example runs round apart by bf16's
+    unit, not float32's)."""
+    eps = torch.finfo(dtype).eps
+    for u in uses:
+        for t in (getattr(u, "L", None), getattr(u, "R", None), getattr(u, "G", None)):
+            if isinstance(t, Tensor) and t.is_floating_point():
+                eps = max(eps, torch.finfo(t.dtype).eps)
+    return eps
 
 
 def _example_norms(sub: "_Collected", params: Params, names: List[str], B: int,
@@ -2483,6 +2496,7 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
         names = sorted(s1.uses)
         n1, fb1 = _example_norms(s1, params, names, B, bnd1), dict(s1.fallback)
+        eps_of = {n: _use_eps(s1.uses.get(n, []), params[n].dtype) for n in names}  # (the compute precision)
         del s1  # (one pass's captures alive at a time)
         s2 = run(perm, w2, 0)
         n2, fb2 = _example_norms(s2, params, names, B, bnd2), dict(s2.fallback)
@@ -2526,7 +2540,7 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
                 for n in params}, set(), set()
 
     def differ(x: Tensor, y: Tensor, n: str) -> Tensor:  # per example, beyond rounding
-        eps = torch.finfo(params[n].dtype).eps
+        eps = eps_of.get(n, torch.finfo(params[n].dtype).eps)
         fin = torch.isfinite(x) & torch.isfinite(y)  # (a non-finite example is dropped by the step anyway)
         top = torch.where(fin, torch.maximum(x, y), torch.zeros_like(x)).max()
         return fin & ((x - y).abs() > max(ORDER_RTOL, 4 * eps) * torch.maximum(x, y) + 8 * eps * top)

@@ -1,4 +1,5 @@
 """Exactness of the book-keeping engine (method="bk" / "auto") against the naive float64 oracle."""
+import contextlib
 import copy
 import functools
 import math
@@ -3236,3 +3237,41 @@ def test_checks_inside_the_capture_compare_float32_norms_under_the_callers_autoc
         outer = make_dp_step(model, models.lm_loss_fn, max_grad_norm=0.05, noise_multiplier=0.0,
                              method="bk").clipped_sum(params, b)
     assert outer.routes == inner.routes, (outer.routes, inner.routes)
+
+
+@pytest.mark.parametrize("where", ["outer", "inner"])
+def test_order_check_under_bf16_autocast_uses_bf16_rounding(where):
+    """Under bf16 autocast (around the step or inside the loss) a float32 model computes from bf16
+    activations and output gradients, so its batched and single-example runs round apart by bf16's
+    unit: the example-order check compares at that precision (``_use_eps``: 4 ulps, as for a bf16
+    model). Before, 12 of tiny GPT-2's 28 parameters (the tied embedding among them) fell back to
+    vmap in every step under autocast; now none do, each contribution stays ≤ C, and a model that
+    mixes examples (a batch mean) is still seen and falls back."""
+    torch.manual_seed(0)
+    model = models.tiny_gpt2()
+    b = _gpt2_batch()
+    params = trainable_params(model)
+
+    def amp_loss(m, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return models.hf_lm_loss(m, batch)
+
+    loss = models.hf_lm_loss if where == "outer" else amp_loss
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if where == "outer" else contextlib.nullcontext
+    step = make_dp_step(model, loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
+    with ctx():
+        routes = step.clipped_sum(params, b).routes
+        assert "vmap" not in routes.values(), step.fallback_reasons(b, params)
+        assert check_sensitivity(step, params, b, rtol=1e-6).max_ratio <= 1 + 1e-6
+    mix = _MeanMixing("forward")
+    bm = {"x": torch.randn(6, 5) * 3, "y": torch.randint(0, 3, (6,))}
+
+    def mix_loss(m, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return models.mlp_loss(m, batch)
+
+    mstep = make_dp_step(mix, models.mlp_loss if where == "outer" else mix_loss, max_grad_norm=0.1,
+                         noise_multiplier=0.0, method="bk")
+    with ctx():
+        assert set(mstep.clipped_sum(trainable_params(mix), bm).routes.values()) == {"vmap"}
+        assert check_sensitivity(mstep, trainable_params(mix), bm, rtol=1e-6).max_ratio <= 1 + 1e-6
