@@ -1995,10 +1995,7 @@ def _amp_off(fn):
     ~1e-3, below bf16's rounding), which run under the caller's autocast with the model."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        state = amp_state()
-        if not state:
-            return fn(*args, **kwargs)
-        with amp(state, False):
+        with amp(amp_state(), False):
             return fn(*args, **kwargs)
 
     return run
@@ -2108,12 +2105,12 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
            "the model index or reduce that output over its first dimension?)")
     # the example: the one whose gradient through these modules in this step is largest (finite)
     score: Optional[Tensor] = None
-    for ns in spread.values():
-        for n in ns:
-            us = uses.get(n, [])
-            for u in us:
-                t = _amp_off(_inner)(u, u, params[n].shape, _acc(params[n].dtype))
-                score = t if score is None else score + t
+    with amp(amp_state(), False):  # (the engine's arithmetic, not the model's: float32 under any autocast)
+        for ns in spread.values():
+            for n in ns:
+                for u in uses.get(n, []):
+                    t = _inner(u, u, params[n].shape, _acc(params[n].dtype))
+                    score = t if score is None else score + t
     if score is not None:
         score = torch.where(torch.isfinite(score), score, torch.full_like(score, -1.0))
     fwd_memo = True
@@ -2898,10 +2895,7 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
     """One chunk: the capture (and the fallback's vmap) under the caller's autocast, if any; the
     engine's own norms, clip factors and sums with it off (``per_sample.amp``)."""
     state = amp_state()
-    if not state:
-        return _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts,
-                           probe_memo, state)
-    with amp(state, False):
+    with amp(state, False):  # (no region: nothing entered)
         return _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts,
                            probe_memo, state)
 
