@@ -69,6 +69,8 @@ def vmap_context(model: torch.nn.Module) -> Iterator[None]:
         stack.enter_context(transformers_vmap_compat())
         stack.enter_context(mha_fastpath_off())
         stack.enter_context(_dense_embedding_grads(model))
+        if _mixed_precision_possible(model):
+            stack.enter_context(_MixedLayerNorm())
         try:
             from .rnn import exact_rnn_ops, model_has_rnn
         except ImportError:  # pragma: no cover - rnn module always ships
@@ -93,6 +95,47 @@ def _dense_embedding_grads(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for m in flipped:
             m.sparse = True
+
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _mixed_precision_possible(model: torch.nn.Module) -> bool:
+    """A layer norm may see a bf16 / fp16 input with float32 affine parameters: under autocast (a
+    linear layer's output feeds a LayerNorm directly), or in a model with low-precision parts."""
+    if amp_state():
+        return True
+    dtypes = {t.dtype for t in model.parameters()} | {t.dtype for t in model.buffers() if t.is_floating_point()}
+    return bool(dtypes & set(_LOW)) and len(dtypes) > 1
+
+
+class _MixedLayerNorm(torch.overrides.TorchFunctionMode):
+    """``layer_norm`` of a bf16 / fp16 input with float32 weight or bias, computed as the float32
+    layer norm of the (exactly) upcast input, cast back to the input's dtype.
+
+    Eager torch takes this mixed call (a LayerNorm right after a linear layer under autocast, e.g.
+    BERT's masked-LM head: its output is the input's dtype, computed in float32), but its backward
+    fails under vmap ("expected scalar type BFloat16 but found Float", torch 2.4 to 2.13). The
+    upcast call is the same arithmetic: float32 statistics and affine, rounded once to the input's
+    dtype; the weight and bias gradients come out in float32 as in eager. Other calls pass through."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.layer_norm or func is torch.layer_norm:
+            x = args[0] if args else kwargs.get("input")
+            w = args[2] if len(args) > 2 else kwargs.get("weight")
+            b = args[3] if len(args) > 3 else kwargs.get("bias")
+            if isinstance(x, Tensor) and x.dtype in _LOW:
+                hi = x.dtype
+                for t in (w, b):
+                    if isinstance(t, Tensor) and t.is_floating_point():
+                        hi = torch.promote_types(hi, t.dtype)
+                if hi != x.dtype:
+                    args = (x.to(hi),) + tuple(args[1:]) if args else args
+                    if not args:
+                        kwargs = {**kwargs, "input": x.to(hi)}
+                    return func(*args, **kwargs).to(x.dtype)
+        return func(*args, **kwargs)
 
 
 def _raised_in(err: BaseException, path_end: str) -> bool:

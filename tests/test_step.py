@@ -671,3 +671,93 @@ def test_overlapping_steps_in_threads_restore_the_stance():
         t.join()
     assert not errors, errors
     assert _stance() == "default"
+
+
+@given(seed=st.integers(0, 1000), B=st.integers(1, 5), T=st.integers(1, 6), d=st.integers(2, 12),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       affine=st.sampled_from(["both", "weight", "bias"]), keyword=st.booleans())
+def test_mixed_dtype_layer_norm_under_vmap_is_the_float32_layer_norm(seed, B, T, d, dtype, affine, keyword):
+    """A bf16 / fp16 input with float32 affine parameters (a LayerNorm right after a linear layer
+    under autocast): torch's eager kernel takes it, but its backward fails under vmap ("expected
+    scalar type BFloat16 but found Float"; with a bias and no weight even plain autograd fails).
+    Inside the engines' vmap it is computed as the float32 layer norm of the upcast input: the
+    output and the input gradient the float64 values rounded to the input's dtype, and the weight /
+    bias gradients the float32 sums of the per-example products (float64 references)."""
+    from torch.func import grad, vmap
+
+    from pdpsgd.per_sample import _MixedLayerNorm
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, d, generator=g).to(dtype)
+    w = torch.randn(d, generator=g) if affine != "bias" else None
+    b = torch.randn(d, generator=g) if affine != "weight" else None
+    go = torch.randn(B, T, d, generator=g).to(dtype)
+
+    def ln(w, b, xi):
+        return F.layer_norm(xi, (d,), weight=w, bias=b, eps=1e-5) if keyword else F.layer_norm(xi, (d,), w, b, 1e-5)
+
+    affine_params = {k: v for k, v in (("w", w), ("b", b)) if v is not None}
+
+    def f(p, xi, gi):
+        return (ln(p.get("w"), p.get("b"), xi).float() * gi.float()).sum()
+
+    with _MixedLayerNorm():
+        out = ln(w, b, x)
+        gp, gx = vmap(grad(f, argnums=(0, 1)), in_dims=(None, 0, 0))(affine_params, x, go)
+    gw, gb = gp.get("w"), gp.get("b")
+    eps = torch.finfo(dtype).eps  # the output and the input gradient are rounded to the input's dtype
+    x64 = x.double().requires_grad_(True)
+    xhat = F.layer_norm(x64, (d,), eps=1e-5)  # (B, T, d)
+    y64 = xhat * (w.double() if w is not None else 1) + (b.double() if b is not None else 0)
+    assert out.dtype == dtype and gx.dtype == dtype
+    torch.testing.assert_close(out.double(), y64.detach(), rtol=eps, atol=eps * float(y64.abs().max()))
+    want_x = torch.autograd.grad(y64, x64, go.double())[0]
+    torch.testing.assert_close(gx.double(), want_x, rtol=2 * eps, atol=4 * eps * float(want_x.abs().max()))
+    if w is not None:
+        want = (go.double() * xhat.detach()).sum(1)  # (B, d)
+        assert gw.dtype == torch.float32
+        torch.testing.assert_close(gw.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    if b is not None:
+        want = go.double().sum(1)
+        assert gb.dtype == torch.float32
+        torch.testing.assert_close(gb.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+class _LinearThenNorm(nn.Module):
+    """A LayerNorm right after a linear layer (BERT's masked-LM head: dense, activation, LayerNorm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(30, 8)
+        self.dense = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.out(self.norm(F.gelu(self.dense(self.emb(ids)))).mean(1))
+
+
+@pytest.mark.parametrize("method", ["vmap", "bk", "auto"])
+@pytest.mark.parametrize("make", [TextCNN, _LinearThenNorm], ids=["textcnn", "linear_then_norm"])
+def test_layer_norm_after_a_linear_layer_under_autocast(method, make):
+    """The step inside bf16 autocast on models whose LayerNorm takes a bf16 linear / conv output
+    directly. Before, method='vmap' (and any parameter book-keeping sends to its exact fallback)
+    failed with torch's "expected scalar type BFloat16 but found Float". Now each example's
+    contribution stays ≤ C and the per-example norms are the naive autocast loop's, to bf16
+    precision (eager's mixed-dtype kernel rounds its weight gradient at bf16; the engine's are
+    float32)."""
+    torch.manual_seed(0)
+    model = make()
+    batch = text_batch(3, 4, 6)
+    params = pdpsgd.trainable_params(model)
+    step = pdpsgd.make_dp_step(model, cls_loss, max_grad_norm=1e9, noise_multiplier=0.0, method=method)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = step.clipped_sum(params, batch)
+        _, want = naive_per_sample_grads(model, cls_loss, batch)
+    norms = torch.stack([g.flatten(1).double().pow(2).sum(1) for g in want.values()]).sum(0).sqrt()
+    torch.testing.assert_close(got.per_sample_norms.double(), norms, rtol=0.02, atol=0)
+    C = float(norms.min()) / 4
+    step = pdpsgd.make_dp_step(model, cls_loss, max_grad_norm=C, noise_multiplier=0.0, method=method)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        r = pdpsgd.testing.check_sensitivity(step, params, batch, neighbour=text_batch(9, 4, 6))
+    assert r.max_ratio <= 1 + 1e-6 and float(r.contributions.min()) > C * (1 - 1e-5)
