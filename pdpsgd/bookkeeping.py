@@ -1008,6 +1008,7 @@ class _Call:
     retry: str = ""
     bdim: int = 0  # 1: a time-major call, (T, B, ...) with T ≠ B (``_time_major``); its rule reads it as (B, T, ...)
     ok: bool = True  # the rule's check of the call as it ran (``Rule.verify``) passed
+    amp: Optional[torch.dtype] = None  # the autocast dtype in force for its device when it ran, if any
 
     @property
     def targets(self) -> List[Any]:
@@ -1369,7 +1370,7 @@ def _eager_hook(st: _Early, B: int):
             args = tuple(x.detach() if isinstance(x, Tensor) else x for x in c.args)
             kwargs = {k: (x.detach() if isinstance(x, Tensor) else x) for k, x in c.kwargs.items()}
             args, kwargs, _, g = _unflatten(c, B, args, kwargs, None, g.detach())
-            st.got = c.rule.uses(c.module, args, kwargs, None, g, B)
+            st.got = _mark_src(c.rule.uses(c.module, args, kwargs, None, g, B), args, kwargs, g, c.amp)
             del args, kwargs
         c.args, c.kwargs = (), {}  # the layer's input is no longer needed here
         return None
@@ -1726,7 +1727,8 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
             capture = pending[module].pop()
             if capture is not None and not replay[0] and torch.is_grad_enabled():
                 vers = tuple(x._version for x in args if isinstance(x, Tensor))
-                calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, capture, ok=ok))
+                calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, capture, ok=ok,
+                                   amp=_amp_of(output)))
             return None
         if not isinstance(output, Tensor) or not output.is_floating_point():
             for c in local.values():
@@ -1810,11 +1812,12 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                 # edited in place.
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, edge=_gradient_edge(src),
                                    k=k, gshape=output.shape if src is not output else None, rows=rows, root=root,
-                                   chain=chain, bcast=bcast, lift=lift, retry=retry, bdim=bdim, ok=ok))
+                                   chain=chain, bcast=bcast, lift=lift, retry=retry, bdim=bdim, ok=ok,
+                                   amp=_amp_of(output)))
             else:
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers, k=k,
                                    rows=rows, root=root, chain=chain, bcast=bcast, lift=lift, retry=retry,
-                                   bdim=bdim, ok=ok))
+                                   bdim=bdim, ok=ok, amp=_amp_of(output)))
         return output
 
     leaf_names = [n for n in ruled_names]
@@ -1926,7 +1929,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         elif all(g is None for g in gs):
             continue  # this call's output does not reach the loss: zero contribution
         elif c.capture is not None:
-            got = rule.custom_uses(c.module, c.capture, gs, B)
+            got = _mark_src(rule.custom_uses(c.module, c.capture, gs, B), (), {}, None, c.amp)
         else:
             args = tuple(x.detach() if isinstance(x, Tensor) else x for x in c.args)
             kwargs = {k2: (x.detach() if isinstance(x, Tensor) else x) for k2, x in c.kwargs.items()}
@@ -1938,6 +1941,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                        else rule.uses(c.module, args, kwargs, out0, g0, B))
             finally:
                 swap_out(c.module)
+            got = _mark_src(got, args, kwargs, g0, c.amp)
         if got is None:
             for n in local.values():
                 fallback.setdefault(n, f"{rule.name} rule declined this call of {mname}")
@@ -2240,6 +2244,32 @@ def _norm_and_bound(uses: List[Use], p: Tensor, B: int) -> Tuple[Tensor, Tensor]
     return sq.clamp_min(0), bnd
 
 
+def _amp_of(t: Any) -> Optional[torch.dtype]:
+    """The autocast dtype in force for ``t``'s device type, or None."""
+    dev = t.device.type if isinstance(t, Tensor) else "cpu"
+    try:
+        return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    except (RuntimeError, TypeError, AttributeError, ValueError):  # (a device type autocast does not know)
+        return None
+
+
+def _mark_src(got: Optional[Dict[str, Use]], args: Tuple[Any, ...], kwargs: Mapping[str, Any],
+              g: Optional[Tensor], amp: Optional[torch.dtype]) -> Optional[Dict[str, Use]]:
+    """Each use of a call tagged with the narrowest floating dtype among the call's inputs, output
+    gradient and autocast dtype (``Use.src``), for ``_use_eps``."""
+    if not got or not any(getattr(u, "src", 0) is None for u in got.values()):
+        return got
+    dts = [t.dtype for t in (*args, *kwargs.values(), g) if isinstance(t, Tensor) and t.is_floating_point()]
+    if amp is not None:
+        dts.append(amp)
+    if dts:
+        narrow = max(dts, key=lambda d: torch.finfo(d).eps)
+        for u in got.values():
+            if getattr(u, "src", 0) is None:
+                u.src = narrow
+    return got
+
+
 def _use_eps(uses: List[Use], dtype: torch.dtype) -> float:
     """The rounding unit of what a parameter's per-example gradients were computed from: the
     parameter's dtype's, or a narrower captured factor's (a float32 model under bf16 autocast has
@@ -2250,6 +2280,9 @@ def _use_eps(uses: List[Use], dtype: torch.dtype) -> float:
         for t in (getattr(u, "L", None), getattr(u, "R", None), getattr(u, "G", None)):
             if isinstance(t, Tensor) and t.is_floating_point():
                 eps = max(eps, torch.finfo(t.dtype).eps)
+        src = getattr(u, "src", None)  # (``_mark_src``)
+        if src is not None:
+            eps = max(eps, torch.finfo(src).eps)
     return eps
 
 

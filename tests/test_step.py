@@ -745,7 +745,9 @@ def test_layer_norm_after_a_linear_layer_under_autocast(method, make):
     failed with torch's "expected scalar type BFloat16 but found Float". Now each example's
     contribution stays ≤ C and the per-example norms are the naive autocast loop's, to bf16
     precision (eager's mixed-dtype kernel rounds its weight gradient at bf16; the engine's are
-    float32)."""
+    float32). Book-keeping keeps the norm on its rule: its example-order check compares at bf16's
+    rounding unit a use computed from bf16 inputs (``Use.src``); before, the norm's float32
+    per-example gradient was compared at float32's and fell back to vmap in every step."""
     torch.manual_seed(0)
     model = make()
     batch = text_batch(3, 4, 6)
@@ -756,8 +758,53 @@ def test_layer_norm_after_a_linear_layer_under_autocast(method, make):
         _, want = naive_per_sample_grads(model, cls_loss, batch)
     norms = torch.stack([g.flatten(1).double().pow(2).sum(1) for g in want.values()]).sum(0).sqrt()
     torch.testing.assert_close(got.per_sample_norms.double(), norms, rtol=0.02, atol=0)
+    if method != "vmap":
+        assert "vmap" not in got.routes.values(), got.routes
     C = float(norms.min()) / 4
     step = pdpsgd.make_dp_step(model, cls_loss, max_grad_norm=C, noise_multiplier=0.0, method=method)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         r = pdpsgd.testing.check_sensitivity(step, params, batch, neighbour=text_batch(9, 4, 6))
     assert r.max_ratio <= 1 + 1e-6 and float(r.contributions.min()) > C * (1 - 1e-5)
+
+
+@pytest.mark.parametrize("family", ["t5", "bert_mlm"])
+def test_hf_models_under_bf16_autocast_stay_on_their_rules(family):
+    """T5 (its RMSNorm and relative attention bias take float32 inputs whose values carry a bf16
+    layer's rounding) and BERT's masked-LM head (a LayerNorm fed a bf16 dense output) inside bf16
+    autocast: every parameter on its rule (before: 5 and 2 of them on the exact vmap fallback in
+    every step, their float32 per-example gradients compared at float32's rounding unit; T5 with
+    padded rows), each
+    contribution ≤ C, and a model that mixes examples still caught under autocast (the test of
+    ``test_bookkeeping``'s order check)."""
+    import transformers as tf
+
+    import models
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if family == "t5":
+        model, loss = models.tiny_t5(), models.t5_loss
+        ids = torch.randint(1, models.T5_VOCAB, (3, 7), generator=g)
+        am = torch.ones_like(ids)
+        am[1, 5:] = 0  # padded rows (unpadded, the rounding happens to agree)
+        am[2, 3:] = 0
+        batch = {"input_ids": ids, "attention_mask": am,
+                 "labels": torch.randint(1, models.T5_VOCAB, (3, 4), generator=g)}
+    else:
+        cfg = tf.BertConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            vocab_size=50, max_position_embeddings=40)
+        cfg._attn_implementation = "eager"
+        model = tf.BertForMaskedLM(cfg).eval()
+        ids = torch.randint(3, 50, (3, 7), generator=g)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+        def loss(m, b):
+            lg = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.float()
+            return F.cross_entropy(lg.flatten(0, 1), b["input_ids"].flatten(), reduction="none").view(b["input_ids"].shape).sum(1)
+    params = pdpsgd.trainable_params(model)
+    step = pdpsgd.make_dp_step(model, loss, max_grad_norm=0.05, noise_multiplier=0.0, method="bk")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = step.clipped_sum(params, batch)
+        r = pdpsgd.testing.check_sensitivity(step, params, batch, rtol=1e-6)
+    assert "vmap" not in out.routes.values(), [n for n, v in out.routes.items() if v == "vmap"]
+    assert r.max_ratio <= 1 + 1e-6

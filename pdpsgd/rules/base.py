@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
+import torch
 from torch import Tensor, nn
 
 __all__ = ["Dense", "Index", "Explicit", "Use", "Rule", "CaptureAdapter", "as_btd", "first_input"]
@@ -32,6 +33,7 @@ class Dense:
 
     L: Tensor  # (B, T, P0)
     R: Optional[Tensor]  # (B, T, P1) or None
+    src: Optional[torch.dtype] = None  # as ``Explicit.src``
 
     @property
     def T(self) -> int:
@@ -45,6 +47,7 @@ class Index:
     ids: Tensor  # (B, T) int64 in [0, num_rows)
     R: Tensor  # (B, T, d); rows to ignore are exactly 0
     num_rows: int
+    src: Optional[torch.dtype] = None  # as ``Explicit.src``
 
     @property
     def T(self) -> int:
@@ -56,6 +59,11 @@ class Explicit:
     """The per-example gradient of this use, (B, *param_shape)."""
 
     G: Tensor
+    # the narrowest floating dtype the use was computed from (set by the engine): of the call's
+    # inputs and output gradient, or the autocast dtype the call ran under (G itself may be wider,
+    # a float32 output gradient may carry a bf16 layer's rounding). Its rounding unit is what the
+    # batched and single-example values can differ by (``bookkeeping._use_eps``)
+    src: Optional[torch.dtype] = None
 
 
 Use = Union[Dense, Index, Explicit]
