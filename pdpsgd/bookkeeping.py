@@ -52,6 +52,7 @@ import dataclasses
 import functools
 import math
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -1728,7 +1729,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
             if capture is not None and not replay[0] and torch.is_grad_enabled():
                 vers = tuple(x._version for x in args if isinstance(x, Tensor))
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, capture, ok=ok,
-                                   amp=_amp_of(output)))
+                                   amp=_amp_of(output, args)))
             return None
         if not isinstance(output, Tensor) or not output.is_floating_point():
             for c in local.values():
@@ -1813,11 +1814,11 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, edge=_gradient_edge(src),
                                    k=k, gshape=output.shape if src is not output else None, rows=rows, root=root,
                                    chain=chain, bcast=bcast, lift=lift, retry=retry, bdim=bdim, ok=ok,
-                                   amp=_amp_of(output)))
+                                   amp=_amp_of(output, args)))
             else:
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers, k=k,
                                    rows=rows, root=root, chain=chain, bcast=bcast, lift=lift, retry=retry,
-                                   bdim=bdim, ok=ok, amp=_amp_of(output)))
+                                   bdim=bdim, ok=ok, amp=_amp_of(output, args)))
         return output
 
     leaf_names = [n for n in ruled_names]
@@ -2224,6 +2225,12 @@ def _fwd_key(dkey):
 # streams, and is not checked. ``bk_options={"check_order": False}`` skips
 # the check (for a model known not to reorder whose eval forward differs, say).
 ORDER_RTOL = 1e-3  # float32 / float64 norms; 4 ulps for narrower parameters or factors (``_use_eps``)
+_LOW_PRECISION_CHECK = (
+    "book-keeping's example-order check compared {n} float32 parameter(s) ({first}, ...) at bf16 / fp16 "
+    "rounding (4 ulps), because their layers ran under torch.autocast entered inside loss_fn: a model that "
+    "mixes examples (a batch statistic) by less than that is not detected, and its examples' contributions "
+    "may then exceed the clip bound by about as much (~2 % under bf16). Enter torch.autocast around the step "
+    "call instead: the check then runs the model in float32 and compares at float32's rounding.")
 
 
 @_amp_off
@@ -2244,9 +2251,12 @@ def _norm_and_bound(uses: List[Use], p: Tensor, B: int) -> Tuple[Tensor, Tensor]
     return sq.clamp_min(0), bnd
 
 
-def _amp_of(t: Any) -> Optional[torch.dtype]:
-    """The autocast dtype in force for ``t``'s device type, or None."""
-    dev = t.device.type if isinstance(t, Tensor) else "cpu"
+def _amp_of(output: Any, args: Tuple[Any, ...] = ()) -> Optional[torch.dtype]:
+    """The autocast dtype in force for the device type of a call's output (its first tensor: an
+    attention layer returns a tuple) or else of its first tensor input, or None."""
+    cand = [output] + (list(output) if isinstance(output, (tuple, list)) else []) + list(args)
+    t = next((x for x in cand if isinstance(x, Tensor)), None)
+    dev = t.device.type if t is not None else "cpu"
     try:
         return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
     except (RuntimeError, TypeError, AttributeError, ValueError):  # (a device type autocast does not know)
@@ -2491,13 +2501,21 @@ def _watch_order(loss_module: LossModule, params: Params, constants: Mapping[str
     return watch.found
 
 
+@_amp_off
 def _order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo,
                     no_expand, key) -> Tuple[Dict[str, str], Set[str], Set[str]]:
     """({parameter: reason} found attributed to another example, {parameters checked and passed},
     {parameters that differed by rounding only: re-checked each step}); the step trusts only the
     passed ones and the rounding-only ones that are still so (anything else: exact fallback).
     Memoised per batch shape (without B): (verdicts, undecided parameters with the number of checks
-    they went through)."""
+    they went through).
+
+    Its runs take the model with the caller's autocast (around the step) off: whether a model mixes
+    examples does not depend on the precision it runs in, and in the model's own precision the
+    check compares at that precision's rounding (a float32 model under bf16 autocast: 1e-3, not
+    bf16's ~3 %; review of round 27: a model adding 5 % of the batch mean before a LayerNorm passed
+    the bf16 comparison and exceeded the bound by 1.5 %). Autocast entered inside ``loss_fn``, and
+    a bf16 / fp16 model, still compare at their rounding (``_use_eps``; ``_LOW_PRECISION_CHECK``)."""
     B = batch_size(batch)
     known, open_ = probe_memo.get(key, ({}, {})) if probe_memo is not None else ({}, {})
     if key in (probe_memo or {}) and all(c >= ORDER_RETRIES for c in open_.values()):
@@ -2527,6 +2545,9 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         names = sorted(s1.uses)
         n1, fb1 = _example_norms(s1, params, names, B, bnd1), dict(s1.fallback)
         eps_of = {n: _use_eps(s1.uses.get(n, []), params[n].dtype) for n in names}  # (the compute precision)
+        loose = [n for n in names if eps_of[n] > max(torch.finfo(params[n].dtype).eps, torch.finfo(torch.float32).eps)]
+        if loose:
+            warnings.warn(_LOW_PRECISION_CHECK.format(n=len(loose), first=loose[0]), stacklevel=2)
         del s1  # (one pass's captures alive at a time)
         s2 = run(perm, w2, 0)
         n2, fb2 = _example_norms(s2, params, names, B, bnd2), dict(s2.fallback)

@@ -69,8 +69,7 @@ def vmap_context(model: torch.nn.Module) -> Iterator[None]:
         stack.enter_context(transformers_vmap_compat())
         stack.enter_context(mha_fastpath_off())
         stack.enter_context(_dense_embedding_grads(model))
-        if _mixed_precision_possible(model):
-            stack.enter_context(_MixedLayerNorm())
+        stack.enter_context(_MixedLayerNorm())  # (autocast may start inside loss_fn: always)
         try:
             from .rnn import exact_rnn_ops, model_has_rnn
         except ImportError:  # pragma: no cover - rnn module always ships
@@ -100,42 +99,55 @@ def _dense_embedding_grads(model: torch.nn.Module) -> Iterator[None]:
 _LOW = (torch.bfloat16, torch.float16)
 
 
-def _mixed_precision_possible(model: torch.nn.Module) -> bool:
-    """A layer norm may see a bf16 / fp16 input with float32 affine parameters: under autocast (a
-    linear layer's output feeds a LayerNorm directly), or in a model with low-precision parts."""
-    if amp_state():
-        return True
-    dtypes = {t.dtype for t in model.parameters()} | {t.dtype for t in model.buffers() if t.is_floating_point()}
-    return bool(dtypes & set(_LOW)) and len(dtypes) > 1
-
-
 class _MixedLayerNorm(torch.overrides.TorchFunctionMode):
     """``layer_norm`` of a bf16 / fp16 input with float32 weight or bias, computed as the float32
-    layer norm of the (exactly) upcast input, cast back to the input's dtype.
+    layer norm of the (exactly) upcast input, cast to the dtype eager's call returns.
 
-    Eager torch takes this mixed call (a LayerNorm right after a linear layer under autocast, e.g.
-    BERT's masked-LM head: its output is the input's dtype, computed in float32), but its backward
-    fails under vmap ("expected scalar type BFloat16 but found Float", torch 2.4 to 2.13). The
-    upcast call is the same arithmetic: float32 statistics and affine, rounded once to the input's
-    dtype; the weight and bias gradients come out in float32 as in eager. Other calls pass through."""
+    Eager torch takes this mixed call (a LayerNorm right after a linear layer under CPU autocast,
+    e.g. BERT's masked-LM head), but its backward fails under vmap ("expected scalar type BFloat16
+    but found Float", torch 2.4 to 2.13; with a bias and no weight, plain autograd fails too). The
+    upcast call is the same arithmetic: float32 statistics and affine, rounded once to the output
+    dtype, which is taken from eager's own call on an empty input (the input's dtype for the mixed
+    kernel; float32 where autocast casts layer_norm to float32, as on CUDA). The weight and bias
+    gradients are float32 sums (eager's mixed kernel rounds them at the input's precision). Other
+    calls pass through. Entered for every vmap run of the engines (autocast may be entered inside
+    ``loss_fn``): one Python check per torch call of the forward."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.layer_norm or func is torch.layer_norm:
-            x = args[0] if args else kwargs.get("input")
-            w = args[2] if len(args) > 2 else kwargs.get("weight")
-            b = args[3] if len(args) > 3 else kwargs.get("bias")
-            if isinstance(x, Tensor) and x.dtype in _LOW:
-                hi = x.dtype
-                for t in (w, b):
-                    if isinstance(t, Tensor) and t.is_floating_point():
-                        hi = torch.promote_types(hi, t.dtype)
-                if hi != x.dtype:
-                    args = (x.to(hi),) + tuple(args[1:]) if args else args
-                    if not args:
-                        kwargs = {**kwargs, "input": x.to(hi)}
-                    return func(*args, **kwargs).to(x.dtype)
+            fixed = _upcast_layer_norm(func, args, kwargs)
+            if fixed is not None:
+                return fixed
         return func(*args, **kwargs)
+
+
+def _upcast_layer_norm(func, args, kwargs) -> Optional[Tensor]:
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, Tensor) or x.dtype not in _LOW:
+        return None
+    w = args[2] if len(args) > 2 else kwargs.get("weight")
+    b = args[3] if len(args) > 3 else kwargs.get("bias")
+    hi = x.dtype
+    for t in (w, b):
+        if isinstance(t, Tensor) and t.is_floating_point():
+            hi = torch.promote_types(hi, t.dtype)
+    if hi == x.dtype:
+        return None
+    shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    plain = lambda t: t.detach() if isinstance(t, Tensor) else t  # noqa: E731
+    rest_a = tuple(plain(a) for a in args[1:])
+    rest_k = {k: plain(v) for k, v in kwargs.items() if k != "input"}
+    try:  # the dtype eager's call returns (an empty input: no work)
+        with torch.no_grad():
+            empty = torch.empty((0, *shape), dtype=x.dtype, device=x.device)
+            out_dtype = (func(empty, *rest_a, **rest_k) if args else func(input=empty, **rest_k)).dtype
+    except RuntimeError:
+        return None  # (eager refuses it too: its own error, from the call itself)
+    up = x.to(hi)
+    res = func(up, *args[1:], **kwargs) if args else func(**{**kwargs, "input": up})
+    return res.to(out_dtype)
 
 
 def _raised_in(err: BaseException, path_end: str) -> bool:

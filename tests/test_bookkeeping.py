@@ -3241,10 +3241,11 @@ def test_checks_inside_the_capture_compare_float32_norms_under_the_callers_autoc
 
 @pytest.mark.parametrize("where", ["outer", "inner"])
 def test_order_check_under_bf16_autocast_uses_bf16_rounding(where):
-    """Under bf16 autocast (around the step or inside the loss) a float32 model computes from bf16
-    activations and output gradients, so its batched and single-example runs round apart by bf16's
-    unit: the example-order check compares at that precision (``_use_eps``: 4 ulps, as for a bf16
-    model). Before, 12 of tiny GPT-2's 28 parameters (the tied embedding among them) fell back to
+    """Under bf16 autocast inside the loss a float32 model computes from bf16 activations and output
+    gradients, so its batched and single-example runs round apart by bf16's unit: the
+    example-order check compares at that precision (``_use_eps``: 4 ulps, as for a bf16 model) and
+    warns that it did. Around the step (round 27), the check's runs take the model with autocast off,
+    in float32, and compare at float32's rounding. Before round 26, 12 of tiny GPT-2's 28 parameters (the tied embedding among them) fell back to
     vmap in every step under autocast; now none do, each contribution stays ≤ C, and a model that
     mixes examples (a batch mean) is still seen and falls back."""
     torch.manual_seed(0)
@@ -3259,8 +3260,13 @@ def test_order_check_under_bf16_autocast_uses_bf16_rounding(where):
     loss = models.hf_lm_loss if where == "outer" else amp_loss
     ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if where == "outer" else contextlib.nullcontext
     step = make_dp_step(model, loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
-    with ctx():
+    with ctx(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         routes = step.clipped_sum(params, b).routes
+    # around the step, the check runs in float32 (no warning); inside the loss it cannot, and says so
+    said = [str(w.message) for w in seen if "example-order check compared" in str(w.message)]
+    assert bool(said) == (where == "inner"), said
+    with ctx():
         assert "vmap" not in routes.values(), step.fallback_reasons(b, params)
         assert check_sensitivity(step, params, b, rtol=1e-6).max_ratio <= 1 + 1e-6
     mix = _MeanMixing("forward")
@@ -3275,3 +3281,40 @@ def test_order_check_under_bf16_autocast_uses_bf16_rounding(where):
     with ctx():
         assert set(mstep.clipped_sum(trainable_params(mix), bm).routes.values()) == {"vmap"}
         assert check_sensitivity(mstep, trainable_params(mix), bm, rtol=1e-6).max_ratio <= 1 + 1e-6
+
+
+class _WeakMix(nn.Module):
+    """Adds ``a`` times the batch mean to a hidden layer before a LayerNorm (a weak batch statistic)."""
+
+    def __init__(self, a):
+        super().__init__()
+        self.a = a
+        self.inp, self.norm, self.out = nn.Linear(6, 16), nn.LayerNorm(16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(self.norm(h + self.a * h.mean(0, keepdim=True)))
+
+
+@pytest.mark.parametrize("a", [0.05, 0.5])
+def test_order_check_runs_in_float32_under_the_callers_autocast(a):
+    """A float32 model that adds a few % of the batch mean before a LayerNorm, stepped inside bf16
+    autocast: compared at bf16's rounding (round 26), the check let the LayerNorm and head through
+    on their rules and an example's contribution reached 1.015 C (review of round 27). The check's
+    runs now take the model in float32 (the caller's autocast off), so it sees the mixing as it does
+    without autocast: every parameter it reaches takes the exact fallback and the bound holds."""
+    g = torch.Generator().manual_seed(3)
+    batch = (torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g))
+
+    def loss(m, b):
+        return F.cross_entropy(m(b[0]).float(), b[1], reduction="none")
+
+    torch.manual_seed(0)
+    model = _WeakMix(a)
+    params = trainable_params(model)
+    step = make_dp_step(model, loss, max_grad_norm=0.01, noise_multiplier=0.0, method="bk")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        routes = step.clipped_sum(params, batch).routes
+        r = check_sensitivity(step, params, batch, rtol=10.0)
+    assert set(routes.values()) == {"vmap"}, routes
+    assert r.max_ratio <= 1 + 1e-6, r.max_ratio
