@@ -2254,26 +2254,33 @@ def _norm_and_bound(uses: List[Use], p: Tensor, B: int) -> Tuple[Tensor, Tensor]
 def _amp_of(output: Any, args: Tuple[Any, ...] = ()) -> Optional[torch.dtype]:
     """The autocast dtype in force for the device type of a call's output (its first tensor: an
     attention layer returns a tuple) or else of its first tensor input, or None."""
-    cand = [output] + (list(output) if isinstance(output, (tuple, list)) else []) + list(args)
-    t = next((x for x in cand if isinstance(x, Tensor)), None)
-    dev = t.device.type if t is not None else "cpu"
+    if isinstance(output, Tensor):
+        dev = output.device.type
+    else:
+        cand = (list(output) if isinstance(output, (tuple, list)) else []) + list(args)
+        t = next((x for x in cand if isinstance(x, Tensor)), None)
+        dev = t.device.type if t is not None else "cpu"
     try:
         return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
     except (RuntimeError, TypeError, AttributeError, ValueError):  # (a device type autocast does not know)
         return None
 
 
+_NARROW = (torch.bfloat16, torch.float16)
+
+
 def _mark_src(got: Optional[Dict[str, Use]], args: Tuple[Any, ...], kwargs: Mapping[str, Any],
               g: Optional[Tensor], amp: Optional[torch.dtype]) -> Optional[Dict[str, Use]]:
     """Each use of a call tagged with the narrowest floating dtype among the call's inputs, output
     gradient and autocast dtype (``Use.src``), for ``_use_eps``."""
-    if not got or not any(getattr(u, "src", 0) is None for u in got.values()):
+    if not got:
         return got
-    dts = [t.dtype for t in (*args, *kwargs.values(), g) if isinstance(t, Tensor) and t.is_floating_point()]
-    if amp is not None:
-        dts.append(amp)
-    if dts:
-        narrow = max(dts, key=lambda d: torch.finfo(d).eps)
+    # (only a dtype narrower than float32 can widen ``_use_eps``: float32 / float64 calls are left untagged)
+    narrow, eps = None, torch.finfo(torch.float32).eps
+    for d in [t.dtype for t in (*args, *kwargs.values(), g) if isinstance(t, Tensor) and t.dtype in _NARROW] + [amp]:
+        if d is not None and torch.finfo(d).eps > eps:
+            narrow, eps = d, torch.finfo(d).eps
+    if narrow is not None:
         for u in got.values():
             if getattr(u, "src", 0) is None:
                 u.src = narrow
