@@ -2227,10 +2227,11 @@ def _fwd_key(dkey):
 ORDER_RTOL = 1e-3  # float32 / float64 norms; 4 ulps for narrower parameters or factors (``_use_eps``)
 _LOW_PRECISION_CHECK = (
     "book-keeping's example-order check compared {n} float32 parameter(s) ({first}, ...) at bf16 / fp16 "
-    "rounding (4 ulps), because their layers ran under torch.autocast entered inside loss_fn: a model that "
-    "mixes examples (a batch statistic) by less than that is not detected, and its examples' contributions "
-    "may then exceed the clip bound by about as much (~2 % under bf16). Enter torch.autocast around the step "
-    "call instead: the check then runs the model in float32 and compares at float32's rounding.")
+    "rounding (4 ulps), because their layers ran under torch.autocast entered inside loss_fn (or the model "
+    "runs only under autocast, or takes bf16 / fp16 inputs): a model that mixes examples (a batch statistic) "
+    "by less than that is not detected, and its examples' contributions may then exceed the clip bound by "
+    "about as much (~2 % under bf16). Enter torch.autocast around the step call instead: the check then "
+    "runs the model in float32 and compares at float32's rounding.")
 
 
 @_amp_off
@@ -2508,7 +2509,10 @@ def _watch_order(loss_module: LossModule, params: Params, constants: Mapping[str
     return watch.found
 
 
-@_amp_off
+class _CheckRunFailed(Exception):
+    """The example-order check's runs failed with the caller's autocast off (``_order_disagree``)."""
+
+
 def _order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo,
                     no_expand, key) -> Tuple[Dict[str, str], Set[str], Set[str]]:
     """({parameter: reason} found attributed to another example, {parameters checked and passed},
@@ -2521,8 +2525,24 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
     examples does not depend on the precision it runs in, and in the model's own precision the
     check compares at that precision's rounding (a float32 model under bf16 autocast: 1e-3, not
     bf16's ~3 %; review of round 27: a model adding 5 % of the batch mean before a LayerNorm passed
-    the bf16 comparison and exceeded the bound by 1.5 %). Autocast entered inside ``loss_fn``, and
-    a bf16 / fp16 model, still compare at their rounding (``_use_eps``; ``_LOW_PRECISION_CHECK``)."""
+    the bf16 comparison and exceeded the bound by 1.5 %). A model that runs only under autocast
+    (bf16 parts fed float32 inputs) is checked as it runs; autocast entered inside ``loss_fn``, and
+    a bf16 / fp16 model, compare at their rounding (``_use_eps``; ``_LOW_PRECISION_CHECK``)."""
+    state = amp_state()
+    if state:
+        try:
+            with amp(state, False):
+                return _order_runs(loss_module, params, constants, batch, registry, overrides, probe_memo,
+                                   no_expand, key, raise_failed=True)
+        except _CheckRunFailed:
+            pass  # (it fails without autocast: checked under it, at its rounding)
+    return _order_runs(loss_module, params, constants, batch, registry, overrides, probe_memo, no_expand, key)
+
+
+def _order_runs(loss_module, params, constants, batch, registry, overrides, probe_memo,
+                no_expand, key, raise_failed: bool = False) -> Tuple[Dict[str, str], Set[str], Set[str]]:
+    """``_order_disagree`` in the autocast state in force; ``raise_failed``: a failing run raises
+    ``_CheckRunFailed`` (instead of sending every parameter to the fallback)."""
     B = batch_size(batch)
     known, open_ = probe_memo.get(key, ({}, {})) if probe_memo is not None else ({}, {})
     if key in (probe_memo or {}) and all(c >= ORDER_RETRIES for c in open_.values()):
@@ -2592,6 +2612,8 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
     except Exception as err:  # e.g. a loss_fn that fails on the eval-mode forward: nothing is verified
         if isinstance(err, _OOM):
             raise
+        if raise_failed:
+            raise _CheckRunFailed() from err
         # (not memoised: a batch whose loss fails, a corrupt label say, must not decide later ones)
         return {n: ("the example-order check (eval-mode forward) failed: "
                     f"{type(err).__name__}: {str(err)[:120]}; bk_options={{'check_order': False}} skips it")

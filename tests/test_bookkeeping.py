@@ -3318,3 +3318,36 @@ def test_order_check_runs_in_float32_under_the_callers_autocast(a):
         r = check_sensitivity(step, params, batch, rtol=10.0)
     assert set(routes.values()) == {"vmap"}, routes
     assert r.max_ratio <= 1 + 1e-6, r.max_ratio
+
+
+class _Bf16Middle(nn.Module):
+    """A float32 model with a bf16 layer in the middle: it runs only under autocast (without, the
+    bf16 layer gets a float32 input: "mat1 and mat2 must have the same dtype")."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(6, 16), nn.Linear(16, 16).to(torch.bfloat16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(self.inp(x))))
+
+
+def test_order_check_of_a_model_that_runs_only_under_autocast():
+    """The check's float32 runs fail for a model that needs autocast; it is then checked as it runs,
+    under the caller's autocast at bf16's rounding (with a warning), instead of sending every
+    parameter to the exact fallback in every step; each contribution ≤ C."""
+    torch.manual_seed(0)
+    model = _Bf16Middle()
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))
+
+    def loss(m, b):
+        return F.cross_entropy(m(b[0]).float(), b[1], reduction="none")
+
+    params = trainable_params(model)
+    step = make_dp_step(model, loss, max_grad_norm=0.05, noise_multiplier=0.0, method="bk")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.warns(UserWarning, match="example-order check compared"):
+            routes = step.clipped_sum(params, batch).routes
+        assert "vmap" not in routes.values(), step.fallback_reasons(batch, params)
+        assert check_sensitivity(step, params, batch, rtol=1e-6).max_ratio <= 1 + 1e-6
