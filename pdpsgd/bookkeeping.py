@@ -2049,10 +2049,12 @@ def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[st
             continue
         col.uses.pop(n)
     if unseen and probe_memo is not None:
-        known, open_ = probe_memo.get(okey, ({}, {}))
-        new = {n: 0 for n in unseen if n not in known and n not in open_}
-        if new:
-            _memo_put(probe_memo, okey, (known, {**open_, **new}))
+        # (and the float32 run's verdicts under the caller's autocast, ``_order_disagree``)
+        for k in [okey] + [("autocast off", okey)] * (("autocast off", okey) in probe_memo):
+            known, open_ = probe_memo.get(k, ({}, {}))
+            new = {n: 0 for n in unseen if n not in known and n not in open_}
+            if new:
+                _memo_put(probe_memo, k, (known, {**open_, **new}))
     return col
 
 
@@ -2525,24 +2527,42 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
     examples does not depend on the precision it runs in, and in the model's own precision the
     check compares at that precision's rounding (a float32 model under bf16 autocast: 1e-3, not
     bf16's ~3 %; review of round 27: a model adding 5 % of the batch mean before a LayerNorm passed
-    the bf16 comparison and exceeded the bound by 1.5 %). A model that runs only under autocast
-    (bf16 parts fed float32 inputs) is checked as it runs; autocast entered inside ``loss_fn``, and
-    a bf16 / fp16 model, compare at their rounding (``_use_eps``; ``_LOW_PRECISION_CHECK``)."""
+    the bf16 comparison and exceeded the bound by 1.5 %). It is also run as the step runs, under
+    the caller's autocast at bf16's rounding, and a parameter stays on its rules only if both
+    passed it: a forward that mixes examples only under autocast or in a low precision (a batch-wide
+    overflow guard for fp16) is seen there (review: 1.10–1.13 C when only the float32 run
+    decided). A model that runs only under autocast (bf16 parts fed float32 inputs) is checked as it
+    runs; autocast entered inside ``loss_fn``, and a bf16 / fp16 model, compare at their rounding
+    (``_use_eps``; ``_LOW_PRECISION_CHECK``)."""
+    args = (loss_module, params, constants, batch, registry, overrides, probe_memo, no_expand)
     state = amp_state()
     if state:
         try:
             with amp(state, False):
-                return _order_runs(loss_module, params, constants, batch, registry, overrides, probe_memo,
-                                   no_expand, key, raise_failed=True)
+                off = _order_runs(*args, ("autocast off", key), raise_failed=True)
         except _CheckRunFailed:
-            pass  # (it fails without autocast: checked under it, at its rounding)
-    return _order_runs(loss_module, params, constants, batch, registry, overrides, probe_memo, no_expand, key)
+            off = None  # (it fails without autocast: checked under it alone, at its rounding)
+        if off is not None:
+            return _both_passed(off, _order_runs(*args, key, warn=False))
+    return _order_runs(*args, key)
+
+
+def _both_passed(a: Tuple[Dict[str, str], Set[str], Set[str]],
+                 b: Tuple[Dict[str, str], Set[str], Set[str]]) -> Tuple[Dict[str, str], Set[str], Set[str]]:
+    """Two example-order verdicts combined: found reordered by either (its reason); passed by both;
+    passed or rounding-only in both, one of them rounding-only: rounding-only; else undecided."""
+    bad = {**b[0], **a[0]}
+    ok_a, ok_b = a[1] | a[2], b[1] | b[2]
+    passed = (a[1] & b[1]) - set(bad)
+    rounding = ((ok_a & ok_b) - passed) - set(bad)
+    return bad, passed, rounding
 
 
 def _order_runs(loss_module, params, constants, batch, registry, overrides, probe_memo,
-                no_expand, key, raise_failed: bool = False) -> Tuple[Dict[str, str], Set[str], Set[str]]:
+                no_expand, key, raise_failed: bool = False, warn: bool = True) -> Tuple[Dict[str, str], Set[str], Set[str]]:
     """``_order_disagree`` in the autocast state in force; ``raise_failed``: a failing run raises
-    ``_CheckRunFailed`` (instead of sending every parameter to the fallback)."""
+    ``_CheckRunFailed`` (instead of sending every parameter to the fallback); ``warn``: warn when
+    comparing at bf16 / fp16 rounding (not when a float32 run decides too)."""
     B = batch_size(batch)
     known, open_ = probe_memo.get(key, ({}, {})) if probe_memo is not None else ({}, {})
     if key in (probe_memo or {}) and all(c >= ORDER_RETRIES for c in open_.values()):
@@ -2573,7 +2593,7 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
         n1, fb1 = _example_norms(s1, params, names, B, bnd1), dict(s1.fallback)
         eps_of = {n: _use_eps(s1.uses.get(n, []), params[n].dtype) for n in names}  # (the compute precision)
         loose = [n for n in names if eps_of[n] > max(torch.finfo(params[n].dtype).eps, torch.finfo(torch.float32).eps)]
-        if loose:
+        if loose and warn:
             warnings.warn(_LOW_PRECISION_CHECK.format(n=len(loose), first=loose[0]), stacklevel=2)
         del s1  # (one pass's captures alive at a time)
         s2 = run(perm, w2, 0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -62,14 +63,15 @@ def _in_dims(batch: Batch):
 
 
 @contextlib.contextmanager
-def vmap_context(model: torch.nn.Module) -> Iterator[None]:
+def vmap_context(model: torch.nn.Module, mixed_layer_norm: bool = False) -> Iterator[None]:
     """Everything a user model needs to run under vmap: transformers masks, exact RNN ops, dense
-    embedding gradients."""
+    embedding gradients; ``mixed_layer_norm``: ``_MixedLayerNorm``."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(transformers_vmap_compat())
         stack.enter_context(mha_fastpath_off())
         stack.enter_context(_dense_embedding_grads(model))
-        stack.enter_context(_MixedLayerNorm())  # (autocast may start inside loss_fn: always)
+        if mixed_layer_norm:
+            stack.enter_context(_MixedLayerNorm())
         try:
             from .rnn import exact_rnn_ops, model_has_rnn
         except ImportError:  # pragma: no cover - rnn module always ships
@@ -97,6 +99,24 @@ def _dense_embedding_grads(model: torch.nn.Module) -> Iterator[None]:
 
 
 _LOW = (torch.bfloat16, torch.float16)
+# models whose vmap run met torch's mixed-dtype layer_norm error (autocast entered inside loss_fn):
+# their later runs enter ``_MixedLayerNorm`` from the start
+_NEEDS_MIXED_LN: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _mixed_layer_norm_wanted(model: torch.nn.Module) -> bool:
+    """Enter ``_MixedLayerNorm`` (a Python check per torch call, ~10 % of a tiny model's vmap step):
+    under the caller's autocast, for a model with bf16 / fp16 parameters or buffers among float32
+    ones, or one seen to need it."""
+    if model in _NEEDS_MIXED_LN or amp_state():
+        return True
+    dts = {t.dtype for t in model.parameters()} | {t.dtype for t in model.buffers() if t.is_floating_point()}
+    return bool(dts & set(_LOW)) and len(dts) > 1
+
+
+def _is_mixed_layer_norm_error(err: BaseException) -> bool:
+    msg = str(err)
+    return "expected scalar type" in msg and "but found" in msg
 
 
 class _MixedLayerNorm(torch.overrides.TorchFunctionMode):
@@ -253,10 +273,18 @@ def per_sample_grads(
 
     fn = vmap(grad(loss_one, has_aux=True), in_dims=(None, _in_dims(batch)), randomness="different")
     # (grad mode on: under a caller's no_grad the outer level would record no path to a stray Parameter)
-    with vmap_context(loss_module.model), preserve_module_state(loss_module.model), torch.enable_grad():
+    model = loss_module.model
+    mixed = _mixed_layer_norm_wanted(model)
+    while True:
         try:
-            grads, losses = fn(params, batch)
+            with vmap_context(model, mixed), preserve_module_state(model), torch.enable_grad():
+                grads, losses = fn(params, batch)
+            break
         except RuntimeError as err:
+            if not mixed and _is_mixed_layer_norm_error(err):  # (autocast entered inside loss_fn)
+                _NEEDS_MIXED_LN.add(model)
+                mixed = True
+                continue
             raise _explain_vmap_error(err) from err
     if losses.requires_grad and stray:
         found = torch.autograd.grad(losses.sum(), [p for _, p in stray], allow_unused=True)

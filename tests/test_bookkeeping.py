@@ -3351,3 +3351,39 @@ def test_order_check_of_a_model_that_runs_only_under_autocast():
             routes = step.clipped_sum(params, batch).routes
         assert "vmap" not in routes.values(), step.fallback_reasons(batch, params)
         assert check_sensitivity(step, params, batch, rtol=1e-6).max_ratio <= 1 + 1e-6
+
+
+class _MixesUnderAutocast(nn.Module):
+    """Mixes examples (half the batch mean) only while autocast is on: a float32 run cannot see it."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.norm, self.out = nn.Linear(6, 16), nn.LayerNorm(16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        if torch.is_autocast_enabled("cpu"):
+            h = h + 0.5 * h.mean(0, keepdim=True)
+        return self.out(self.norm(h))
+
+
+def test_order_check_also_runs_as_the_step_runs_under_autocast():
+    """Under the caller's autocast the check's float32 run decides with the run under autocast (the
+    step's own precision): a parameter stays on its rules only if both passed it. A forward that
+    mixes only under autocast (review: 1.046 C at B = 40 when the float32 run alone decided) is
+    caught here; weaker mixing of that kind below bf16's tolerance is not (README)."""
+    torch.manual_seed(0)
+    model = _MixesUnderAutocast()
+    g = torch.Generator().manual_seed(3)
+    batch = (torch.randn(40, 6, generator=g), torch.randint(0, 3, (40,), generator=g))
+
+    def loss(m, b):
+        return F.cross_entropy(m(b[0]).float(), b[1], reduction="none")
+
+    params = trainable_params(model)
+    step = make_dp_step(model, loss, max_grad_norm=0.01, noise_multiplier=0.0, method="bk")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        routes = step.clipped_sum(params, batch).routes
+        r = check_sensitivity(step, params, batch, rtol=10.0)
+    assert set(routes.values()) == {"vmap"}, routes
+    assert r.max_ratio <= 1 + 1e-6, r.max_ratio
