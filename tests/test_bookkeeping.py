@@ -3283,6 +3283,21 @@ def test_order_check_under_bf16_autocast_uses_bf16_rounding(where):
         assert check_sensitivity(mstep, trainable_params(mix), bm, rtol=1e-6).max_ratio <= 1 + 1e-6
 
 
+def _ce_rows(m, b):
+    return F.cross_entropy(m(b[0]).float(), b[1], reduction="none")
+
+
+def _bk_under_bf16_autocast(model, B, C, seed=3, rtol=10.0):
+    """(routes, max_ratio): a bk step of ``model`` on a (B, 6) batch inside bf16 autocast."""
+    g = torch.Generator().manual_seed(seed)
+    batch = (torch.randn(B, 6, generator=g), torch.randint(0, 3, (B,), generator=g))
+    params = trainable_params(model)
+    step = make_dp_step(model, _ce_rows, max_grad_norm=C, noise_multiplier=0.0, method="bk")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        routes = step.clipped_sum(params, batch).routes
+        return routes, check_sensitivity(step, params, batch, rtol=rtol).max_ratio
+
+
 class _WeakMix(nn.Module):
     """Adds ``a`` times the batch mean to a hidden layer before a LayerNorm (a weak batch statistic)."""
 
@@ -3303,21 +3318,10 @@ def test_order_check_runs_in_float32_under_the_callers_autocast(a):
     on their rules and an example's contribution reached 1.015 C (review of round 27). The check's
     runs now take the model in float32 (the caller's autocast off), so it sees the mixing as it does
     without autocast: every parameter it reaches takes the exact fallback and the bound holds."""
-    g = torch.Generator().manual_seed(3)
-    batch = (torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g))
-
-    def loss(m, b):
-        return F.cross_entropy(m(b[0]).float(), b[1], reduction="none")
-
     torch.manual_seed(0)
-    model = _WeakMix(a)
-    params = trainable_params(model)
-    step = make_dp_step(model, loss, max_grad_norm=0.01, noise_multiplier=0.0, method="bk")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        routes = step.clipped_sum(params, batch).routes
-        r = check_sensitivity(step, params, batch, rtol=10.0)
+    routes, ratio = _bk_under_bf16_autocast(_WeakMix(a), 16, 0.01)
     assert set(routes.values()) == {"vmap"}, routes
-    assert r.max_ratio <= 1 + 1e-6, r.max_ratio
+    assert ratio <= 1 + 1e-6, ratio
 
 
 class _Bf16Middle(nn.Module):
@@ -3337,20 +3341,10 @@ def test_order_check_of_a_model_that_runs_only_under_autocast():
     under the caller's autocast at bf16's rounding (with a warning), instead of sending every
     parameter to the exact fallback in every step; each contribution ≤ C."""
     torch.manual_seed(0)
-    model = _Bf16Middle()
-    g = torch.Generator().manual_seed(1)
-    batch = (torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))
-
-    def loss(m, b):
-        return F.cross_entropy(m(b[0]).float(), b[1], reduction="none")
-
-    params = trainable_params(model)
-    step = make_dp_step(model, loss, max_grad_norm=0.05, noise_multiplier=0.0, method="bk")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.warns(UserWarning, match="example-order check compared"):
-            routes = step.clipped_sum(params, batch).routes
-        assert "vmap" not in routes.values(), step.fallback_reasons(batch, params)
-        assert check_sensitivity(step, params, batch, rtol=1e-6).max_ratio <= 1 + 1e-6
+    with pytest.warns(UserWarning, match="example-order check compared"):
+        routes, ratio = _bk_under_bf16_autocast(_Bf16Middle(), 8, 0.05, seed=1, rtol=1e-6)
+    assert "vmap" not in routes.values(), routes
+    assert ratio <= 1 + 1e-6
 
 
 class _MixesUnderAutocast(nn.Module):
@@ -3373,17 +3367,6 @@ def test_order_check_also_runs_as_the_step_runs_under_autocast():
     mixes only under autocast (review: 1.046 C at B = 40 when the float32 run alone decided) is
     caught here; weaker mixing of that kind below bf16's tolerance is not (README)."""
     torch.manual_seed(0)
-    model = _MixesUnderAutocast()
-    g = torch.Generator().manual_seed(3)
-    batch = (torch.randn(40, 6, generator=g), torch.randint(0, 3, (40,), generator=g))
-
-    def loss(m, b):
-        return F.cross_entropy(m(b[0]).float(), b[1], reduction="none")
-
-    params = trainable_params(model)
-    step = make_dp_step(model, loss, max_grad_norm=0.01, noise_multiplier=0.0, method="bk")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        routes = step.clipped_sum(params, batch).routes
-        r = check_sensitivity(step, params, batch, rtol=10.0)
+    routes, ratio = _bk_under_bf16_autocast(_MixesUnderAutocast(), 40, 0.01)
     assert set(routes.values()) == {"vmap"}, routes
-    assert r.max_ratio <= 1 + 1e-6, r.max_ratio
+    assert ratio <= 1 + 1e-6, ratio
