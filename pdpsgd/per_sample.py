@@ -130,8 +130,9 @@ class _MixedLayerNorm(torch.overrides.TorchFunctionMode):
     dtype, which is taken from eager's own call on an empty input (the input's dtype for the mixed
     kernel; float32 where autocast casts layer_norm to float32, as on CUDA). The weight and bias
     gradients are float32 sums (eager's mixed kernel rounds them at the input's precision). Other
-    calls pass through. Entered for every vmap run of the engines (autocast may be entered inside
-    ``loss_fn``): one Python check per torch call of the forward."""
+    calls pass through, at the cost of one Python check per torch call of the forward: entered only
+    where it may be needed (``_mixed_layer_norm_wanted``; ``per_sample_grads`` retries once with it
+    when the vmap run meets the error, autocast entered inside ``loss_fn``)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
