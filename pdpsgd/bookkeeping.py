@@ -2049,8 +2049,8 @@ def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[st
             continue
         col.uses.pop(n)
     if unseen and probe_memo is not None:
-        # (and the float32 run's verdicts under the caller's autocast, ``_order_disagree``)
-        for k in (okey, ("autocast off", okey)):
+        # (and the float32 run's verdicts, ``_order_disagree``)
+        for k in (okey, ("float32", okey)):
             if k is not okey and k not in probe_memo:
                 continue
             known, open_ = probe_memo.get(k, ({}, {}))
@@ -2230,13 +2230,12 @@ def _fwd_key(dkey):
 # the check (for a model known not to reorder whose eval forward differs, say).
 ORDER_RTOL = 1e-3  # float32 / float64 norms; 4 ulps for narrower parameters or factors (``_use_eps``)
 _LOW_PRECISION_CHECK = (
-    "book-keeping's example-order check compared {n} parameter(s) ({first}, ...) at bf16 / fp16 rounding "
-    "(4 ulps), below their own precision, because their layers ran under torch.autocast entered inside "
-    "loss_fn (or the model runs only under autocast, or takes bf16 / fp16 inputs): a model that mixes "
-    "examples (a batch statistic) weakly enough is not detected there, and its examples' contributions may "
-    "then exceed the clip bound (a review measured 1.5-10 % for such models under bf16). Enter torch.autocast "
-    "around the step call instead: the check then also runs the model in float32 and compares at float32's "
-    "rounding.")
+    "book-keeping's example-order check compared {n} parameter(s) ({first}, ...) at bf16 / fp16 rounding only "
+    "(4 ulps), not float32's: its float32 run of the model (bf16 / fp16 parameters, buffers and inputs upcast, "
+    "autocast's casts off) {why}. A model that mixes examples (a batch statistic) weakly enough is not "
+    "detected at that rounding, and its examples' contributions may then exceed the clip bound (a review "
+    "measured 1.5-10 % for such models under bf16). Let the forward run in float32 too (no dtype fixed inside "
+    "it), or use method='vmap', which needs no such check.")
 
 
 @_amp_off
@@ -2266,6 +2265,8 @@ def _amp_of(output: Any, args: Tuple[Any, ...] = ()) -> Optional[torch.dtype]:
         cand = (list(output) if isinstance(output, (tuple, list)) else []) + list(args)
         t = next((x for x in cand if isinstance(x, Tensor)), None)
         dev = t.device.type if t is not None else "cpu"
+    if _IN_FLOAT32_RUN.get():
+        return None  # (``_Float32Run``: the flag is on, its casts are off)
     try:
         return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
     except (RuntimeError, TypeError, AttributeError, ValueError):  # (a device type autocast does not know)
@@ -2512,7 +2513,42 @@ def _watch_order(loss_module: LossModule, params: Params, constants: Mapping[str
 
 
 class _CheckRunFailed(Exception):
-    """The example-order check's runs failed with the caller's autocast off (``_order_disagree``)."""
+    """The example-order check's float32 run failed (``_order_disagree``)."""
+
+
+# Set while the example-order check's float32 run takes the model (``_Float32Run``): a call's
+# autocast flag then casts nothing (``_amp_of``).
+_IN_FLOAT32_RUN: contextvars.ContextVar[bool] = contextvars.ContextVar("pdpsgd_float32_run", default=False)
+_DISABLE_AUTOCAST = getattr(torch._C, "_DisableAutocast", None)
+
+
+class _Float32Run(torch.overrides.TorchFunctionMode):
+    """Every torch call of the block run with autocast's casts excluded (``torch._C._DisableAutocast``,
+    per call: an autocast region entered inside ``loss_fn`` turns them on again at its entry). The
+    autocast flags stay as they are, so a model that branches on ``torch.is_autocast_enabled`` takes
+    its autocast path, in the precision of its tensors."""
+
+    def __enter__(self):
+        self._token = _IN_FLOAT32_RUN.set(True)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _IN_FLOAT32_RUN.reset(self._token)
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        with _DISABLE_AUTOCAST():
+            return func(*args, **(kwargs or {}))
+
+
+def _upcast(x: Any) -> Any:
+    """A bf16 / fp16 tensor as a float32 copy (detached); anything else as it is."""
+    return x.detach().float() if isinstance(x, Tensor) and x.dtype in _LOW else x
+
+
+def _has_low(*trees: Any) -> bool:
+    """Whether any tensor in these pytrees is bf16 / fp16."""
+    return any(isinstance(x, Tensor) and x.dtype in _LOW for t in trees for x in tree_flatten(t)[0])
 
 
 def _order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo,
@@ -2523,29 +2559,54 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
     Memoised per batch shape (without B): (verdicts, undecided parameters with the number of checks
     they went through).
 
-    Its runs take the model with the caller's autocast (around the step) off: whether a model mixes
-    examples does not depend on the precision it runs in, and in the model's own precision the
-    check compares at that precision's rounding (a float32 model under bf16 autocast: 1e-3, not
-    bf16's ~3 %; review of round 27: a model adding 5 % of the batch mean before a LayerNorm passed
-    the bf16 comparison and exceeded the bound by 1.5 %). It is also run as the step runs, under
-    the caller's autocast at bf16's rounding, and a parameter stays on its rules only if both
-    passed it: a forward that mixes examples only under autocast or in a low precision (a batch-wide
-    overflow guard for fp16) is seen there only where it moves the norms past bf16's tolerance
-    (review: 1.10–1.13 C when only the float32 run decided; with both, caught at B = 40, still up
-    to 1.10 C at B = 3–16). A model that runs only under autocast (bf16 parts fed float32 inputs) is checked as it
-    runs; autocast entered inside ``loss_fn``, and a bf16 / fp16 model, compare at their rounding
-    (``_use_eps``; ``_LOW_PRECISION_CHECK``)."""
-    args = (loss_module, params, constants, batch, registry, overrides, probe_memo, no_expand)
-    state = amp_state()
-    if state:
+    A model that computes in bf16 / fp16 (the caller's autocast around the step, autocast entered
+    inside ``loss_fn``, bf16 / fp16 parameters, buffers or inputs) is also checked in a float32 run:
+    those tensors upcast, autocast's casts off (``_Float32Run``; the autocast flags stay on, so its
+    autocast code path is taken). Whether a model mixes examples does not depend on the precision it
+    computes in, and in float32 the check compares at float32's rounding (1e-3), not bf16's (~3 % of
+    a squared norm plus a floor of ~6 % of the batch's largest): at bf16's rounding a model adding
+    5 % of the batch mean before a LayerNorm passed and exceeded the bound by 1.5 % under autocast
+    (review of round 27), and a bf16 model by up to 2.3 % (round 28). A parameter stays on its rules
+    only if both runs passed it: one that mixes only in the low precision (a batch-wide overflow
+    guard for fp16, say) is still seen in the run as the step runs where it moves the norms past
+    bf16's tolerance. When the float32 run fails (a forward that fixes a dtype of its own), the
+    check compares at bf16 / fp16 rounding alone and warns (``_LOW_PRECISION_CHECK``)."""
+    rest = (registry, overrides, probe_memo, no_expand)
+    memo: Dict = probe_memo if probe_memo is not None else {}
+    lkey, fkey, xkey = ("low precision", key), ("float32", key), ("float32 failed", key)
+    why = [memo.get(xkey, "could not run: this torch has no torch._C._DisableAutocast")]
+
+    def float32_run() -> Tuple[Optional[Tuple[Dict[str, str], Set[str], Set[str]]], List[str]]:
+        if xkey in memo or _DISABLE_AUTOCAST is None:
+            return None, []
         try:
-            with amp(state, False):
-                off = _order_runs(*args, ("autocast off", key), raise_failed=True)
-        except _CheckRunFailed:
-            off = None  # (it fails without autocast: checked under it alone, at its rounding)
-        if off is not None:
-            return _both_passed(off, _order_runs(*args, key, warn=False))
-    return _order_runs(*args, key)
+            p32, c32, b32 = ({n: _upcast(v) for n, v in params.items()}, {n: _upcast(v) for n, v in constants.items()},
+                             tree_map(_upcast, batch))
+            with _Float32Run():
+                return _order_runs(loss_module, p32, c32, b32, *rest, fkey, raise_failed=True)
+        except (_CheckRunFailed, *_OOM) as err:  # (out of memory: the float32 copies; checked as it runs)
+            cause = err.__cause__ if isinstance(err, _CheckRunFailed) else err
+            why[0] = f"failed ({type(cause).__name__}: {str(cause)[:120]})"
+            return None, []
+
+    low = bool(amp_state()) or _has_low(params, constants, batch) or lkey in memo
+    f32, loose32 = float32_run() if low else (None, [])
+    run, loose = _order_runs(loss_module, params, constants, batch, *rest, key)
+    if loose and not low:  # (autocast entered inside loss_fn: found by the run, remembered per shape)
+        _memo_put(probe_memo, lkey, True)
+        f32, loose32 = float32_run()
+    if f32 is None and loose is not None and (low or loose) and xkey not in memo and _DISABLE_AUTOCAST is not None:
+        # the float32 run failed where the run as the step runs did not: a forward that needs its low
+        # precision, not a batch that fails (that one is asked again with the next batch)
+        _memo_put(probe_memo, xkey, why[0])
+    if f32 is not None:
+        if loose32:
+            why[0] = "still computed them in bf16 / fp16 (a dtype fixed inside the forward)"
+            warnings.warn(_LOW_PRECISION_CHECK.format(n=len(loose32), first=loose32[0], why=why[0]), stacklevel=3)
+        return _both_passed(f32, run)
+    if loose:
+        warnings.warn(_LOW_PRECISION_CHECK.format(n=len(loose), first=loose[0], why=why[0]), stacklevel=3)
+    return run
 
 
 def _both_passed(a: Tuple[Dict[str, str], Set[str], Set[str]],
@@ -2560,14 +2621,16 @@ def _both_passed(a: Tuple[Dict[str, str], Set[str], Set[str]],
 
 
 def _order_runs(loss_module, params, constants, batch, registry, overrides, probe_memo,
-                no_expand, key, raise_failed: bool = False, warn: bool = True) -> Tuple[Dict[str, str], Set[str], Set[str]]:
-    """``_order_disagree`` in the autocast state in force; ``raise_failed``: a failing run raises
-    ``_CheckRunFailed`` (instead of sending every parameter to the fallback); ``warn``: warn when
-    comparing at bf16 / fp16 rounding (not when a float32 run decides too)."""
+                no_expand, key, raise_failed: bool = False
+                ) -> Tuple[Tuple[Dict[str, str], Set[str], Set[str]], Optional[List[str]]]:
+    """(``_order_disagree``'s verdicts in the precision the model runs in here, the parameters this
+    call compared at bf16 / fp16 rounding (``_use_eps``), or None when its runs failed);
+    ``raise_failed``: a failing run raises ``_CheckRunFailed`` (instead of sending every parameter to
+    the fallback)."""
     B = batch_size(batch)
     known, open_ = probe_memo.get(key, ({}, {})) if probe_memo is not None else ({}, {})
     if key in (probe_memo or {}) and all(c >= ORDER_RETRIES for c in open_.values()):
-        return _order_verdicts(known)
+        return _order_verdicts(known), []
     gen = torch.Generator().manual_seed(12345 + B)
     pi = torch.randperm(B, generator=gen)
     while bool((pi == torch.arange(B)).any()):  # a derangement (B ≥ 2): every example moves
@@ -2584,7 +2647,7 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
     if _all_rows_equal(batch, B):
         # every example the same: no mixing could show (a mean over copies is each one's own value);
         # nothing is decided, so the step takes the exact fallback and the next batch is asked again
-        return _order_verdicts(known)
+        return _order_verdicts(known), []
     bnd1: Dict[str, Tensor] = {}
     bnd2: Dict[str, Tensor] = {}
     try:
@@ -2593,9 +2656,7 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
         names = sorted(s1.uses)
         n1, fb1 = _example_norms(s1, params, names, B, bnd1), dict(s1.fallback)
         eps_of = {n: _use_eps(s1.uses.get(n, []), params[n].dtype) for n in names}  # (the compute precision)
-        loose = [n for n in names if eps_of[n] > max(torch.finfo(params[n].dtype).eps, torch.finfo(torch.float32).eps)]
-        if loose and warn:
-            warnings.warn(_LOW_PRECISION_CHECK.format(n=len(loose), first=loose[0]), stacklevel=2)
+        loose = [n for n in names if eps_of[n] > torch.finfo(torch.float32).eps]
         del s1  # (one pass's captures alive at a time)
         s2 = run(perm, w2, 0)
         n2, fb2 = _example_norms(s2, params, names, B, bnd2), dict(s2.fallback)
@@ -2636,9 +2697,9 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
         if raise_failed:
             raise _CheckRunFailed() from err
         # (not memoised: a batch whose loss fails, a corrupt label say, must not decide later ones)
-        return {n: ("the example-order check (eval-mode forward) failed: "
+        return ({n: ("the example-order check (eval-mode forward) failed: "
                     f"{type(err).__name__}: {str(err)[:120]}; bk_options={{'check_order': False}} skips it")
-                for n in params}, set(), set()
+                for n in params}, set(), set()), None
 
     def differ(x: Tensor, y: Tensor, n: str) -> Tensor:  # per example, beyond rounding
         eps = eps_of.get(n, torch.finfo(params[n].dtype).eps)
@@ -2733,7 +2794,7 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
     undecided = {n: open_.get(n, 0) + 1 for n in set(names) | set(open_) if n not in res}
     if probe_memo is not None:
         _memo_put(probe_memo, key, (known, undecided))
-    return _order_verdicts(known)
+    return _order_verdicts(known), loose
 
 
 def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo,

@@ -3243,9 +3243,9 @@ def test_checks_inside_the_capture_compare_float32_norms_under_the_callers_autoc
 def test_order_check_under_bf16_autocast_uses_bf16_rounding(where):
     """Under bf16 autocast inside the loss a float32 model computes from bf16 activations and output
     gradients, so its batched and single-example runs round apart by bf16's unit: the
-    example-order check compares at that precision (``_use_eps``: 4 ulps, as for a bf16 model) and
-    warns that it did. Around the step (round 27), the check's runs take the model with autocast off,
-    in float32, and compare at float32's rounding. Before round 26, 12 of tiny GPT-2's 28 parameters (the tied embedding among them) fell back to
+    example-order check's run as the step runs compares at that precision (``_use_eps``: 4 ulps);
+    a float32 run with autocast's casts off decides too (round 27 around the step, round 28 inside
+    the loss as well), at float32's rounding, so nothing is left to warn of. Before round 26, 12 of tiny GPT-2's 28 parameters (the tied embedding among them) fell back to
     vmap in every step under autocast; now none do, each contribution stays ≤ C, and a model that
     mixes examples (a batch mean) is still seen and falls back."""
     torch.manual_seed(0)
@@ -3263,9 +3263,9 @@ def test_order_check_under_bf16_autocast_uses_bf16_rounding(where):
     with ctx(), warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         routes = step.clipped_sum(params, b).routes
-    # around the step, the check runs in float32 (no warning); inside the loss it cannot, and says so
+    # the check's float32 run decides too, around the step and inside the loss: no warning
     said = [str(w.message) for w in seen if "example-order check compared" in str(w.message)]
-    assert bool(said) == (where == "inner"), said
+    assert not said, said
     with ctx():
         assert "vmap" not in routes.values(), step.fallback_reasons(b, params)
         assert check_sensitivity(step, params, b, rtol=1e-6).max_ratio <= 1 + 1e-6
@@ -3287,13 +3287,20 @@ def _ce_rows(m, b):
     return F.cross_entropy(m(b[0]).float(), b[1], reduction="none")
 
 
-def _bk_under_bf16_autocast(model, B, C, seed=3, rtol=10.0):
-    """(routes, max_ratio): a bk step of ``model`` on a (B, 6) batch inside bf16 autocast."""
-    g = torch.Generator().manual_seed(seed)
-    batch = (torch.randn(B, 6, generator=g), torch.randint(0, 3, (B,), generator=g))
-    params = trainable_params(model)
-    step = make_dp_step(model, _ce_rows, max_grad_norm=C, noise_multiplier=0.0, method="bk")
+def _ce_rows_bf16(m, b):
     with torch.autocast("cpu", dtype=torch.bfloat16):
+        return _ce_rows(m, b)
+
+
+def _bk_under_bf16_autocast(model, B, C, seed=3, rtol=10.0, where="outer", dtype=torch.float32):
+    """(routes, max_ratio): a bk step of ``model`` on a (B, 6) batch (``dtype``) inside bf16 autocast
+    (``where``: "outer" around the step, "inner" inside the loss, "none")."""
+    g = torch.Generator().manual_seed(seed)
+    batch = (torch.randn(B, 6, generator=g).to(dtype), torch.randint(0, 3, (B,), generator=g))
+    params = trainable_params(model)
+    step = make_dp_step(model, _ce_rows_bf16 if where == "inner" else _ce_rows, max_grad_norm=C,
+                        noise_multiplier=0.0, method="bk")
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=where == "outer"):
         routes = step.clipped_sum(params, batch).routes
         return routes, check_sensitivity(step, params, batch, rtol=rtol).max_ratio
 
@@ -3312,14 +3319,16 @@ class _WeakMix(nn.Module):
 
 
 @pytest.mark.parametrize("a", [0.05, 0.5])
-def test_order_check_runs_in_float32_under_the_callers_autocast(a):
+@pytest.mark.parametrize("where", ["outer", "inner"])
+def test_order_check_runs_in_float32_under_the_callers_autocast(a, where):
     """A float32 model that adds a few % of the batch mean before a LayerNorm, stepped inside bf16
     autocast: compared at bf16's rounding (round 26), the check let the LayerNorm and head through
-    on their rules and an example's contribution reached 1.015 C (review of round 27). The check's
-    runs now take the model in float32 (the caller's autocast off), so it sees the mixing as it does
-    without autocast: every parameter it reaches takes the exact fallback and the bound holds."""
+    on their rules and an example's contribution reached 1.015 C (review of round 27). The check now
+    also runs the model in float32 (autocast's casts off), so it sees the mixing as it does without
+    autocast: every parameter it reaches takes the exact fallback and the bound holds. Autocast
+    entered inside the loss (round 28; before, compared at bf16's rounding with a warning) too."""
     torch.manual_seed(0)
-    routes, ratio = _bk_under_bf16_autocast(_WeakMix(a), 16, 0.01)
+    routes, ratio = _bk_under_bf16_autocast(_WeakMix(a), 16, 0.01, where=where)
     assert set(routes.values()) == {"vmap"}, routes
     assert ratio <= 1 + 1e-6, ratio
 
@@ -3337,36 +3346,106 @@ class _Bf16Middle(nn.Module):
 
 
 def test_order_check_of_a_model_that_runs_only_under_autocast():
-    """The check's float32 runs fail for a model that needs autocast; it is then checked as it runs,
-    under the caller's autocast at bf16's rounding (with a warning), instead of sending every
-    parameter to the exact fallback in every step; each contribution ≤ C."""
+    """A float32 model with a bf16 layer fails without autocast (round 27: its check then compared at
+    bf16's rounding, with a warning); the check's float32 run upcasts that layer's parameters, so the
+    model is checked in float32: no warning, nothing falls back, each contribution ≤ C."""
     torch.manual_seed(0)
-    with pytest.warns(UserWarning, match="example-order check compared"):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         routes, ratio = _bk_under_bf16_autocast(_Bf16Middle(), 8, 0.05, seed=1, rtol=1e-6)
+    assert not [w for w in seen if "example-order check compared" in str(w.message)]
+    assert "vmap" not in routes.values(), routes
+    assert ratio <= 1 + 1e-6
+
+
+class _FixedBf16(nn.Module):
+    """Casts its hidden layer to bf16 itself before a float32 weight: it runs only with autocast's
+    casts on (the check's float32 run fails: "expected ... same dtype")."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(self.inp(x).to(torch.bfloat16))))
+
+
+def test_order_check_warns_when_its_float32_run_fails():
+    """A forward that fixes a dtype of its own fails the check's float32 run: the model is then checked
+    as it runs, at bf16's rounding, with a warning that names the failure and the fix, instead of
+    every parameter taking the exact fallback in every step; each contribution ≤ C."""
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"example-order check compared .* float32 run .* failed \(RuntimeError"):
+        routes, ratio = _bk_under_bf16_autocast(_FixedBf16(), 8, 0.05, seed=1, rtol=1e-6)
     assert "vmap" not in routes.values(), routes
     assert ratio <= 1 + 1e-6
 
 
 class _MixesUnderAutocast(nn.Module):
-    """Mixes examples (half the batch mean) only while autocast is on: a float32 run cannot see it."""
+    """Mixes examples (``a`` times the batch mean) only while autocast is on."""
+
+    def __init__(self, a=0.5):
+        super().__init__()
+        self.a = a
+        self.inp, self.norm, self.out = nn.Linear(6, 16), nn.LayerNorm(16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        if torch.is_autocast_enabled("cpu"):
+            h = h + self.a * h.mean(0, keepdim=True)
+        return self.out(self.norm(h))
+
+
+@pytest.mark.parametrize("B,a", [(3, 0.05), (16, 0.05), (40, 0.5)])
+@pytest.mark.parametrize("where", ["outer", "inner"])
+def test_order_check_sees_mixing_that_happens_only_under_autocast(B, a, where):
+    """A forward that mixes examples only while autocast is on: round 27's float32 run turned the
+    caller's autocast off and missed it (review: 1.046 C at B = 40 when it alone decided), and the
+    run at bf16's rounding saw it only at B = 40, not at B = 3-16 (up to 1.10 C). The float32 run now
+    keeps the autocast flags and turns off only their casts (``_Float32Run``), so the model takes its
+    autocast path in float32 and the mixing is compared at float32's rounding, around the step and
+    inside the loss alike: every parameter falls back, each contribution ≤ C."""
+    torch.manual_seed(0)
+    routes, ratio = _bk_under_bf16_autocast(_MixesUnderAutocast(a), B, 0.01, where=where)
+    assert set(routes.values()) == {"vmap"}, routes
+    assert ratio <= 1 + 1e-6, ratio
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,a", [(4, 0.01), (16, 0.05), (40, 0.01)])
+def test_order_check_of_a_low_precision_model_runs_in_float32(dtype, B, a):
+    """A bf16 / fp16 model (parameters and inputs) that adds a few % of the batch mean before a
+    LayerNorm: compared at bf16's rounding alone (through round 27) the check let it through on its
+    rules without a warning, and an example's contribution reached 1.003-1.010 C (bf16, B = 8-40).
+    The check now also runs the model upcast to float32 and compares there: every parameter falls
+    back, each contribution ≤ C; the same model without mixing keeps its rules."""
+    torch.manual_seed(0)
+    routes, ratio = _bk_under_bf16_autocast(_WeakMix(a).to(dtype), B, 0.01, where="none", dtype=dtype)
+    assert set(routes.values()) == {"vmap"}, routes
+    assert ratio <= 1 + 1e-6, ratio
+    torch.manual_seed(0)
+    routes, ratio = _bk_under_bf16_autocast(_WeakMix(0.0).to(dtype), B, 0.01, where="none", dtype=dtype, rtol=1e-6)
+    assert "vmap" not in routes.values(), routes
+    assert ratio <= 1 + 1e-6, ratio
+
+
+class _Bf16Norm(nn.Module):
+    """Feeds its LayerNorm a bf16 input it casts itself: computed in bf16 in any run."""
 
     def __init__(self):
         super().__init__()
         self.inp, self.norm, self.out = nn.Linear(6, 16), nn.LayerNorm(16), nn.Linear(16, 3)
 
     def forward(self, x):
-        h = self.inp(x)
-        if torch.is_autocast_enabled("cpu"):
-            h = h + 0.5 * h.mean(0, keepdim=True)
-        return self.out(self.norm(h))
+        return self.out(self.norm(self.inp(x).to(torch.bfloat16)).float())
 
 
-def test_order_check_also_runs_as_the_step_runs_under_autocast():
-    """Under the caller's autocast the check's float32 run decides with the run under autocast (the
-    step's own precision): a parameter stays on its rules only if both passed it. A forward that
-    mixes only under autocast (review: 1.046 C at B = 40 when the float32 run alone decided) is
-    caught here; weaker mixing of that kind below bf16's tolerance is not (README)."""
+def test_order_check_warns_when_its_float32_run_is_still_low_precision():
+    """A float32 model whose forward fixes bf16 for a layer: its float32 run computes that layer in
+    bf16 too, so it is compared at bf16's rounding in both runs; the step warns and says why, and
+    each contribution ≤ C (the norm's weight is rounded to bf16 and fed back in float32)."""
     torch.manual_seed(0)
-    routes, ratio = _bk_under_bf16_autocast(_MixesUnderAutocast(), 40, 0.01)
-    assert set(routes.values()) == {"vmap"}, routes
-    assert ratio <= 1 + 1e-6, ratio
+    with pytest.warns(UserWarning, match=r"compared 2 parameter\(s\) \(norm.* still computed them in bf16"):
+        routes, ratio = _bk_under_bf16_autocast(_Bf16Norm(), 8, 0.05, seed=1, rtol=1e-6, where="none")
+    assert "vmap" not in routes.values(), routes
+    assert ratio <= 1 + 1e-6

@@ -778,15 +778,17 @@ def test_layer_norm_after_a_linear_layer_under_autocast(method, make, where):
     assert r.max_ratio <= 1 + 1e-6 and float(r.contributions.min()) > C * (1 - 1e-5)
 
 
+@pytest.mark.parametrize("mode", ["outer", "inner", "bf16 model"])
 @pytest.mark.parametrize("family", ["t5", "bert_mlm"])
-def test_hf_models_under_bf16_autocast_stay_on_their_rules(family):
+def test_hf_models_under_bf16_autocast_stay_on_their_rules(family, mode):
     """T5 (its RMSNorm and relative attention bias take float32 inputs whose values carry a bf16
     layer's rounding) and BERT's masked-LM head (a LayerNorm fed a bf16 dense output) inside bf16
     autocast: every parameter on its rule (before: 5 and 2 of them on the exact vmap fallback in
     every step, their float32 per-example gradients compared at float32's rounding unit; T5 with
     padded rows), each
     contribution ≤ C, and a model that mixes examples still caught under autocast (the test of
-    ``test_bookkeeping``'s order check)."""
+    ``test_bookkeeping``'s order check). Autocast around the step, inside the loss, and the model
+    in bf16 alike (round 28: the order check's float32 run decides in each, with no warning)."""
     import transformers as tf
 
     import models
@@ -812,9 +814,18 @@ def test_hf_models_under_bf16_autocast_stay_on_their_rules(family):
         def loss(m, b):
             lg = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.float()
             return F.cross_entropy(lg.flatten(0, 1), b["input_ids"].flatten(), reduction="none").view(b["input_ids"].shape).sum(1)
+    if mode == "bf16 model":
+        model = model.to(torch.bfloat16)
     params = pdpsgd.trainable_params(model)
-    step = pdpsgd.make_dp_step(model, loss, max_grad_norm=0.05, noise_multiplier=0.0, method="bk")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+
+    def inner(m, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return loss(m, b)
+
+    step = pdpsgd.make_dp_step(model, inner if mode == "inner" else loss, max_grad_norm=0.05, noise_multiplier=0.0,
+                               method="bk")
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "outer"), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*example-order check compared")
         out = step.clipped_sum(params, batch)
         r = pdpsgd.testing.check_sensitivity(step, params, batch, rtol=1e-6)
     assert "vmap" not in out.routes.values(), [n for n, v in out.routes.items() if v == "vmap"]
