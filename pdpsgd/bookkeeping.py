@@ -2012,7 +2012,7 @@ def _zero_use(u: Use, p: Tensor) -> bool:
     return not bool((_inner(u, u, p.shape, _acc(p.dtype)) != 0).any())
 
 
-def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[str], Set[str]]], batch,
+def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[str], Set[str], bool]], batch,
                  probe_memo, params: Params, okey) -> "_Collected":
     """The example-order check's verdicts on a step's uses: only parameters it checked and passed stay
     on their rules; one it found attributed wrongly, or could not decide (no gradient reached it in
@@ -2020,12 +2020,21 @@ def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[st
     this shape, up to ORDER_RETRIES times)."""
     if order is None:
         return col
-    bad, passed, rounding = order
+    bad, passed, rounding, low_seen = order
     unseen = []
     B = batch_size(batch)
     col.passed = set(passed)
+    f32eps = torch.finfo(torch.float32).eps
     for n in list(col.uses):
-        if n in bad:
+        if not low_seen and n not in bad and _use_eps(col.uses[n], params[n].dtype) > f32eps:
+            # this step computed it in bf16 / fp16 (autocast entered inside loss_fn in this step only)
+            # but the check's verdicts were taken without: the next step of this shape runs the check's
+            # float32 run too (``_order_disagree``)
+            _memo_put(probe_memo, ("low precision", okey), True)
+            col.fallback.setdefault(n, "computed in bf16 / fp16 in this step, but the example-order check's verdicts "
+                                       "for this batch shape were taken in float32 (autocast entered inside loss_fn "
+                                       "in this step only?); checked again next step: exact fallback")
+        elif n in bad:
             col.fallback.setdefault(n, bad[n])
         elif n in rounding:
             why = ("its gradient was zero but for rounding (or negligible) in the example-order check, but is "
@@ -2221,21 +2230,54 @@ def _fwd_key(dkey):
 # any batch statistic, a mean or a max, is then the example's own value, so order-free mixing,
 # which a permutation leaves as it is, shows there. Each
 # example's squared norm per parameter must be the same in every run up to its
-# weight² (tolerance ORDER_RTOL, plus a floor of 8 ulps of that parameter's largest squared norm,
+# weight² (tolerance ``_order_rtol``: ORDER_RTOL, or ORDER_ULPS_CPU on the CPU; plus a floor of 8 ulps of that parameter's largest squared norm,
 # for rounding noise in tiny norms; a parameter zero but for rounding: ORDER_ROUNDING_ULPS; one
 # negligible against every example's norm: ORDER_NEGLIGIBLE_ULPS).
 # Undecided, not memoised: a parameter no gradient reached in this batch. A forward that draws
 # random numbers (a noisy loss) is recognised by a repeat of the first run with other random
 # streams, and is not checked. ``bk_options={"check_order": False}`` skips
 # the check (for a model known not to reorder whose eval forward differs, say).
-ORDER_RTOL = 1e-3  # float32 / float64 norms; 4 ulps for narrower parameters or factors (``_use_eps``)
+ORDER_RTOL = 1e-3  # float32 / float64 norms off the CPU or with reduced float32 math (CUDA's TF32 rounds at ~1e-3)
+# float32 / float64 norms on the CPU at full float32 precision: the spread measured between the check's
+# runs of float32 models that do not mix examples (every family of benchmarks/hf_zoo.py at B = 3, GPT-2-small
+# at T = 128, BERT-base at B = 40) was at most 8 ulps of float32, but for gradients that cancel
+# (``_within_rounding``). In float32's ulps for float64 models too: they may compute parts in float32
+# (HF's OPT takes its attention softmax in float32; its key bias's gradient, zero but for that rounding,
+# differed by 3.7e-10 between runs, 10⁶ float64 ulps)
+ORDER_ULPS_CPU = 128
+# (narrower parameters or factors, ``_use_eps``: 4 ulps of theirs)
+
+
+def _cpu_full_precision(trees: Sequence[Any]) -> bool:
+    """Whether every tensor of these pytrees is on the CPU and float32 math there is not reduced
+    (``torch.get_float32_matmul_precision() == "highest"``, no oneDNN bf16 / tf32 math mode)."""
+    if any(isinstance(x, Tensor) and x.device.type != "cpu" for t in trees for x in tree_flatten(t)[0]):
+        return False
+    try:
+        if torch.get_float32_matmul_precision() != "highest":
+            return False
+        mk = torch.backends.mkldnn
+        for sub in (torch.backends, mk, getattr(mk, "matmul", None), getattr(mk, "conv", None), getattr(mk, "rnn", None)):
+            if getattr(sub, "fp32_precision", "none") not in ("none", "ieee"):
+                return False
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _order_rtol(eps: float, cpu_exact: bool) -> float:
+    """The example-order check's relative tolerance for squared norms computed at rounding unit ``eps``."""
+    if eps > torch.finfo(torch.float32).eps:
+        return 4 * eps
+    return ORDER_ULPS_CPU * torch.finfo(torch.float32).eps if cpu_exact else max(ORDER_RTOL, 4 * eps)
 _LOW_PRECISION_CHECK = (
     "book-keeping's example-order check compared {n} parameter(s) ({first}, ...) at bf16 / fp16 rounding only "
     "(4 ulps), not float32's: its float32 run of the model (bf16 / fp16 parameters, buffers and inputs upcast, "
     "autocast's casts off) {why}. A model that mixes examples (a batch statistic) weakly enough is not "
     "detected at that rounding, and its examples' contributions may then exceed the clip bound (a review "
     "measured 1.5-10 % for such models under bf16). Let the forward run in float32 too (no dtype fixed inside "
-    "it), or use method='vmap', which needs no such check.")
+    "it; with torch.utils.checkpoint, autocast around the step rather than inside loss_fn, or a float32 model), "
+    "or use method='vmap', which needs no such check.")
 
 
 @_amp_off
@@ -2342,8 +2384,10 @@ def _order_key(loss_module: LossModule, batch: Batch, params: Params, no_expand:
     """Per batch shape (without B), set of trained parameters (unfreezing more is a new check) and set
     of modules whose outputs are not expanded (the check's runs take the others' expansions)."""
     leaves, spec = tree_flatten(batch)
+    # (and the precision the step runs in: the caller's autocast, the parameters' dtypes; verdicts
+    # taken in float32 alone do not stand for a step under autocast, which also needs its float32 run)
     return ("order", loss_module.model.training, str(spec), tuple(_leaf_sig(x) for x in leaves), frozenset(params),
-            frozenset(no_expand))
+            frozenset(no_expand), amp_state(), frozenset(str(p.dtype) for p in params.values()))
 
 
 ORDER_RETRIES = 8  # a parameter no gradient reached in the check is checked again on this many later steps
@@ -2546,15 +2590,34 @@ def _upcast(x: Any) -> Any:
     return x.detach().float() if isinstance(x, Tensor) and x.dtype in _LOW else x
 
 
+def _module_attrs(model: nn.Module) -> List[Tuple[nn.Module, Dict[str, Any]]]:
+    """Each module's own attributes (``vars``), shallow: for ``_restore_attrs``."""
+    return [(m, dict(vars(m))) for m in model.modules()]
+
+
+def _restore_attrs(saved: List[Tuple[nn.Module, Dict[str, Any]]]) -> None:
+    """Each module's attributes as ``_module_attrs`` found them: one a forward set or replaced (a lazily
+    built cache, made float32 by the check's float32 run) is undone; one mutated in place is not."""
+    for m, d in saved:
+        cur = vars(m)
+        for k in [k for k in cur if k not in d]:
+            del cur[k]
+        for k, v in d.items():
+            if k not in cur or cur[k] is not v:
+                cur[k] = v
+
+
 def _has_low(*trees: Any) -> bool:
     """Whether any tensor in these pytrees is bf16 / fp16."""
     return any(isinstance(x, Tensor) and x.dtype in _LOW for t in trees for x in tree_flatten(t)[0])
 
 
 def _order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo,
-                    no_expand, key) -> Tuple[Dict[str, str], Set[str], Set[str]]:
+                    no_expand, key) -> Tuple[Dict[str, str], Set[str], Set[str], bool]:
     """({parameter: reason} found attributed to another example, {parameters checked and passed},
-    {parameters that differed by rounding only: re-checked each step}); the step trusts only the
+    {parameters that differed by rounding only: re-checked each step}, whether it knew the model
+    computes in bf16 / fp16 (``_apply_order`` sends a parameter computed so in a step whose check did
+    not know it to the fallback)); the step trusts only the
     passed ones and the rounding-only ones that are still so (anything else: exact fallback).
     Memoised per batch shape (without B): (verdicts, undecided parameters with the number of checks
     they went through).
@@ -2582,9 +2645,22 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         try:
             p32, c32, b32 = ({n: _upcast(v) for n, v in params.items()}, {n: _upcast(v) for n, v in constants.items()},
                              tree_map(_upcast, batch))
-            with _Float32Run():
-                return _order_runs(loss_module, p32, c32, b32, *rest, fkey, raise_failed=True)
-        except (_CheckRunFailed, *_OOM) as err:  # (out of memory: the float32 copies; checked as it runs)
+            state = amp_state()
+            for flags_on in ((True, False) if state else (True,)):
+                saved = _module_attrs(loss_module.model)
+                try:
+                    with amp(state, flags_on), _Float32Run():
+                        return _order_runs(loss_module, p32, c32, b32, *rest, fkey, raise_failed=True)
+                except _CheckRunFailed:
+                    # with the caller's autocast flags on, a checkpointed forward's recomputation inside
+                    # the backward (which the mode does not see) casts again and fails torch's checkpoint
+                    # check: run again with them off (a forward that mixes only while autocast is on is
+                    # then left to the run as the step runs)
+                    if not flags_on or not state:
+                        raise
+                finally:
+                    _restore_attrs(saved)  # (a cache the float32 run built would be float32 in the step)
+        except (_CheckRunFailed, *_OOM) as err:  # (out of memory: the float32 copies; not tried again)
             cause = err.__cause__ if isinstance(err, _CheckRunFailed) else err
             why[0] = f"failed ({type(cause).__name__}: {str(cause)[:120]})"
             return None, []
@@ -2603,10 +2679,10 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
         if loose32:
             why[0] = "still computed them in bf16 / fp16 (a dtype fixed inside the forward)"
             warnings.warn(_LOW_PRECISION_CHECK.format(n=len(loose32), first=loose32[0], why=why[0]), stacklevel=3)
-        return _both_passed(f32, run)
+        return (*_both_passed(f32, run), True)
     if loose:
         warnings.warn(_LOW_PRECISION_CHECK.format(n=len(loose), first=loose[0], why=why[0]), stacklevel=3)
-    return run
+    return (*run, low or bool(loose))
 
 
 def _both_passed(a: Tuple[Dict[str, str], Set[str], Set[str]],
@@ -2650,6 +2726,7 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
         return _order_verdicts(known), []
     bnd1: Dict[str, Tensor] = {}
     bnd2: Dict[str, Tensor] = {}
+    cpu_exact = _cpu_full_precision((params, constants, batch))
     try:
         reordered = _watch_order(loss_module, params, constants, batch, B)
         s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
@@ -2705,7 +2782,7 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
         eps = eps_of.get(n, torch.finfo(params[n].dtype).eps)
         fin = torch.isfinite(x) & torch.isfinite(y)  # (a non-finite example is dropped by the step anyway)
         top = torch.where(fin, torch.maximum(x, y), torch.zeros_like(x)).max()
-        return fin & ((x - y).abs() > max(ORDER_RTOL, 4 * eps) * torch.maximum(x, y) + 8 * eps * top)
+        return fin & ((x - y).abs() > _order_rtol(eps, cpu_exact) * torch.maximum(x, y) + 8 * eps * top)
 
     def rounding_only(n: str) -> bool:  # every example's gradient, in every run, cancels to rounding
         return all(_within_rounding(sq, bd, params[n].dtype)
