@@ -3381,13 +3381,11 @@ def test_order_check_warns_when_its_float32_run_fails():
     assert ratio <= 1 + 1e-6
 
 
-class _MixesUnderAutocast(nn.Module):
+class _MixesUnderAutocast(_WeakMix):
     """Mixes examples (``a`` times the batch mean) only while autocast is on."""
 
     def __init__(self, a=0.5):
-        super().__init__()
-        self.a = a
-        self.inp, self.norm, self.out = nn.Linear(6, 16), nn.LayerNorm(16), nn.Linear(16, 3)
+        super().__init__(a)
 
     def forward(self, x):
         h = self.inp(x)
@@ -3523,13 +3521,8 @@ def test_order_check_float32_run_leaves_no_float32_cache_behind():
     assert model.cache.dtype == torch.bfloat16 and ratio <= 1 + 1e-6
 
 
-class _CheckpointedMix(nn.Module):
+class _CheckpointedMix(_WeakMix):
     """``a`` times the batch mean added inside a non-reentrant checkpointed block."""
-
-    def __init__(self, a):
-        super().__init__()
-        self.a = a
-        self.inp, self.norm, self.out = nn.Linear(6, 16), nn.LayerNorm(16), nn.Linear(16, 3)
 
     def body(self, x):
         h = self.inp(x)
