@@ -1791,13 +1791,22 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
             rows, root, chain = 0, None, ()
             x0 = _first_tensor(args, kwargs)
             # (a 1-d float input is one vector, not rows; 1-d ids are rows of an embedding)
-            if getattr(rule, "rowwise", False) and B > 1 and x0 is not None \
+            if getattr(rule, "rowwise", False) and x0 is not None \
                     and (x0.dim() >= 2 or (x0.dim() == 1 and not x0.is_floating_point())) \
                     and x0.dim() > _normalised_dims(module) \
                     and x0.shape[0] != B and x0.shape[0] % B == 0 and output.shape[0] == x0.shape[0]:
-                rows, root, chain = _flat_rows(x0, B, flat, (mname, k))
-                if rows and output.grad_fn is not None:  # (this call's index: len(calls))
-                    flat[(output.grad_fn, output.output_nr)] = (rows, tuple(output.shape), root, chain + (len(calls),))
+                if B == 1:
+                    # one example owns the whole gradient: a row-wise layer's (N, ...) rows, whatever
+                    # they are (OPT's (B·T, d) flattened MLP input, a batch-free (T, d) tensor), read
+                    # as (1, N, ...) give its gradient exactly; nothing to trace or probe. (Not for a
+                    # time-major (T, 1, ...) call: read with its batch dim moved, below.)
+                    if not tm:
+                        rows = int(x0.shape[0])
+                else:
+                    rows, root, chain = _flat_rows(x0, B, flat, (mname, k))
+                    if rows and output.grad_fn is not None:  # (this call's index: len(calls))
+                        flat[(output.grad_fn, output.output_nr)] = (rows, tuple(output.shape), root,
+                                                                    chain + (len(calls),))
             bdim = 0
             if not rows and not lift and not bcast and tm:
                 if x0.shape[0] != B or (mname, "time") in forced:
@@ -2885,7 +2894,7 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
     (``_Call.retry``; every call of the module one whose first dim stayed B in the probe, and for
     "time" whose second dim followed it)."""
     todo = [c for c in calls if c.capture is None
-            and (real_dims[c.mname][c.k] == B or c.rows or c.bcast and c.lift or c.bdim or c.retry)
+            and (real_dims[c.mname][c.k] == B or (c.rows and B > 1) or c.bcast and c.lift or c.bdim or c.retry)
             and not all(n in fallback for n in ruled[c.module][2].values())]
     if not todo:
         return set()

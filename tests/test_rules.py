@@ -192,13 +192,14 @@ def test_learned_positional_embedding_ids_found_and_verified():
 
 
 @pytest.mark.parametrize("kw", [dict(padding=1), dict(stride=2, dilation=2), dict(padding="same"), dict(bias=False)])
-def test_conv1d_conv2d(kw):
+def test_conv1d_conv2d_conv3d(kw):
     _check_rule(nn.Conv1d(3, 4, 3, **kw), torch.randn(2, 3, 11))
     _check_rule(nn.Conv2d(2, 3, (3, 3), **kw), torch.randn(2, 2, 7, 8))
+    _check_rule(nn.Conv3d(2, 3, (3, 2, 3), **kw), torch.randn(2, 2, 6, 7, 8))
 
 
-@settings(max_examples=12, deadline=None)
-@given(nd=st.sampled_from([1, 2]), groups=st.sampled_from([1, 2, 4]), mult=st.integers(1, 2), k=st.integers(1, 4),
+@settings(max_examples=24, deadline=None)
+@given(nd=st.sampled_from([1, 2, 3]), groups=st.sampled_from([1, 2, 4]), mult=st.integers(1, 2), k=st.integers(1, 4),
        stride=st.integers(1, 2), dilation=st.integers(1, 2), pad=st.sampled_from([0, 1, 2, "same", "valid"]),
        mode=st.sampled_from(["zeros", "reflect", "replicate", "circular"]), bias=st.booleans(),
        B=st.integers(1, 3), n=st.integers(7, 10), seed=st.integers(0, 2**16))
@@ -209,9 +210,9 @@ def test_conv_groups_and_padding_modes(nd, groups, mult, k, stride, dilation, pa
     assume(not (pad == "same" and stride != 1))  # (torch refuses padding='same' with strides)
     torch.manual_seed(seed)
     C_in = groups * 2
-    conv = (nn.Conv1d if nd == 1 else nn.Conv2d)(C_in, groups * mult, k, stride=stride, dilation=dilation,
-                                                  padding=pad, padding_mode=mode, groups=groups, bias=bias)
-    x = torch.randn((B, C_in) + (n,) * nd)
+    conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[nd - 1](C_in, groups * mult, k, stride=stride, dilation=dilation,
+                                                     padding=pad, padding_mode=mode, groups=groups, bias=bias)
+    x = torch.randn((B, C_in) + ((n,) * nd if nd < 3 else (n - 2, n - 1, n)))
     _check_rule(conv.double(), x.double())
 
 
@@ -426,6 +427,39 @@ def test_separable_and_grouped_convs_on_their_rules(method):
         return F.cross_entropy(m(b["ids"]), b["y"], reduction="none")
 
     r = assert_exact(model, loss, {"ids": ids, "y": torch.randint(0, 3, (4,))}, method=method, max_grad_norm=0.2)
+    assert "vmap" not in r.routes.values(), r.routes
+
+
+class _Video(nn.Module):
+    """A small 3-d CNN (clips (B, 2, D, H, W)): a strided, dilated Conv3d, a grouped one with
+    replicate padding, a pointwise one, a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv3d(2, 4, (2, 3, 3), stride=(1, 2, 1), dilation=(1, 1, 2), padding=1)
+        self.c2 = nn.Conv3d(4, 4, 3, padding=1, groups=2, padding_mode="replicate", bias=False)
+        self.c3 = nn.Conv3d(4, 3, 1)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):  # (B, 2, D, H, W) -> (B, 2)
+        h = self.c3(torch.tanh(self.c2(torch.tanh(self.c1(x)))))
+        return self.head(h.mean((2, 3, 4)))
+
+
+@settings(max_examples=6, deadline=None)
+@given(B=st.integers(1, 4), size=st.tuples(st.integers(2, 4), st.integers(3, 6), st.integers(5, 7)),
+       C=st.sampled_from([0.01, 1.0, 100.0]), method=st.sampled_from(["bk", "auto"]), seed=st.integers(0, 2**16))
+def test_conv3d_model_on_its_rules(B, size, C, method, seed):
+    """Conv3d takes the conv rule (it had none: the exact fallback), exact against the naive oracle."""
+    from pdpsgd.testing import assert_exact
+
+    torch.manual_seed(seed)
+    b = {"x": torch.randn(B, 2, *size), "y": torch.randint(0, 2, (B,))}
+
+    def loss(m, bb):
+        return F.cross_entropy(m(bb["x"]), bb["y"], reduction="none")
+
+    r = assert_exact(_Video(), loss, b, method=method, max_grad_norm=C)
     assert "vmap" not in r.routes.values(), r.routes
 
 

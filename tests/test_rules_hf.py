@@ -91,6 +91,18 @@ def test_hf_family_exact_and_on_its_rules(name, batch, C, method):
         assert r.routes["model.decoder.layers.0.fc1.weight"] != "vmap"  # (B·T, d) rows traced to examples
 
 
+@pytest.mark.parametrize("B", [1, 2])
+def test_opt_flattened_mlp_on_its_rules_at_every_batch_size(B):
+    """OPT's fc1 / fc2 / final_layer_norm run on (B·T, d) rows; at B = 1 they are all the one
+    example's (they fell back: "linear rule declined this call")."""
+    m = _build("opt")
+    ids = torch.randint(2, V, (B, 5), generator=torch.Generator().manual_seed(B))
+    b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    for method in ("bk", "auto"):
+        r = assert_exact(m, causal_loss, b, method=method, max_grad_norm=0.1)
+        assert {n for n, v in r.routes.items() if v == "vmap"} == set(), r.routes
+
+
 def test_rules_taken_by_gemma_bart_t5():
     """Which rule each new layer type takes (a rule that stopped matching would fall back silently)."""
     from pdpsgd.rules import default_registry

@@ -60,7 +60,9 @@ def test_attention_gradients_that_cancel_upstream_stay_on_their_rules():
     sees their rounding differ between its runs. 0.03-0.3 ulps of the smallest example's norm:
     negligible, they stay on their rules, exactly. The check saw a difference, so the verdict is
     not a pass: on a later batch of the shape in which those gradients are real they take the exact
-    fallback, and on a degenerate one again their rules."""
+    fallback, and on a degenerate one again their rules. (Whether the runs differ at all is the
+    CPU's: on AMD EPYC hosts they did; on an Intel Xeon host they are bit-identical, the verdict is a
+    pass and nothing falls back on the real batch either. Both branches are asserted.)"""
     m = _t5(buckets=4, attn="eager")
     degenerate = _batch(2, 2, 3, 42)
     assert degenerate["attention_mask"].tolist() == [[1, 0], [1, 1]] and degenerate["input_ids"][1].unique().numel() == 1
@@ -68,12 +70,27 @@ def test_attention_gradients_that_cancel_upstream_stay_on_their_rules():
     assert {n for n, v in r.routes.items() if v == "vmap"} == set(), r.routes
     step = pdpsgd.make_dp_step(m, seq2seq_loss, max_grad_norm=0.3, noise_multiplier=0.0, method="bk")
     params = pdpsgd.trainable_params(m)
-    assert "vmap" not in step.clipped_sum(params, degenerate).routes.values()
+    seen = []
+    real_disagree = bk._order_disagree
+
+    def spy(*a, **k):
+        out = real_disagree(*a, **k)
+        seen.append(out)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bk, "_order_disagree", spy)
+        assert "vmap" not in step.clipped_sum(params, degenerate).routes.values()
+    q = "encoder.block.0.layer.0.SelfAttention.q.weight"
+    rounding = set().union(*(o[2] for o in seen if o is not None))
     real = {"input_ids": torch.tensor([[3, 12], [5, 22]]), "attention_mask": torch.ones(2, 2, dtype=torch.long),
             "labels": degenerate["labels"]}
     fell = {n for n, v in step.clipped_sum(params, real).routes.items() if v == "vmap"}
-    assert "encoder.block.0.layer.0.SelfAttention.q.weight" in fell and all(
-        ("Attention" in n and n.split(".")[-2] in ("q", "k", BIAS)) or "layer.1.layer_norm" in n for n in fell), fell
+    if q in rounding:  # the check's runs differed by rounding on the degenerate batch
+        assert q in fell and all(
+            ("Attention" in n and n.split(".")[-2] in ("q", "k", BIAS)) or "layer.1.layer_norm" in n for n in fell), fell
+    else:
+        assert fell <= rounding, (fell, rounding)
     assert "vmap" not in step.clipped_sum(params, degenerate).routes.values()
 
 

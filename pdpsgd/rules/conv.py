@@ -1,5 +1,5 @@
-"""nn.Conv1d / nn.Conv2d, any padding mode: via unfold, a conv being a Linear over patches (groups = 1),
-or torch's own weight-gradient kernel run per example (groups > 1)."""
+"""nn.Conv1d / nn.Conv2d / nn.Conv3d, any padding mode: via unfold, a conv being a Linear over patches
+(groups = 1), or torch's own weight-gradient kernel run per example (groups > 1)."""
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
@@ -9,6 +9,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import Dense, Explicit, Rule, Use, first_input
+
+
+def _patches3d(x, k: Tuple[int, ...], dil: Tuple[int, ...], pad: Tuple[int, ...], st: Tuple[int, ...]):
+    """(B, C, D, H, W) -> (B, L, C·kd·kh·kw): ``F.unfold`` for three spatial dims (it takes two), by
+    ``Tensor.unfold`` per dim (a window of dil·(k−1)+1, every dil-th element kept); the feature order
+    (C, kd, kh, kw) is the weight's flattened (C_in, kd, kh, kw)."""
+    if any(pad):
+        x = F.pad(x, tuple(q for p in reversed(pad) for q in (p, p)))
+    for i, (kk, d, s) in enumerate(zip(k, dil, st)):
+        x = x.unfold(2 + i, d * (kk - 1) + 1, s)  # (B, C, ..., window) per dim
+        if d > 1:
+            x = x[..., ::d]
+    B, C = x.shape[:2]
+    x = x.permute(0, 2, 3, 4, 1, 5, 6, 7)  # (B, D', H', W', C, kd, kh, kw)
+    return x.reshape(B, -1, C * k[0] * k[1] * k[2])  # (B, L, C·k)
 
 
 def _pad(module: nn.Module, k: Tuple[int, ...], dil: Tuple[int, ...]) -> Optional[Tuple[int, ...]]:
@@ -42,7 +57,7 @@ class ConvRule(Rule):
     wants_names = True
 
     def supports(self, module: nn.Module) -> Optional[str]:
-        base = nn.Conv1d if isinstance(module, nn.Conv1d) else nn.Conv2d
+        base = next(t for t in TYPES if isinstance(module, t))
         if getattr(type(module), "_conv_forward", None) is not base._conv_forward:
             # (e.g. weight standardisation there: the output is not the conv of x with the weight)
             return f"{type(module).__name__} has its own _conv_forward"
@@ -53,7 +68,7 @@ class ConvRule(Rule):
     def uses(self, module, args, kwargs, output, grad_output, batch_size,
              wanted: Optional[frozenset] = None) -> Optional[Dict[str, Use]]:
         x = first_input(args, kwargs)
-        nd = 1 if isinstance(module, nn.Conv1d) else 2
+        nd = 1 if isinstance(module, nn.Conv1d) else 3 if isinstance(module, nn.Conv3d) else 2
         if x is None or x.dim() != nd + 2 or x.shape[0] != batch_size:
             return None
         g = grad_output.reshape(batch_size, grad_output.shape[1], -1).transpose(1, 2)  # (B, L, C_out)
@@ -76,7 +91,10 @@ class ConvRule(Rule):
             k, dil, st, pad = (1,) + k, (1,) + dil, (1,) + st, (0,) + pad
         G = module.groups
         if G == 1:
-            U = F.unfold(x, k, dilation=dil, padding=pad, stride=st).transpose(1, 2)  # (B, L, C_in·k)
+            if nd == 3:
+                U = _patches3d(x, k, dil, pad, st)  # (B, L, C_in·k)
+            else:
+                U = F.unfold(x, k, dilation=dil, padding=pad, stride=st).transpose(1, 2)  # (B, L, C_in·k)
             if U.shape[1] != g.shape[1]:
                 return None
             out["weight"] = Dense(g, U)
@@ -86,9 +104,9 @@ class ConvRule(Rule):
         # input): torch's own weight-gradient kernel, in float32 at least
         B, C_out = batch_size, module.out_channels
         acc = torch.promote_types(x.dtype, torch.float32)
-        xb = x.to(acc).reshape(1, B * x.shape[1], *x.shape[2:])  # (1, B·C_in, H, W)
-        go = grad_output.unsqueeze(2) if nd == 1 else grad_output  # (B, C_out, H', W')
-        if go.dim() != 4 or go.shape[:2] != (B, C_out):
+        xb = x.to(acc).reshape(1, B * x.shape[1], *x.shape[2:])  # (1, B·C_in, H, W) (or D, H, W)
+        go = grad_output.unsqueeze(2) if nd == 1 else grad_output  # (B, C_out, H', W') (or D', H', W')
+        if go.dim() != len(k) + 2 or go.shape[:2] != (B, C_out):
             return None
         gb = go.to(acc).reshape(1, B * C_out, *go.shape[2:])  # (1, B·C_out, H', W')
         w = xb.new_zeros((B * C_out, module.in_channels // G, *k))  # (its values are not read: only the shape)
@@ -101,4 +119,4 @@ class ConvRule(Rule):
         return out
 
 
-TYPES = (nn.Conv1d, nn.Conv2d)
+TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
