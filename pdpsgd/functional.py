@@ -9,7 +9,7 @@ weight is *one* parameter whose per-example gradient is summed over every use.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterable, Iterator, Mapping
+from typing import Dict, Iterable, Iterator, Mapping, Set
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from ._types import Batch, LossFn, Params
 
 __all__ = ["trainable_params", "ParamIndex", "LossModule", "check_no_batch_mixing", "preserve_module_state",
-           "model_constants"]
+           "model_constants", "no_writes_to", "rewritten_in_place"]
 
 
 def trainable_params(model: nn.Module) -> Params:
@@ -128,6 +128,17 @@ def check_no_batch_mixing(model: nn.Module) -> None:
                 "a per-example gradient). Construct it with max_norm=None; to bound the rows, renormalise "
                 "them after the optimizer step (a function of the noisy parameters only)."
             )
+        if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.training \
+                and module.track_running_stats:
+            # per-example normalisation (no mixing), but its forward updates the running statistics,
+            # in place, from the batch (what opacus' validator refuses too)
+            raise ValueError(
+                f"layer {name or '<root>'!r} ({type(module).__name__}(track_running_stats=True)) updates its running "
+                "statistics in place from the batch in training mode: a value computed from the private batch "
+                "stored in the model without noise, outside the DP guarantee. Construct it with "
+                "track_running_stats=False (it then normalises each example by its own statistics), or freeze "
+                "it with module.eval()."
+            )
         if not isinstance(module, _MIXING):
             continue
         # torch's own rule: batch statistics in training mode, and in eval mode too when the layer
@@ -147,6 +158,44 @@ def check_no_batch_mixing(model: nn.Module) -> None:
                 "per-example gradients and the DP guarantee are undefined. Replace it with GroupNorm or "
                 "LayerNorm (opacus.validators.ModuleValidator.fix does this)."
             )
+
+
+def rewritten_in_place(model: nn.Module) -> Set[str]:
+    """Names of the parameters that torch's own layers rewrite in place with the same values: an
+    RNN's weights, which ``flatten_parameters`` (its forward, on CUDA with cuDNN) copies into one
+    flat buffer and re-points at it (their version counters move, their values do not)."""
+    out: Set[str] = set()
+    for mn, m in model.named_modules():
+        if isinstance(m, nn.RNNBase):
+            out.update(f"{mn}.{n}" if mn else n for n, _ in m.named_parameters(recurse=False))
+    return out
+
+
+@contextlib.contextmanager
+def no_writes_to(tensors: Mapping[str, Tensor], skip: Iterable[str] = ()) -> Iterator[None]:
+    """Raise after the block if it wrote in place to any of ``tensors`` (the step's parameters and
+    the model's buffers and frozen parameters, as the forward sees them).
+
+    A forward that updates a buffer from the batch (InstanceNorm's running statistics in training
+    mode, a custom running mean, a frozen weight renormalised in place) changes the model by a
+    function of the private batch that gets no noise: outside the DP guarantee, whatever the
+    gradients' clipping. Each tensor's version counter is read before and after (no copies). The
+    write has happened when this raises; the step returns nothing. ``skip``: names not watched."""
+    skip = set(skip)
+    seen = {}
+    for n, t in tensors.items():
+        if isinstance(t, Tensor) and id(t) not in seen and n not in skip:
+            seen[id(t)] = (n, t, t._version)
+    yield
+    changed = [n for n, t, v in seen.values() if t._version != v]
+    if changed:
+        raise ValueError(
+            f"the forward wrote in place to {changed[:5]}{' ...' if len(changed) > 5 else ''} (a buffer or parameter "
+            "of the model): a value computed from the private batch (e.g. running statistics) stored in the model "
+            "without noise, outside the DP guarantee. Put such layers in eval mode, construct InstanceNorm with "
+            "track_running_stats=False, or compute the value outside the forward (from public data or the noisy "
+            "parameters). The tensors now hold what this batch wrote: reload them before releasing the model."
+        )
 
 
 @contextlib.contextmanager

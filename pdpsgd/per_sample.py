@@ -121,7 +121,8 @@ def _is_mixed_layer_norm_error(err: BaseException) -> bool:
 
 class _MixedLayerNorm(torch.overrides.TorchFunctionMode):
     """``layer_norm`` of a bf16 / fp16 input with float32 weight or bias, computed as the float32
-    layer norm of the (exactly) upcast input, cast to the dtype eager's call returns.
+    layer norm of the (exactly) upcast input, cast to the dtype eager's call returns; so is
+    ``batch_norm`` (an eval-mode BatchNorm's, float32 statistics, after a conv under autocast).
 
     Eager torch takes this mixed call (a LayerNorm right after a linear layer under CPU autocast,
     e.g. BERT's masked-LM head), but its backward fails under vmap ("expected scalar type BFloat16
@@ -137,26 +138,37 @@ class _MixedLayerNorm(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.layer_norm or func is torch.layer_norm:
-            fixed = _upcast_layer_norm(func, args, kwargs)
+            fixed = _upcast_norm(func, args, kwargs)
+            if fixed is not None:
+                return fixed
+        elif func is torch.nn.functional.batch_norm:
+            # (an eval-mode BatchNorm under autocast: the same error, "expected scalar type BFloat16
+            # but found Float", from its backward under vmap; its statistics, weight and bias float32)
+            fixed = _upcast_norm(func, args, kwargs, (1, "running_mean", 2, "running_var", 3, "weight", 4,
+                                                            "bias"))
             if fixed is not None:
                 return fixed
         return func(*args, **kwargs)
 
 
-def _upcast_layer_norm(func, args, kwargs) -> Optional[Tensor]:
+def _upcast_norm(func, args, kwargs, others=(2, "weight", 3, "bias")) -> Optional[Tensor]:
+    """The call with its input upcast to its other tensors' dtype (``others``: (position, keyword)
+    pairs), cast back to the dtype eager's call returns; None where it is not a mixed call."""
     x = args[0] if args else kwargs.get("input")
     if not isinstance(x, Tensor) or x.dtype not in _LOW:
         return None
-    w = args[2] if len(args) > 2 else kwargs.get("weight")
-    b = args[3] if len(args) > 3 else kwargs.get("bias")
     hi = x.dtype
-    for t in (w, b):
+    for i, name in zip(others[::2], others[1::2]):
+        t = args[i] if len(args) > i else kwargs.get(name)
         if isinstance(t, Tensor) and t.is_floating_point():
             hi = torch.promote_types(hi, t.dtype)
     if hi == x.dtype:
         return None
-    shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if func is torch.nn.functional.batch_norm:
+        shape = tuple(x.shape[1:])
+    else:
+        shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
     plain = lambda t: t.detach() if isinstance(t, Tensor) else t  # noqa: E731
     rest_a = tuple(plain(a) for a in args[1:])
     rest_k = {k: plain(v) for k, v in kwargs.items() if k != "input"}

@@ -18,7 +18,8 @@ from torch.utils._pytree import tree_flatten
 
 from ._types import Batch, LossFn, StepOutput
 from .clipping import Clipping, make_groups, make_weights_fn, sum_sq_norms
-from .functional import LossModule, ParamIndex, check_no_batch_mixing, model_constants, trainable_params
+from .functional import (LossModule, ParamIndex, check_no_batch_mixing, model_constants, no_writes_to, rewritten_in_place,
+                         trainable_params)
 from .fused import RNGS, noise_and_scale, resolve_rng
 from .noise import entropy_generator
 from .per_sample import acc_dtype, batch_chunks, batch_size, vmap_engine
@@ -352,16 +353,17 @@ class DPStep:
         groups = make_groups(list(detached), self.clipping, self.max_grad_norm, budget=self.clip_budget)
         weights_fn = make_weights_fn(groups, clip_fn=self.clip_fn, gamma=self.gamma)
         _check_grad_mode(params, batch, tensors=self.method != "vmap")
-        if self.method == "vmap":
-            res = _run_eagerly(vmap_engine, self._loss_module, detached, constants, batch, mask, weights_fn,
-                               chunk_size=self.chunk_size)
-        else:
-            from .bookkeeping import bk_engine
+        with no_writes_to({**constants, **detached}, skip=rewritten_in_place(self.model)):
+            if self.method == "vmap":
+                res = _run_eagerly(vmap_engine, self._loss_module, detached, constants, batch, mask, weights_fn,
+                                   chunk_size=self.chunk_size)
+            else:
+                from .bookkeeping import bk_engine
 
-            res = _run_eagerly(
-                bk_engine, self._loss_module, detached, constants, batch, mask, weights_fn,
-                chunk_size=self.chunk_size, method=self.method, probe_memo=self._probe_memo, **self.bk_options,
-            )
+                res = _run_eagerly(
+                    bk_engine, self._loss_module, detached, constants, batch, mask, weights_fn,
+                    chunk_size=self.chunk_size, method=self.method, probe_memo=self._probe_memo, **self.bk_options,
+                )
         total_sq = sum_sq_norms(res.sq_norms)
         norms = total_sq.sqrt()
         kept = mask & torch.isfinite(total_sq) & torch.isfinite(res.losses)

@@ -155,7 +155,7 @@ def test_unsupported_layers_fall_back():
         r = assert_exact(WithMHA(), models.cls_loss, b, method=m, max_grad_norm=0.1)
         assert r.routes["attn.in_proj_weight"] == "vmap" and r.routes["attn.bias_k"] == "vmap"
         assert r.routes["attn.out_proj.weight"] == "vmap"  # Linear whose forward MHA never calls
-        assert r.routes["bn.weight"] == "vmap"
+        assert r.routes["bn.weight"] == "explicit"  # (eval-mode BatchNorm: its rule since round 29)
         assert r.routes["out.weight"] != "vmap"
 
 

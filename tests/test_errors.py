@@ -207,3 +207,68 @@ def test_no_grad_uses_inside_and_outside_checkpoints_exact(method):
     b = {"x": torch.randn(4, 6, 5), "y": torch.randint(0, 3, (4,))}
     r = assert_exact(_NoGradAndCheckpoint(), mlp_loss, b, method=method, max_grad_norm=0.5)
     assert "vmap" not in r.routes.values()
+
+
+@pytest.mark.parametrize("method", ["vmap", "bk", "auto"])
+def test_instance_norm_updating_running_stats_is_refused(method):
+    """InstanceNorm(track_running_stats=True) in training mode normalises each example by its own
+    statistics but updates its running ones in place from the batch (no noise): refused, as opacus'
+    validator refuses it; in eval mode (the running statistics read, not written) it runs, on its rule."""
+    inorm = nn.InstanceNorm1d(4, affine=True, track_running_stats=True)
+    m = nn.Sequential(nn.Conv1d(3, 4, 3), inorm, nn.Flatten(), nn.Linear(4 * 5, 3))
+    loss = lambda mod, b: F.cross_entropy(mod(b["x"]), b["y"], reduction="none")  # noqa: E731
+    b = {"x": torch.randn(4, 3, 7), "y": torch.randint(0, 3, (4,))}
+    with pytest.raises(ValueError, match=r"InstanceNorm1d\(track_running_stats=True\).*running statistics"
+                                         r".*track_running_stats=False"):
+        pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)
+    inorm.eval()
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method=method)
+    rm = inorm.running_mean.clone()
+    out = step(pdpsgd.trainable_params(m), b)
+    assert torch.equal(inorm.running_mean, rm)
+    assert out.routes["1.weight"] == ("vmap" if method == "vmap" else "explicit")
+
+
+class _RunningMean(nn.Module):
+    """A custom layer that keeps a running mean of its input in a buffer, updated in place in the
+    forward (``how``: "buffer"; "frozen": a frozen parameter edited in place; "counter": an integer
+    buffer counting the batch's examples)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+        self.how = how
+        self.register_buffer("mean", torch.zeros(5))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.frozen = nn.Parameter(torch.ones(5), requires_grad=False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            if self.how == "buffer":
+                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+            elif self.how == "frozen":
+                self.frozen.copy_(x.abs().mean(0) + 1)
+            else:
+                self.count += x.shape[0]
+        return self.lin(x - self.mean)  # (what is written is not read back here: no mixing)
+
+
+@pytest.mark.parametrize("how", ["buffer", "frozen", "counter"])
+@pytest.mark.parametrize("method", ["bk", "auto", "vmap"])
+def test_forward_writing_to_the_model_from_the_batch_is_refused(how, method):
+    """A forward that writes a value computed from the batch into a buffer or a frozen parameter
+    stores it in the model without noise: the step raises, naming the tensor (under vmap torch
+    refuses the in-place write into a tensor the transform captured first)."""
+    m = _RunningMean(how)
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)
+    name = {"buffer": "mean", "frozen": "frozen", "counter": "count"}[how]
+    if method == "vmap":
+        with pytest.raises(RuntimeError, match="inplace|in-place|mutate"):
+            step(pdpsgd.trainable_params(m), batch())
+        return
+    with pytest.raises(ValueError, match=rf"wrote in place to \['{name}'\].*without noise.*reload"):
+        step(pdpsgd.trainable_params(m), batch())
+    m.how = "none"  # (no write: a plain step)
+    m.forward = lambda x: m.lin(x - m.mean)
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)
+    step(pdpsgd.trainable_params(m), batch())

@@ -216,6 +216,61 @@ def test_conv_groups_and_padding_modes(nd, groups, mult, k, stride, dilation, pa
     _check_rule(conv.double(), x.double())
 
 
+def _norm_layer(kind, C, nd, affine_bias):
+    if kind == "group":
+        m = nn.GroupNorm(2 if C % 2 == 0 else 1, C, affine=True)
+    elif kind.startswith("instance"):
+        m = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)[nd - 1](
+            C, affine=True, track_running_stats=kind == "instance_running")
+        if kind == "instance_running":
+            m.eval()
+    else:
+        m = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)[nd - 1](C).eval()
+    with torch.no_grad():  # non-trivial affine and statistics
+        m.weight.normal_()
+        m.bias.normal_()
+        if getattr(m, "running_mean", None) is not None:
+            m.running_mean.normal_()
+            m.running_var.uniform_(0.5, 2.0)
+    if not affine_bias:
+        m.bias = None
+    return m
+
+
+@settings(max_examples=24, deadline=None)
+@given(kind=st.sampled_from(["group", "instance", "instance_running", "batch_eval"]), nd=st.integers(1, 3),
+       C=st.integers(1, 6), B=st.integers(1, 4), n=st.integers(2, 5), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_channel_norms(kind, nd, C, B, n, bias, seed):
+    """GroupNorm, affine InstanceNorm (own statistics; running ones in eval mode) and eval-mode
+    BatchNorm (running statistics), 1-3 spatial dims: per-example gradients, norms and weighted sums
+    equal autograd's on each example alone."""
+    torch.manual_seed(seed)
+    m = _norm_layer(kind, C, nd, bias).double()
+    x = torch.randn((B, C) + tuple(n + i for i in range(nd))) * 3 + 1
+    _check_rule(m, x)
+
+
+def test_channel_norm_rules_decline_what_they_do_not_know():
+    """A BatchNorm in training mode (batch statistics), an unbatched InstanceNorm call, a subclass
+    with its own forward: no uses (the step refuses the first; the others take the fallback)."""
+    reg = default_registry()
+    bn = nn.BatchNorm1d(3)
+    y = bn(torch.randn(4, 3))
+    assert reg.lookup(bn).uses(bn, (torch.randn(4, 3),), {}, y, torch.randn(4, 3), 4) is None
+    inorm = nn.InstanceNorm1d(3, affine=True)
+    x = torch.randn(3, 3)  # (C, L): no batch dim
+    assert reg.lookup(inorm).uses(inorm, (x,), {}, inorm(x), torch.randn(3, 3), 3) is None
+
+    class Own(nn.GroupNorm):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    g = Own(1, 3)
+    r = reg.lookup(g)
+    assert r is None or r.supports(g) is not None
+
+
 def test_conv_rule_unknown_padding_mode_falls_back():
     conv = nn.Conv1d(4, 4, 3)
     conv.padding_mode = "mirror"  # (not a torch mode: a subclass's own)
@@ -460,6 +515,43 @@ def test_conv3d_model_on_its_rules(B, size, C, method, seed):
         return F.cross_entropy(m(bb["x"]), bb["y"], reduction="none")
 
     r = assert_exact(_Video(), loss, b, method=method, max_grad_norm=C)
+    assert "vmap" not in r.routes.values(), r.routes
+
+
+class _NormedCNN(nn.Module):
+    """Conv + the norms a DP user puts in place of BatchNorm (GroupNorm, InstanceNorm), and a
+    frozen-statistics BatchNorm in eval mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.gn = nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4)
+        self.c2, self.inorm = nn.Conv2d(4, 4, 3), nn.InstanceNorm2d(4, affine=True)
+        self.bn = nn.BatchNorm1d(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):  # (B, 2, H, W) -> (B, 3)
+        h = self.inorm(self.c2(torch.relu(self.gn(self.c1(x)))))
+        return self.head(self.bn(h.mean((2, 3))))
+
+
+@settings(max_examples=6, deadline=None)
+@given(B=st.integers(1, 5), H=st.integers(3, 6), C=st.sampled_from([0.01, 1.0, 100.0]),
+       method=st.sampled_from(["bk", "auto"]), seed=st.integers(0, 2**16))
+def test_group_instance_and_eval_batch_norm_on_their_rules(B, H, C, method, seed):
+    """GroupNorm, InstanceNorm and an eval-mode BatchNorm take their rules (they took the exact
+    fallback: "no rule for GroupNorm"), exact against the naive float64 oracle."""
+    from pdpsgd.testing import assert_exact
+
+    torch.manual_seed(seed)
+    model = _NormedCNN()
+    model.bn.running_mean.normal_()
+    model.bn.eval()
+    b = {"x": torch.randn(B, 2, H, H + 1), "y": torch.randint(0, 3, (B,))}
+
+    def loss(m, bb):
+        return F.cross_entropy(m(bb["x"]), bb["y"], reduction="none")
+
+    r = assert_exact(model, loss, b, method=method, max_grad_norm=C)
     assert "vmap" not in r.routes.values(), r.routes
 
 

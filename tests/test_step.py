@@ -830,3 +830,37 @@ def test_hf_models_under_bf16_autocast_stay_on_their_rules(family, mode):
         r = pdpsgd.testing.check_sensitivity(step, params, batch, rtol=1e-6)
     assert "vmap" not in out.routes.values(), [n for n, v in out.routes.items() if v == "vmap"]
     assert r.max_ratio <= 1 + 1e-6
+
+
+@pytest.mark.parametrize("where", ["outer", "bf16 model"])
+def test_eval_batch_norm_under_bf16_vmap_and_bk_agree(where):
+    """An eval-mode BatchNorm after a conv under bf16 autocast (a bf16 input, float32 statistics and
+    affine) or in a bf16 model: torch's eager kernel takes the mixed call, but its backward failed
+    under vmap ("expected scalar type BFloat16 but found Float"); it now runs as the float32 batch
+    norm of the upcast input there, and on its rule in book-keeping: both within bf16's rounding of
+    the float64 oracle, and of each other."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv1d(3, 4, 3), nn.BatchNorm1d(4), nn.Flatten(), nn.Linear(4 * 7, 3))
+    with torch.no_grad():
+        m[1].running_mean.normal_()
+        m[1].weight.normal_()
+    m.eval()
+    b = {"x": torch.randn(5, 3, 9), "y": torch.randint(0, 3, (5,))}
+    if where == "bf16 model":
+        m = m.to(torch.bfloat16)
+        b["x"] = b["x"].bfloat16()
+    loss = lambda mod, bb: F.cross_entropy(mod(bb["x"]).float(), bb["y"], reduction="none")  # noqa: E731
+    params = pdpsgd.trainable_params(m)
+    got = {}
+    for method in ("vmap", "bk"):
+        step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1e3, noise_multiplier=0.0, method=method)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=where == "outer"):
+            got[method] = step.clipped_sum(params, b)
+    assert got["bk"].routes["1.weight"] == "explicit" and got["vmap"].routes["1.weight"] == "vmap"
+    _, ref = naive_per_sample_grads(to_float64(m), loss, to_float64(b))
+    want = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in ref.values()))
+    for method in ("vmap", "bk"):
+        torch.testing.assert_close(got[method].per_sample_norms.double(), want, rtol=0.05, atol=0)
+    for n in params:
+        torch.testing.assert_close(got["vmap"].sums[n].double(), got["bk"].sums[n].double(), rtol=0.05,
+                                   atol=0.05 * float(got["bk"].sums[n].abs().max()))

@@ -99,8 +99,9 @@ def _put_named(entries: List[Tuple[str, Any, Any]], entry: Tuple[str, Any, Any],
 
 
 def _build() -> RuleRegistry:
-    from . import (conv, deberta_relative, deberta_v1, embedding, hf_conv1d, layernorm, linear, matmul_linear,
-                   multihead_attention, positional_embedding, rmsnorm, rnn, scaled_embedding, t5_relative_bias)
+    from . import (channel_norm, conv, deberta_relative, deberta_v1, embedding, hf_conv1d, layernorm, linear,
+                   matmul_linear, multihead_attention, positional_embedding, rmsnorm, rnn, scaled_embedding,
+                   t5_relative_bias)
 
     reg = RuleRegistry()
     for t in linear.TYPES:
@@ -123,6 +124,9 @@ def _build() -> RuleRegistry:
                            deberta_v1.DebertaV1AttentionBiasRule())
     for t in conv.TYPES:
         reg.register(t, conv.ConvRule())
+    for rule_cls, types in channel_norm.TYPES.items():
+        for t in types:
+            reg.register(t, rule_cls())
     for t in rnn.TYPES:
         reg.register(t, rnn.RNNRule())
     for t in multihead_attention.TYPES:
