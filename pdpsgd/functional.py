@@ -161,13 +161,30 @@ def check_no_batch_mixing(model: nn.Module) -> None:
 
 
 def rewritten_in_place(model: nn.Module) -> Set[str]:
-    """Names of the parameters that torch's own layers rewrite in place with the same values: an
-    RNN's weights, which ``flatten_parameters`` (its forward, on CUDA with cuDNN) copies into one
-    flat buffer and re-points at it (their version counters move, their values do not)."""
+    """Names of the tensors that torch's own layers write in place in the forward with values that
+    do not depend on the batch (not watched by ``no_writes_to``):
+
+    - an RNN's weights, which ``flatten_parameters`` (its forward, on CUDA with cuDNN) copies into
+      one flat buffer and re-points at it (their version counters move, their values do not);
+    - spectral normalisation's power-iteration vectors u and v (``torch.nn.utils.spectral_norm``'s
+      ``weight_u`` / ``weight_v``; ``parametrizations.spectral_norm``'s ``_u`` / ``_v``), updated in
+      training mode from the weight alone."""
+    from torch.nn.utils.parametrizations import _SpectralNorm
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
     out: Set[str] = set()
+
+    def name(mn: str, n: str) -> str:
+        return f"{mn}.{n}" if mn else n
+
     for mn, m in model.named_modules():
         if isinstance(m, nn.RNNBase):
-            out.update(f"{mn}.{n}" if mn else n for n, _ in m.named_parameters(recurse=False))
+            out.update(name(mn, n) for n, _ in m.named_parameters(recurse=False))
+        elif isinstance(m, _SpectralNorm):
+            out.update(name(mn, n) for n in ("_u", "_v"))
+        for hook in m._forward_pre_hooks.values():
+            if isinstance(hook, SpectralNorm):
+                out.update((name(mn, f"{hook.name}_u"), name(mn, f"{hook.name}_v")))
     return out
 
 

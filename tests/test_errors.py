@@ -272,3 +272,21 @@ def test_forward_writing_to_the_model_from_the_batch_is_refused(how, method):
     m.forward = lambda x: m.lin(x - m.mean)
     step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)
     step(pdpsgd.trainable_params(m), batch())
+
+
+@pytest.mark.parametrize("style", ["hook", "parametrization"])
+@pytest.mark.parametrize("method", ["bk", "vmap"])
+def test_spectral_norm_power_iteration_is_not_a_write_from_the_batch(style, method):
+    """Spectral normalisation updates its u / v vectors in place in training mode, from the weight
+    alone (no batch data): not refused by the write check."""
+    from torch.nn.utils import spectral_norm
+    from torch.nn.utils.parametrizations import spectral_norm as spectral_norm_p
+
+    lin = (spectral_norm if style == "hook" else spectral_norm_p)(nn.Linear(5, 3))
+    m = nn.Sequential(lin).train()
+    u = lin.weight_u if style == "hook" else lin.parametrizations.weight[0]._u
+    u0 = u.clone()
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)
+    out = step(pdpsgd.trainable_params(m), batch())
+    assert all(torch.isfinite(g).all() for g in out.grads.values())
+    assert not torch.equal(u, u0)  # (it did run its power iteration)
