@@ -13,6 +13,8 @@ from typing import Dict, Iterable, Iterator, Mapping, Set
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.spectral_norm import SpectralNorm
 
 from ._types import Batch, LossFn, Params
 
@@ -161,57 +163,127 @@ def check_no_batch_mixing(model: nn.Module) -> None:
 
 
 def rewritten_in_place(model: nn.Module) -> Set[str]:
-    """Names of the tensors that torch's own layers write in place in the forward with values that
-    do not depend on the batch (not watched by ``no_writes_to``):
+    """Names of the tensors that torch's and transformers' own layers write in place in the forward
+    with values that do not depend on the batch's content (not watched by ``no_writes_to``):
 
     - an RNN's weights, which ``flatten_parameters`` (its forward, on CUDA with cuDNN) copies into
       one flat buffer and re-points at it (their version counters move, their values do not);
     - spectral normalisation's power-iteration vectors u and v (``torch.nn.utils.spectral_norm``'s
       ``weight_u`` / ``weight_v``; ``parametrizations.spectral_norm``'s ``_u`` / ``_v``), updated in
-      training mode from the weight alone."""
-    from torch.nn.utils.parametrizations import _SpectralNorm
-    from torch.nn.utils.spectral_norm import SpectralNorm
-
+      training mode from the weight alone;
+    - the inverse frequencies of a Hugging Face rotary embedding (``*RotaryEmbedding``'s
+      ``inv_freq``), which dynamic / long RoPE recompute or switch from the sequence length (the
+      batch's shape, not its content; Phi-3's longrope copies one of two fixed tables into it)."""
     out: Set[str] = set()
-
-    def name(mn: str, n: str) -> str:
-        return f"{mn}.{n}" if mn else n
-
     for mn, m in model.named_modules():
-        if isinstance(m, nn.RNNBase):
-            out.update(name(mn, n) for n, _ in m.named_parameters(recurse=False))
-        elif isinstance(m, _SpectralNorm):
-            out.update(name(mn, n) for n in ("_u", "_v"))
-        for hook in m._forward_pre_hooks.values():
-            if isinstance(hook, SpectralNorm):
-                out.update((name(mn, f"{hook.name}_u"), name(mn, f"{hook.name}_v")))
+        out.update(f"{mn}.{n}" if mn else n for n in _not_watched(m))
     return out
 
 
+def _not_watched(m: nn.Module) -> Set[str]:
+    """``rewritten_in_place`` for one module: the local names of its own tensors."""
+    out: Set[str] = set()
+    if isinstance(m, nn.RNNBase):
+        out.update(m._parameters)
+    elif isinstance(m, _SpectralNorm):
+        out.update(("_u", "_v"))
+    elif type(m).__name__.endswith("RotaryEmbedding"):
+        out.update(n for n in m._buffers if n.endswith("inv_freq"))
+    for hook in m._forward_pre_hooks.values():
+        if isinstance(hook, SpectralNorm):
+            out.update((f"{hook.name}_u", f"{hook.name}_v"))
+    return out
+
+
+# buffers up to this many bytes in all are copied before the step and compared after it, value by
+# value (a write through ``.data``, ``.numpy()`` or the storage moves no version counter); beyond it,
+# and for parameters, the version counter and where the tensor's data lie are compared
+WRITE_CHECK_COPY_BYTES = 64 << 20
+
+
+def _where(t: Tensor):
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)  # (bitwise: NaN == NaN, -0.0 != 0.0)
+
+
 @contextlib.contextmanager
-def no_writes_to(tensors: Mapping[str, Tensor], skip: Iterable[str] = ()) -> Iterator[None]:
-    """Raise after the block if it wrote in place to any of ``tensors`` (the step's parameters and
-    the model's buffers and frozen parameters, as the forward sees them).
+def no_writes_to(model: nn.Module, trained: Mapping[str, Tensor]) -> Iterator[None]:
+    """Raise after the block if it wrote to the model: to a buffer (any change of its value), or
+    in place to a parameter (``trained``: the values the step runs with; the model's frozen ones).
 
     A forward that updates a buffer from the batch (InstanceNorm's running statistics in training
-    mode, a custom running mean, a frozen weight renormalised in place) changes the model by a
-    function of the private batch that gets no noise: outside the DP guarantee, whatever the
-    gradients' clipping. Each tensor's version counter is read before and after (no copies). The
-    write has happened when this raises; the step returns nothing. ``skip``: names not watched."""
-    skip = set(skip)
-    seen = {}
-    for n, t in tensors.items():
-        if isinstance(t, Tensor) and id(t) not in seen and n not in skip:
-            seen[id(t)] = (n, t, t._version)
+    mode, a custom running mean, a counter of the batch's examples) or edits a frozen weight
+    changes the model by a function of the private batch that gets no noise: outside the DP
+    guarantee, whatever the gradients' clipping. Buffers (small in the models we know; up to
+    ``WRITE_CHECK_COPY_BYTES`` in all) are copied before the block and compared bit for bit after
+    it, so writes through ``.data``, ``.numpy()`` or the storage count, and a rewrite of the same
+    values does not; on a change their values are put back before raising. Parameters (and
+    buffers past the budget) are compared by version counter and data pointer only: an in-place
+    op, ``set_`` or a new ``.data`` counts, a write through ``.data`` / the storage in place does
+    not (and it is not undone). ``rewritten_in_place``'s tensors are not watched."""
+    budget = WRITE_CHECK_COPY_BYTES
+    copied, versioned, ids = [], [], set()
+    skip: Set[str] = set()
+    for mn, m in model.named_modules():  # (one walk: ~3x faster than named_buffers + named_parameters)
+        pre = mn + "." if mn else ""
+        local = _not_watched(m)
+        skip.update(pre + n for n in local)
+        for n, b in m._buffers.items():
+            if b is None or n in local or id(b) in ids:
+                continue
+            ids.add(id(b))
+            size = b.numel() * b.element_size()
+            if size <= budget:
+                budget -= size
+                copied.append((pre + n, b, b.detach().clone(), _where(b)))
+            else:
+                versioned.append((pre + n, b, b._version, _where(b)))
+        for n, q in m._parameters.items():
+            if q is None or n in local or id(q) in ids:
+                continue
+            ids.add(id(q))
+            if pre + n not in trained:  # (a frozen parameter; the trained ones as the step runs them, below)
+                versioned.append((pre + n, q, q._version, _where(q)))
+    for n, q in trained.items():
+        if n not in skip and isinstance(q, Tensor) and id(q) not in ids:
+            ids.add(id(q))
+            versioned.append((n, q, q._version, _where(q)))
     yield
-    changed = [n for n, t, v in seen.values() if t._version != v]
-    if changed:
+    changed = [n for n, t, v, w in versioned if t._version != v or _where(t) != w]
+    differs = []
+    for n, b, saved, w in copied:
+        if _where(b) != w or b.shape != saved.shape or b.dtype != saved.dtype:
+            differs.append((n, b, saved, None))
+        else:
+            differs.append((n, b, saved, (_bits(b) != _bits(saved)).any()))
+    flags = [f for *_, f in differs if f is not None]
+    by_device: Dict[torch.device, list] = {}
+    for f in flags:
+        by_device.setdefault(f.device, []).append(f)
+    hit = {id(f) for fs in by_device.values() for f, v in zip(fs, torch.stack(fs).tolist()) if v}
+    restored = []
+    for n, b, saved, f in differs:
+        if f is None or id(f) in hit:
+            with torch.no_grad():
+                if b.shape == saved.shape and b.dtype == saved.dtype:
+                    b.data.copy_(saved)
+                else:
+                    b.data = saved
+            restored.append(n)
+    if changed or restored:
+        names = restored + changed
         raise ValueError(
-            f"the forward wrote in place to {changed[:5]}{' ...' if len(changed) > 5 else ''} (a buffer or parameter "
-            "of the model): a value computed from the private batch (e.g. running statistics) stored in the model "
+            f"the forward wrote to {names[:5]}{' ...' if len(names) > 5 else ''} (a buffer or parameter of the "
+            "model): a value computed from the private batch (e.g. running statistics) stored in the model "
             "without noise, outside the DP guarantee. Put such layers in eval mode, construct InstanceNorm with "
             "track_running_stats=False, or compute the value outside the forward (from public data or the noisy "
-            "parameters). The tensors now hold what this batch wrote: reload them before releasing the model."
+            "parameters)."
+            + (f" The buffers {restored[:5]} were put back as they were before the step." if restored else "")
+            + (f" {changed[:5]} now hold what this batch wrote: reload them before releasing the model."
+               if changed else "")
         )
 
 

@@ -121,8 +121,9 @@ def _is_mixed_layer_norm_error(err: BaseException) -> bool:
 
 class _MixedLayerNorm(torch.overrides.TorchFunctionMode):
     """``layer_norm`` of a bf16 / fp16 input with float32 weight or bias, computed as the float32
-    layer norm of the (exactly) upcast input, cast to the dtype eager's call returns; so is
-    ``batch_norm`` (an eval-mode BatchNorm's, float32 statistics, after a conv under autocast).
+    layer norm of the (exactly) upcast input, cast to the dtype eager's call returns; so are
+    ``batch_norm`` and ``instance_norm`` (an eval-mode BatchNorm's, float32 statistics, or an
+    affine InstanceNorm's, after a conv under autocast).
 
     Eager torch takes this mixed call (a LayerNorm right after a linear layer under CPU autocast,
     e.g. BERT's masked-LM head), but its backward fails under vmap ("expected scalar type BFloat16
@@ -141,9 +142,10 @@ class _MixedLayerNorm(torch.overrides.TorchFunctionMode):
             fixed = _upcast_norm(func, args, kwargs)
             if fixed is not None:
                 return fixed
-        elif func is torch.nn.functional.batch_norm:
-            # (an eval-mode BatchNorm under autocast: the same error, "expected scalar type BFloat16
-            # but found Float", from its backward under vmap; its statistics, weight and bias float32)
+        elif func is torch.nn.functional.batch_norm or func is torch.nn.functional.instance_norm:
+            # (an eval-mode BatchNorm, an affine InstanceNorm, under autocast: the same error, "expected
+            # scalar type BFloat16 but found Float", from its backward under vmap; their statistics,
+            # weight and bias float32; the two take their tensors at the same positions)
             fixed = _upcast_norm(func, args, kwargs, (1, "running_mean", 2, "running_var", 3, "weight", 4,
                                                             "bias"))
             if fixed is not None:
@@ -164,7 +166,7 @@ def _upcast_norm(func, args, kwargs, others=(2, "weight", 3, "bias")) -> Optiona
             hi = torch.promote_types(hi, t.dtype)
     if hi == x.dtype:
         return None
-    if func is torch.nn.functional.batch_norm:
+    if func is torch.nn.functional.batch_norm or func is torch.nn.functional.instance_norm:
         shape = tuple(x.shape[1:])
     else:
         shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
@@ -174,9 +176,11 @@ def _upcast_norm(func, args, kwargs, others=(2, "weight", 3, "bias")) -> Optiona
     rest_k = {k: plain(v) for k, v in kwargs.items() if k != "input"}
     try:  # the dtype eager's call returns (an empty input: no work)
         with torch.no_grad():
-            empty = torch.empty((0, *shape), dtype=x.dtype, device=x.device)
+            # (instance_norm refuses an empty batch: one example of zeros, as small as the call's own)
+            empty = torch.zeros((int(func is torch.nn.functional.instance_norm), *shape), dtype=x.dtype,
+                                device=x.device)
             out_dtype = (func(empty, *rest_a, **rest_k) if args else func(input=empty, **rest_k)).dtype
-    except RuntimeError:
+    except (RuntimeError, ValueError):
         return None  # (eager refuses it too: its own error, from the call itself)
     up = x.to(hi)
     res = func(up, *args[1:], **kwargs) if args else func(**{**kwargs, "input": up})

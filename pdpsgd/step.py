@@ -18,8 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._types import Batch, LossFn, StepOutput
 from .clipping import Clipping, make_groups, make_weights_fn, sum_sq_norms
-from .functional import (LossModule, ParamIndex, check_no_batch_mixing, model_constants, no_writes_to, rewritten_in_place,
-                         trainable_params)
+from .functional import LossModule, ParamIndex, check_no_batch_mixing, model_constants, no_writes_to, trainable_params
 from .fused import RNGS, noise_and_scale, resolve_rng
 from .noise import entropy_generator
 from .per_sample import acc_dtype, batch_chunks, batch_size, vmap_engine
@@ -293,12 +292,15 @@ class DPStep:
         from .bookkeeping import plan as bk_plan
 
         _check_grad_mode(params, batch)
+        check_no_batch_mixing(self.model)  # (its checks run the forward on the batch, as a step does)
         routes: Dict[str, str] = {}
-        for sub in self._chunks(batch):
-            r = _run_eagerly(bk_plan, self.model, self.loss_fn, params, sub, method=self.method,
-                             clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo), **self.bk_options)
-            for n, v in r.items():
-                routes[n] = v if routes.get(n, v) == v else "mixed"
+        with no_writes_to(self.model, {n: p.detach() for n, p in params.items()}):
+            for sub in self._chunks(batch):
+                r = _run_eagerly(bk_plan, self.model, self.loss_fn, params, sub, method=self.method,
+                                 clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo),
+                                 **self.bk_options)
+                for n, v in r.items():
+                    routes[n] = v if routes.get(n, v) == v else "mixed"
         return routes
 
     def _chunks(self, batch: Batch):
@@ -317,16 +319,18 @@ class DPStep:
         from .bookkeeping import fallback_reasons
 
         _check_grad_mode(params, batch)
+        check_no_batch_mixing(self.model)
         why: Dict[str, str] = {}
         chunks = list(self._chunks(batch))
         count: Dict[str, int] = {}
-        for sub in chunks:
-            r = _run_eagerly(fallback_reasons, self.model, self.loss_fn, params, sub, method=self.method,
-                             clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo),
-                             **self.bk_options)
-            for n, v in r.items():
-                why.setdefault(n, v)
-                count[n] = count.get(n, 0) + 1
+        with no_writes_to(self.model, {n: p.detach() for n, p in params.items()}):
+            for sub in chunks:
+                r = _run_eagerly(fallback_reasons, self.model, self.loss_fn, params, sub, method=self.method,
+                                 clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo),
+                                 **self.bk_options)
+                for n, v in r.items():
+                    why.setdefault(n, v)
+                    count[n] = count.get(n, 0) + 1
         return {n: (v if count[n] == len(chunks) else f"in {count[n]} of {len(chunks)} chunks: {v}")
                 for n, v in why.items()}
 
@@ -353,7 +357,7 @@ class DPStep:
         groups = make_groups(list(detached), self.clipping, self.max_grad_norm, budget=self.clip_budget)
         weights_fn = make_weights_fn(groups, clip_fn=self.clip_fn, gamma=self.gamma)
         _check_grad_mode(params, batch, tensors=self.method != "vmap")
-        with no_writes_to({**constants, **detached}, skip=rewritten_in_place(self.model)):
+        with no_writes_to(self.model, detached):
             if self.method == "vmap":
                 res = _run_eagerly(vmap_engine, self._loss_module, detached, constants, batch, mask, weights_fn,
                                    chunk_size=self.chunk_size)

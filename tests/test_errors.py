@@ -230,9 +230,11 @@ def test_instance_norm_updating_running_stats_is_refused(method):
 
 
 class _RunningMean(nn.Module):
-    """A custom layer that keeps a running mean of its input in a buffer, updated in place in the
-    forward (``how``: "buffer"; "frozen": a frozen parameter edited in place; "counter": an integer
-    buffer counting the batch's examples)."""
+    """A custom layer that keeps a running mean of its input in a buffer, updated in the forward
+    (``how``: "buffer" in place; "data" through ``.data``; "numpy" through a numpy view; "storage"
+    through the untyped storage; "rebind": ``.data`` set to a new tensor; "frozen": a frozen parameter
+    edited in place; "counter": an integer buffer counting the batch's examples; "same": the buffer
+    rewritten with the value it holds, not a write from the batch)."""
 
     def __init__(self, how):
         super().__init__()
@@ -243,35 +245,69 @@ class _RunningMean(nn.Module):
         self.frozen = nn.Parameter(torch.ones(5), requires_grad=False)
 
     def forward(self, x):
+        new = 0.1 * x.detach().mean(0)
         with torch.no_grad():
             if self.how == "buffer":
-                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+                self.mean.mul_(0.9).add_(new)
+            elif self.how == "data":
+                self.mean.data.mul_(0.9).add_(new)
+            elif self.how == "numpy":
+                self.mean.numpy()[:] = new.numpy()
+            elif self.how == "storage":
+                self.mean.untyped_storage().copy_(new.untyped_storage())
+            elif self.how == "rebind":
+                self.mean.data = new.clone()
             elif self.how == "frozen":
                 self.frozen.copy_(x.abs().mean(0) + 1)
-            else:
+            elif self.how == "counter":
                 self.count += x.shape[0]
-        return self.lin(x - self.mean)  # (what is written is not read back here: no mixing)
+            elif self.how == "same":
+                self.mean.copy_(torch.zeros(5))
+        return self.lin(x - self.mean.detach().clone().zero_())  # (what is written is not read back: no mixing)
 
 
-@pytest.mark.parametrize("how", ["buffer", "frozen", "counter"])
+_WRITTEN = {"frozen": "frozen", "counter": "count"}
+
+
+@pytest.mark.parametrize("how", ["buffer", "data", "numpy", "storage", "rebind", "frozen", "counter", "same"])
 @pytest.mark.parametrize("method", ["bk", "auto", "vmap"])
 def test_forward_writing_to_the_model_from_the_batch_is_refused(how, method):
     """A forward that writes a value computed from the batch into a buffer or a frozen parameter
-    stores it in the model without noise: the step raises, naming the tensor (under vmap torch
-    refuses the in-place write into a tensor the transform captured first)."""
+    stores it in the model without noise: the step raises, naming the tensor, and puts a buffer's
+    values back (under vmap torch refuses every one of these writes itself, the same-value one
+    too). A rewrite of the same values is no write. ``plan`` and ``fallback_reasons``, which run the forward too, raise alike."""
     m = _RunningMean(how)
     step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)
-    name = {"buffer": "mean", "frozen": "frozen", "counter": "count"}[how]
-    if method == "vmap":
-        with pytest.raises(RuntimeError, match="inplace|in-place|mutate"):
+    name = _WRITTEN.get(how, "mean")
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    if method == "vmap":  # (torch's own errors: in-place op on a captured tensor, no storage, ...)
+        with pytest.raises((RuntimeError, NotImplementedError)):
             step(pdpsgd.trainable_params(m), batch())
         return
-    with pytest.raises(ValueError, match=rf"wrote in place to \['{name}'\].*without noise.*reload"):
+    if how == "same":
         step(pdpsgd.trainable_params(m), batch())
+        return
+    with pytest.raises(ValueError, match=rf"wrote to \['{name}'\].*without noise"):
+        step(pdpsgd.trainable_params(m), batch())
+    if how != "frozen":  # a buffer: put back
+        assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items()), m.state_dict()
+    if method != "vmap":
+        for call in (step.plan, step.fallback_reasons):
+            with pytest.raises(ValueError, match=rf"wrote to \['{name}'\]"):
+                call(batch())
     m.how = "none"  # (no write: a plain step)
-    m.forward = lambda x: m.lin(x - m.mean)
-    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)
     step(pdpsgd.trainable_params(m), batch())
+
+
+def test_plan_refuses_what_the_step_refuses():
+    """``plan`` / ``fallback_reasons`` run the forward on the batch: a BatchNorm in training mode is
+    refused there as in the step."""
+    m = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)).eval()
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method="bk")
+    m.train()
+    for call in (step.plan, step.fallback_reasons):
+        with pytest.raises(ValueError, match="mixes examples"):
+            call(batch())
 
 
 @pytest.mark.parametrize("style", ["hook", "parametrization"])

@@ -206,3 +206,30 @@ def test_matmul_linear_rule_checks_each_call_as_it_runs(monkeypatch):
     assert routes(FalconLinear)["a.weight"] == "vmap"
     monkeypatch.setattr(fm.FalconLinear, "forward", lambda self, input: input @ self.weight.T * 1.5 + self.bias)
     assert routes(fm.FalconLinear)["a.weight"] == "vmap"
+
+
+def test_long_rope_table_switch_is_not_a_write_from_the_batch():
+    """Phi-3's longrope copies one of two fixed inverse-frequency tables into its rotary
+    embedding's ``inv_freq`` buffer in every forward, chosen by the sequence length (the batch's
+    shape): not refused by the write check, also when the table switches between steps; exact."""
+    import transformers as tf
+
+    hd = 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = tf.Phi3Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                            original_max_position_embeddings=16, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attention_dropout=0.0,
+                            rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * (hd // 2),
+                                          "long_factor": [2.0] * (hd // 2)})
+        cfg._attn_implementation = "eager"
+        torch.manual_seed(0)
+        m = tf.Phi3ForCausalLM(cfg).eval()
+    step = pdpsgd.make_dp_step(m, causal_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    params = pdpsgd.trainable_params(m)
+    for T in (8, 20, 8):  # (past original_max_position_embeddings = 16: the long table)
+        ids = torch.randint(1, V, (2, T), generator=torch.Generator().manual_seed(T))
+        b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+        step.clipped_sum(params, b)
+        assert_exact(m, causal_loss, b, method="bk", max_grad_norm=0.1)
