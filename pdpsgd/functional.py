@@ -163,17 +163,14 @@ def check_no_batch_mixing(model: nn.Module) -> None:
 
 
 def rewritten_in_place(model: nn.Module) -> Set[str]:
-    """Names of the tensors that torch's and transformers' own layers write in place in the forward
-    with values that do not depend on the batch's content (not watched by ``no_writes_to``):
+    """Names of the tensors that torch's own layers write in place in the forward from the model's
+    weights alone, not from the batch (not watched by ``no_writes_to``):
 
-    - an RNN's weights, which ``flatten_parameters`` (its forward, on CUDA with cuDNN) copies into
+    - an RNN's weights on CUDA, which ``flatten_parameters`` (its forward, with cuDNN) copies into
       one flat buffer and re-points at it (their version counters move, their values do not);
     - spectral normalisation's power-iteration vectors u and v (``torch.nn.utils.spectral_norm``'s
       ``weight_u`` / ``weight_v``; ``parametrizations.spectral_norm``'s ``_u`` / ``_v``), updated in
-      training mode from the weight alone;
-    - the inverse frequencies of a Hugging Face rotary embedding (``*RotaryEmbedding``'s
-      ``inv_freq``), which dynamic / long RoPE recompute or switch from the sequence length (the
-      batch's shape, not its content; Phi-3's longrope copies one of two fixed tables into it)."""
+      training mode from the weight (kept across steps: the iteration goes on from them)."""
     out: Set[str] = set()
     for mn, m in model.named_modules():
         out.update(f"{mn}.{n}" if mn else n for n in _not_watched(m))
@@ -184,61 +181,94 @@ def _not_watched(m: nn.Module) -> Set[str]:
     """``rewritten_in_place`` for one module: the local names of its own tensors."""
     out: Set[str] = set()
     if isinstance(m, nn.RNNBase):
-        out.update(m._parameters)
+        out.update(n for n, t in m._parameters.items() if t is not None and t.is_cuda)
     elif isinstance(m, _SpectralNorm):
         out.update(("_u", "_v"))
-    elif type(m).__name__.endswith("RotaryEmbedding"):
-        out.update(n for n in m._buffers if n.endswith("inv_freq"))
     for hook in m._forward_pre_hooks.values():
         if isinstance(hook, SpectralNorm):
             out.update((f"{hook.name}_u", f"{hook.name}_v"))
     return out
 
 
+def _put_back_quietly(m: nn.Module) -> Set[str]:
+    """Buffers that the forward may rewrite from the batch's shape (not a leak to raise on, but
+    not kept either): a Hugging Face rotary embedding's ``inv_freq`` tables, which dynamic / long
+    RoPE recompute or switch from the longest position in the batch (``position_ids`` built from
+    the attention mask make that the batch's content). Put back after the step, without a word."""
+    if type(m).__name__.endswith("RotaryEmbedding"):
+        return {n for n in m._buffers if n.endswith("inv_freq")}
+    return set()
+
+
 # buffers up to this many bytes in all are copied before the step and compared after it, value by
 # value (a write through ``.data``, ``.numpy()`` or the storage moves no version counter); beyond it,
 # and for parameters, the version counter and where the tensor's data lie are compared
 WRITE_CHECK_COPY_BYTES = 64 << 20
+_PLAIN_TYPES = (Tensor, nn.Parameter, getattr(nn, "Buffer", Tensor))
 
 
 def _where(t: Tensor):
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
+    try:
+        ptr = t.data_ptr()
+    except (RuntimeError, NotImplementedError):  # (sparse, nested, wrapper subclasses: no data pointer)
+        ptr = None
+    try:
+        shape, stride = tuple(t.shape), t.stride()
+    except (RuntimeError, NotImplementedError):
+        shape, stride = None, None
+    return (ptr, shape, stride, t.dtype, t.layout)
+
+
+def _copyable(t: Tensor) -> bool:
+    """A plain dense tensor with its own storage, whose bytes can be copied and compared."""
+    return (type(t) in _PLAIN_TYPES and t.layout == torch.strided and not t.is_meta and not t.is_quantized
+            and not t.is_nested)
 
 
 def _bits(t: Tensor) -> Tensor:
-    return t.detach().reshape(-1).view(torch.uint8)  # (bitwise: NaN == NaN, -0.0 != 0.0)
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
+    return t.reshape(-1).view(torch.uint8)  # (bitwise: NaN == NaN, -0.0 != 0.0)
 
 
 @contextlib.contextmanager
 def no_writes_to(model: nn.Module, trained: Mapping[str, Tensor]) -> Iterator[None]:
-    """Raise after the block if it wrote to the model: to a buffer (any change of its value), or
-    in place to a parameter (``trained``: the values the step runs with; the model's frozen ones).
+    """Raise after the block if it wrote to the model: to a buffer (any change of its value), in
+    place to a parameter (``trained``: the values the step runs with; the model's frozen ones), or
+    registered a new buffer.
 
     A forward that updates a buffer from the batch (InstanceNorm's running statistics in training
     mode, a custom running mean, a counter of the batch's examples) or edits a frozen weight
     changes the model by a function of the private batch that gets no noise: outside the DP
-    guarantee, whatever the gradients' clipping. Buffers (small in the models we know; up to
-    ``WRITE_CHECK_COPY_BYTES`` in all) are copied before the block and compared bit for bit after
-    it, so writes through ``.data``, ``.numpy()`` or the storage count, and a rewrite of the same
-    values does not; on a change their values are put back before raising. Parameters (and
-    buffers past the budget) are compared by version counter and data pointer only: an in-place
-    op, ``set_`` or a new ``.data`` counts, a write through ``.data`` / the storage in place does
-    not (and it is not undone). ``rewritten_in_place``'s tensors are not watched."""
+    guarantee, whatever the gradients' clipping. Plain dense buffers (small in the models we know;
+    up to ``WRITE_CHECK_COPY_BYTES`` in all) are copied before the block and compared bit for bit
+    after it, so writes through ``.data``, ``.numpy()`` or the storage count, and a rewrite of the
+    same values does not; they are put back before raising, and also when the block raises.
+    Parameters (and buffers past the budget, sparse / quantized / subclass ones) are compared by
+    version counter and data pointer only: an in-place op, ``set_`` or a new ``.data`` counts, a
+    write through ``.data`` / the storage in place does not (and it is not undone). Buffers
+    registered during the block on the model's modules are removed, and raised on (a submodule
+    made in the forward, e.g. a lazily built frozen copy of a layer, is left, and not watched).
+    ``rewritten_in_place``'s tensors are not watched; rotary ``inv_freq`` tables are put back."""
     budget = WRITE_CHECK_COPY_BYTES
-    copied, versioned, ids = [], [], set()
+    copied, versioned, ids, quiet = [], [], set(), []
     skip: Set[str] = set()
+    keys = {}  # id(module) -> (module, its buffer / parameter / submodule names before the block)
     for mn, m in model.named_modules():  # (one walk: ~3x faster than named_buffers + named_parameters)
+        if not isinstance(m._buffers, dict) or not isinstance(m._parameters, dict):
+            continue  # (a TorchScript module: its registries are C++ dicts, and the engine refuses it)
+        keys[id(m)] = (m, set(m._buffers))
         pre = mn + "." if mn else ""
         local = _not_watched(m)
         skip.update(pre + n for n in local)
+        hush = _put_back_quietly(m)
         for n, b in m._buffers.items():
             if b is None or n in local or id(b) in ids:
                 continue
             ids.add(id(b))
-            size = b.numel() * b.element_size()
-            if size <= budget:
+            size = b.numel() * b.element_size() if _copyable(b) else -1
+            if 0 <= size <= budget:
                 budget -= size
-                copied.append((pre + n, b, b.detach().clone(), _where(b)))
+                (quiet if n in hush else copied).append((pre + n, b, b.detach().clone(), _where(b)))
             else:
                 versioned.append((pre + n, b, b._version, _where(b)))
         for n, q in m._parameters.items():
@@ -251,40 +281,64 @@ def no_writes_to(model: nn.Module, trained: Mapping[str, Tensor]) -> Iterator[No
         if n not in skip and isinstance(q, Tensor) and id(q) not in ids:
             ids.add(id(q))
             versioned.append((n, q, q._version, _where(q)))
-    yield
+    try:
+        yield
+    except BaseException:
+        try:  # (the step's own error is what propagates, whatever the clean-up meets)
+            _put_back(copied + quiet, force=False)
+            _remove_new(model, keys)
+        except Exception:  # pragma: no cover - defensive
+            pass
+        raise
+    _put_back(quiet, force=False)
     changed = [n for n, t, v, w in versioned if t._version != v or _where(t) != w]
-    differs = []
-    for n, b, saved, w in copied:
-        if _where(b) != w or b.shape != saved.shape or b.dtype != saved.dtype:
-            differs.append((n, b, saved, None))
-        else:
-            differs.append((n, b, saved, (_bits(b) != _bits(saved)).any()))
-    flags = [f for *_, f in differs if f is not None]
-    by_device: Dict[torch.device, list] = {}
-    for f in flags:
-        by_device.setdefault(f.device, []).append(f)
-    hit = {id(f) for fs in by_device.values() for f, v in zip(fs, torch.stack(fs).tolist()) if v}
-    restored = []
-    for n, b, saved, f in differs:
-        if f is None or id(f) in hit:
-            with torch.no_grad():
-                if b.shape == saved.shape and b.dtype == saved.dtype:
-                    b.data.copy_(saved)
-                else:
-                    b.data = saved
-            restored.append(n)
-    if changed or restored:
-        names = restored + changed
+    restored = _put_back(copied, force=False)
+    added = _remove_new(model, keys)
+    if changed or restored or added:
+        names = restored + changed + added
         raise ValueError(
-            f"the forward wrote to {names[:5]}{' ...' if len(names) > 5 else ''} (a buffer or parameter of the "
-            "model): a value computed from the private batch (e.g. running statistics) stored in the model "
+            f"the forward wrote to {names[:5]}{' ...' if len(names) > 5 else ''} (a buffer, parameter or submodule "
+            "of the model): a value computed from the private batch (e.g. running statistics) stored in the model "
             "without noise, outside the DP guarantee. Put such layers in eval mode, construct InstanceNorm with "
             "track_running_stats=False, or compute the value outside the forward (from public data or the noisy "
             "parameters)."
             + (f" The buffers {restored[:5]} were put back as they were before the step." if restored else "")
+            + (f" The buffers {added[:5]}, registered during the step, were removed." if added else "")
             + (f" {changed[:5]} now hold what this batch wrote: reload them before releasing the model."
                if changed else "")
         )
+
+
+def _put_back(copied, force: bool) -> list:
+    """Write back every copied buffer whose value (or place) changed; their names."""
+    out = []
+    for n, b, saved, w in copied:
+        if not force and _where(b) == w and b.shape == saved.shape and b.dtype == saved.dtype \
+                and _copyable(b) and bool((_bits(b) == _bits(saved)).all()):
+            continue
+        with torch.no_grad():
+            if b.shape == saved.shape and b.dtype == saved.dtype and _copyable(b):
+                b.data.copy_(saved)
+            else:
+                b.data = saved
+        out.append(n)
+    return out
+
+
+def _remove_new(model: nn.Module, keys) -> list:
+    """Remove the buffers registered on the model's modules since ``keys`` was taken; their names.
+    (Submodules and parameters made in the forward are left: a lazily built layer, a frozen copy
+    of one, is the usual reason, and its values come from the model, not the batch.)"""
+    out = []
+    for mn, m in list(model.named_modules()):
+        hit = keys.get(id(m))
+        if hit is None or hit[0] is not m:
+            continue
+        pre = mn + "." if mn else ""
+        for n in [n for n in m._buffers if n not in hit[1]]:
+            del m._buffers[n]
+            out.append(pre + n)
+    return out
 
 
 @contextlib.contextmanager

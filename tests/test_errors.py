@@ -274,14 +274,18 @@ _WRITTEN = {"frozen": "frozen", "counter": "count"}
 def test_forward_writing_to_the_model_from_the_batch_is_refused(how, method):
     """A forward that writes a value computed from the batch into a buffer or a frozen parameter
     stores it in the model without noise: the step raises, naming the tensor, and puts a buffer's
-    values back (under vmap torch refuses every one of these writes itself, the same-value one
-    too). A rewrite of the same values is no write. ``plan`` and ``fallback_reasons``, which run the forward too, raise alike."""
+    values back (under vmap torch refuses the in-place ones itself, the same-value one too). A
+    rewrite of the same values is no write. ``plan`` and ``fallback_reasons``, which run the forward too, raise alike."""
     m = _RunningMean(how)
     step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)
     name = _WRITTEN.get(how, "mean")
     before = {k: v.clone() for k, v in m.state_dict().items()}
-    if method == "vmap":  # (torch's own errors: in-place op on a captured tensor, no storage, ...)
-        with pytest.raises((RuntimeError, NotImplementedError)):
+    if method == "vmap":
+        if how in ("data", "numpy", "storage", "rebind"):
+            # (under vmap these store functorch-wrapped tensors, or bytes of one, in the buffer:
+            # torch's undefined behaviour, a crash at the next read; torch does not refuse them)
+            pytest.skip("a write through .data / numpy / the storage under vmap is torch's undefined behaviour")
+        with pytest.raises(RuntimeError, match="inplace|in-place|mutate"):  # (torch refuses it itself)
             step(pdpsgd.trainable_params(m), batch())
         return
     if how == "same":
@@ -321,8 +325,69 @@ def test_spectral_norm_power_iteration_is_not_a_write_from_the_batch(style, meth
     lin = (spectral_norm if style == "hook" else spectral_norm_p)(nn.Linear(5, 3))
     m = nn.Sequential(lin).train()
     u = lin.weight_u if style == "hook" else lin.parametrizations.weight[0]._u
+    with torch.no_grad():  # (away from the converged vector, so that one more iteration moves it)
+        u.copy_(F.normalize(torch.randn(u.shape, generator=torch.Generator().manual_seed(0)), dim=0))
     u0 = u.clone()
     step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)
     out = step(pdpsgd.trainable_params(m), batch())
     assert all(torch.isfinite(g).all() for g in out.grads.values())
     assert not torch.equal(u, u0)  # (it did run its power iteration)
+
+
+class _Exotic(nn.Module):
+    """Buffers the write check cannot copy byte by byte, unused by the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+        self.register_buffer("sparse", torch.eye(4).to_sparse())
+        self.register_buffer("expanded", torch.zeros(1).expand(10))
+        self.register_buffer("conj", torch.randn(3, dtype=torch.complex64).conj())
+        self.register_buffer("quant", torch.quantize_per_tensor(torch.rand(4), 0.1, 0, torch.quint8))
+        self.register_buffer("meta", torch.empty(3, device="meta"))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("method", ["bk", "vmap"])
+def test_write_check_takes_buffers_it_cannot_copy(method):
+    """Sparse, expanded, conjugate-view, quantized and meta buffers: the step runs (they are
+    watched by version counter and place, not copied)."""
+    m = _Exotic()
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)
+    out = step(pdpsgd.trainable_params(m), batch())
+    assert all(torch.isfinite(g).all() for g in out.grads.values())
+
+
+class _Registers(nn.Module):
+    def __init__(self, what):
+        super().__init__()
+        self.lin, self.what = nn.Linear(5, 3), what
+
+    def forward(self, x):
+        if self.what == "buffer":
+            self.register_buffer("leak", x.detach().mean(0).clone())
+        return self.lin(x)
+
+
+def test_buffers_registered_in_the_forward_are_refused_and_removed():
+    """A forward that registers a buffer with batch values: the step raises and the new buffer is
+    removed (it was not in the copies taken before it). (A submodule made in the forward is left:
+    lazily built layers are the usual case; ``tests/test_bookkeeping.py``'s lazy target network.)"""
+    m = _Registers("buffer")
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method="bk")
+    with pytest.raises(ValueError, match=r"buffers \['leak'\], registered during the step, were removed"):
+        step(pdpsgd.trainable_params(m), batch())
+    assert "leak" not in m._buffers
+
+
+def test_buffers_put_back_when_the_step_fails():
+    """A forward that writes into a buffer, in a step that then fails on its own (a scalar loss):
+    the buffer is put back before the error propagates."""
+    m = _RunningMean("buffer")
+    step = pdpsgd.make_dp_step(m, lambda mod, b: F.cross_entropy(mod(b["x"]), b["y"]), max_grad_norm=1.0,
+                               noise_multiplier=1.0, method="bk")
+    with pytest.raises(ValueError, match="reduction='none'"):
+        step(pdpsgd.trainable_params(m), batch())
+    assert torch.equal(m.mean, torch.zeros(5))

@@ -210,8 +210,9 @@ def test_matmul_linear_rule_checks_each_call_as_it_runs(monkeypatch):
 
 def test_long_rope_table_switch_is_not_a_write_from_the_batch():
     """Phi-3's longrope copies one of two fixed inverse-frequency tables into its rotary
-    embedding's ``inv_freq`` buffer in every forward, chosen by the sequence length (the batch's
-    shape): not refused by the write check, also when the table switches between steps; exact."""
+    embedding's ``inv_freq`` buffer in every forward, chosen by the longest position: not refused by
+    the write check, also when the table switches between steps, and put back after each step;
+    exact."""
     import transformers as tf
 
     hd = 4
@@ -228,8 +229,11 @@ def test_long_rope_table_switch_is_not_a_write_from_the_batch():
         m = tf.Phi3ForCausalLM(cfg).eval()
     step = pdpsgd.make_dp_step(m, causal_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
     params = pdpsgd.trainable_params(m)
+    table = m.model.rotary_emb.inv_freq.clone()
     for T in (8, 20, 8):  # (past original_max_position_embeddings = 16: the long table)
         ids = torch.randint(1, V, (2, T), generator=torch.Generator().manual_seed(T))
         b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
         step.clipped_sum(params, b)
+        # put back after the step (which table a batch took can tell its longest position)
+        assert torch.equal(m.model.rotary_emb.inv_freq, table)
         assert_exact(m, causal_loss, b, method="bk", max_grad_norm=0.1)
