@@ -19,7 +19,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from ._types import Batch, LossFn, Params
 
 __all__ = ["trainable_params", "ParamIndex", "LossModule", "check_no_batch_mixing", "preserve_module_state",
-           "model_constants", "no_writes_to", "rewritten_in_place"]
+           "model_constants", "no_writes_to"]
 
 
 def trainable_params(model: nn.Module) -> Params:
@@ -162,23 +162,15 @@ def check_no_batch_mixing(model: nn.Module) -> None:
             )
 
 
-def rewritten_in_place(model: nn.Module) -> Set[str]:
-    """Names of the tensors that torch's own layers write in place in the forward from the model's
-    weights alone, not from the batch (not watched by ``no_writes_to``):
+def _not_watched(m: nn.Module) -> Set[str]:
+    """Local names of a module's tensors that torch's own layers write in place in the forward from
+    the model's weights alone, not from the batch (not watched by ``no_writes_to``):
 
     - an RNN's weights on CUDA, which ``flatten_parameters`` (its forward, with cuDNN) copies into
       one flat buffer and re-points at it (their version counters move, their values do not);
     - spectral normalisation's power-iteration vectors u and v (``torch.nn.utils.spectral_norm``'s
       ``weight_u`` / ``weight_v``; ``parametrizations.spectral_norm``'s ``_u`` / ``_v``), updated in
       training mode from the weight (kept across steps: the iteration goes on from them)."""
-    out: Set[str] = set()
-    for mn, m in model.named_modules():
-        out.update(f"{mn}.{n}" if mn else n for n in _not_watched(m))
-    return out
-
-
-def _not_watched(m: nn.Module) -> Set[str]:
-    """``rewritten_in_place`` for one module: the local names of its own tensors."""
     out: Set[str] = set()
     if isinstance(m, nn.RNNBase):
         out.update(n for n, t in m._parameters.items() if t is not None and t.is_cuda)
@@ -248,16 +240,16 @@ def no_writes_to(model: nn.Module, trained: Mapping[str, Tensor]) -> Iterator[No
     write through ``.data`` / the storage in place does not (and it is not undone). Buffers
     registered during the block on the model's modules are removed, and raised on (a submodule
     made in the forward, e.g. a lazily built frozen copy of a layer, is left, and not watched).
-    ``rewritten_in_place``'s tensors are not watched; rotary ``inv_freq`` tables are put back."""
+    ``_not_watched``'s tensors are not watched; rotary ``inv_freq`` tables are put back."""
     budget = WRITE_CHECK_COPY_BYTES
     copied, versioned, ids, quiet = [], [], set(), []
     skip: Set[str] = set()
-    keys = {}  # id(module) -> (module, its buffer / parameter / submodule names before the block)
+    keys = []  # (module, its name prefix, its buffer names before the block)
     for mn, m in model.named_modules():  # (one walk: ~3x faster than named_buffers + named_parameters)
         if not isinstance(m._buffers, dict) or not isinstance(m._parameters, dict):
             continue  # (a TorchScript module: its registries are C++ dicts, and the engine refuses it)
-        keys[id(m)] = (m, set(m._buffers))
         pre = mn + "." if mn else ""
+        keys.append((m, pre, set(m._buffers)))
         local = _not_watched(m)
         skip.update(pre + n for n in local)
         hush = _put_back_quietly(m)
@@ -285,20 +277,20 @@ def no_writes_to(model: nn.Module, trained: Mapping[str, Tensor]) -> Iterator[No
         yield
     except BaseException:
         try:  # (the step's own error is what propagates, whatever the clean-up meets)
-            _put_back(copied + quiet, force=False)
-            _remove_new(model, keys)
+            _put_back(copied + quiet)
+            _remove_new(keys)
         except Exception:  # pragma: no cover - defensive
             pass
         raise
-    _put_back(quiet, force=False)
+    _put_back(quiet)
     changed = [n for n, t, v, w in versioned if t._version != v or _where(t) != w]
-    restored = _put_back(copied, force=False)
-    added = _remove_new(model, keys)
+    restored = _put_back(copied)
+    added = _remove_new(keys)
     if changed or restored or added:
         names = restored + changed + added
         raise ValueError(
-            f"the forward wrote to {names[:5]}{' ...' if len(names) > 5 else ''} (a buffer, parameter or submodule "
-            "of the model): a value computed from the private batch (e.g. running statistics) stored in the model "
+            f"the forward wrote to {names[:5]}{' ...' if len(names) > 5 else ''} (a buffer or parameter of the "
+            "model): a value computed from the private batch (e.g. running statistics) stored in the model "
             "without noise, outside the DP guarantee. Put such layers in eval mode, construct InstanceNorm with "
             "track_running_stats=False, or compute the value outside the forward (from public data or the noisy "
             "parameters)."
@@ -309,12 +301,21 @@ def no_writes_to(model: nn.Module, trained: Mapping[str, Tensor]) -> Iterator[No
         )
 
 
-def _put_back(copied, force: bool) -> list:
-    """Write back every copied buffer whose value (or place) changed; their names."""
+def _put_back(copied) -> list:
+    """Write back every copied buffer whose value (or place) changed; their names. The bitwise
+    comparisons are gathered into one read per device (one host sync on a GPU, not one a buffer)."""
+    same = [_where(b) == w and b.shape == saved.shape and b.dtype == saved.dtype and _copyable(b)
+            for _, b, saved, w in copied]
+    flags = {i: (_bits(b) != _bits(saved)).any() for i, (ok, (_, b, saved, _w)) in enumerate(zip(same, copied)) if ok}
+    by_device: Dict[torch.device, list] = {}
+    for i, f in flags.items():
+        by_device.setdefault(f.device, []).append(i)
+    for idx in by_device.values():
+        for i, hit in zip(idx, torch.stack([flags[i] for i in idx]).tolist()):
+            same[i] = not hit
     out = []
-    for n, b, saved, w in copied:
-        if not force and _where(b) == w and b.shape == saved.shape and b.dtype == saved.dtype \
-                and _copyable(b) and bool((_bits(b) == _bits(saved)).all()):
+    for ok, (n, b, saved, _w) in zip(same, copied):
+        if ok:
             continue
         with torch.no_grad():
             if b.shape == saved.shape and b.dtype == saved.dtype and _copyable(b):
@@ -325,17 +326,13 @@ def _put_back(copied, force: bool) -> list:
     return out
 
 
-def _remove_new(model: nn.Module, keys) -> list:
+def _remove_new(keys) -> list:
     """Remove the buffers registered on the model's modules since ``keys`` was taken; their names.
     (Submodules and parameters made in the forward are left: a lazily built layer, a frozen copy
     of one, is the usual reason, and its values come from the model, not the batch.)"""
     out = []
-    for mn, m in list(model.named_modules()):
-        hit = keys.get(id(m))
-        if hit is None or hit[0] is not m:
-            continue
-        pre = mn + "." if mn else ""
-        for n in [n for n in m._buffers if n not in hit[1]]:
+    for m, pre, before in keys:
+        for n in [n for n in m._buffers if n not in before]:
             del m._buffers[n]
             out.append(pre + n)
     return out

@@ -292,9 +292,8 @@ class DPStep:
         from .bookkeeping import plan as bk_plan
 
         _check_grad_mode(params, batch)
-        check_no_batch_mixing(self.model)  # (its checks run the forward on the batch, as a step does)
         routes: Dict[str, str] = {}
-        with no_writes_to(self.model, {n: p.detach() for n, p in params.items()}):
+        with self._guarded(params):
             for sub in self._chunks(batch):
                 r = _run_eagerly(bk_plan, self.model, self.loss_fn, params, sub, method=self.method,
                                  clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo),
@@ -302,6 +301,12 @@ class DPStep:
                 for n, v in r.items():
                     routes[n] = v if routes.get(n, v) == v else "mixed"
         return routes
+
+    def _guarded(self, params: Mapping[str, Tensor]):
+        """What a step checks around running the forward on a batch (``plan`` and
+        ``fallback_reasons`` run it too): no batch-mixing layer, no write to the model."""
+        check_no_batch_mixing(self.model)
+        return no_writes_to(self.model, {n: p.detach() for n, p in params.items()})
 
     def _chunks(self, batch: Batch):
         """The batch as the step splits it (``chunk_size`` examples per pass)."""
@@ -319,11 +324,10 @@ class DPStep:
         from .bookkeeping import fallback_reasons
 
         _check_grad_mode(params, batch)
-        check_no_batch_mixing(self.model)
         why: Dict[str, str] = {}
         chunks = list(self._chunks(batch))
         count: Dict[str, int] = {}
-        with no_writes_to(self.model, {n: p.detach() for n, p in params.items()}):
+        with self._guarded(params):
             for sub in chunks:
                 r = _run_eagerly(fallback_reasons, self.model, self.loss_fn, params, sub, method=self.method,
                                  clip_groups=self._clip_groups(params), probe_memo=dict(self._probe_memo),
