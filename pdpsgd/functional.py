@@ -19,7 +19,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from ._types import Batch, LossFn, Params
 
 __all__ = ["trainable_params", "ParamIndex", "LossModule", "check_no_batch_mixing", "preserve_module_state",
-           "model_constants", "no_writes_to"]
+           "model_constants", "no_writes_to", "no_rope_mixing"]
 
 
 def trainable_params(model: nn.Module) -> Params:
@@ -336,6 +336,171 @@ def _remove_new(keys) -> list:
             del m._buffers[n]
             out.append(pre + n)
     return out
+
+
+def _dynamic_rope(m: nn.Module) -> bool:
+    """A Hugging Face rotary embedding whose tables depend on the positions it is called with
+    (``rope_type`` "dynamic" (NTK) or "longrope", per layer type or not)."""
+    if not type(m).__name__.endswith("RotaryEmbedding"):
+        return False
+    kind = getattr(m, "rope_type", None)
+    kinds = kind.values() if isinstance(kind, dict) else (kind,)
+    return any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds)
+
+
+class _RopeState:
+    """A rotary module's state: its ``inv_freq`` tables (the tensors, and their values) and its
+    public plain attributes (``max_seq_len_cached``, ``attention_scaling``, cached tables, ...)."""
+
+    def __init__(self, m: nn.Module):
+        self.objs = {n: b for n, b in m._buffers.items() if b is not None and n.endswith("inv_freq")}
+        self.vals = {n: b.detach().clone() for n, b in self.objs.items()}
+        self.attrs = {k: v for k, v in vars(m).items() if not k.startswith("_") and k != "training"}
+
+    def _attrs_back(self, m: nn.Module) -> None:
+        d = vars(m)
+        for k in [k for k in d if not k.startswith("_") and k != "training" and k not in self.attrs]:
+            del d[k]
+        d.update(self.attrs)
+
+    def rebind(self, m: nn.Module) -> None:
+        """The module as it was, on fresh copies of its tables (nothing written in place: a
+        forward under a functorch transform may not mutate a tensor it captured)."""
+        for n, v in self.vals.items():
+            cur = m._buffers.get(n)
+            m._buffers[n] = (v.clone() if not isinstance(cur, Tensor)
+                             else v.to(device=cur.device, dtype=cur.dtype, copy=True))
+        self._attrs_back(m)
+
+    def put_back(self, m: nn.Module, values: bool = False) -> None:
+        """The module's own tensors back in place (``values``: and their values, where a forward
+        wrote them in place), and its attributes."""
+        for n, b in self.objs.items():
+            m._buffers[n] = b
+            if values and not torch.equal(b, self.vals[n].to(b)):
+                with torch.no_grad():
+                    b.copy_(self.vals[n])
+        self._attrs_back(m)
+
+    @staticmethod
+    def tables(m: nn.Module) -> list:
+        """What the module's last call computed its output from: its tables and scalings."""
+        out = [(n, b.detach().clone()) for n, b in sorted(m._buffers.items()) if b is not None and n.endswith("inv_freq")]
+        out += [(k, v) for k, v in sorted(vars(m).items()) if "attention_scaling" in k]
+        return out
+
+
+def _same_tables(a: list, b: list) -> bool:
+    if [n for n, _ in a] != [n for n, _ in b]:
+        return False
+    for (_, x), (_, y) in zip(a, b):
+        if isinstance(x, Tensor) or isinstance(y, Tensor):
+            x, y = torch.as_tensor(x), torch.as_tensor(y)
+            if x.shape != y.shape or not torch.equal(x.to(y.device, y.dtype), y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _rope_rows(x, pos):
+    """(the batch size B, the dim of ``pos`` that runs over the batch), or None where the positions
+    cannot tell examples apart: one row for all (a broadcast ``(1, T)``, a function of the padded
+    length only), or no dim of size B."""
+    if not isinstance(x, Tensor) or not isinstance(pos, Tensor) or x.dim() == 0 or pos.dim() < 2:
+        return None
+    if torch._C._functorch.is_functorch_wrapped_tensor(pos) or torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return None  # (under vmap each example runs alone)
+    B = x.shape[0]
+    if B < 2:
+        return None
+    if pos.shape[0] == B:
+        return B, 0
+    if pos.dim() >= 3 and pos.shape[1] == B:  # (multimodal RoPE: (3, B, T))
+        return B, 1
+    return None
+
+
+@contextlib.contextmanager
+def no_rope_mixing(model: nn.Module) -> Iterator[None]:
+    """Raise when a rotary embedding chose the batch's tables from one example's positions.
+
+    Hugging Face's dynamic RoPE kinds choose their frequency table from ``max(position_ids) + 1``
+    over the whole batch: "longrope" (Phi-3) switches to its long table, "dynamic" (NTK) rescales
+    its base, and keeps the grown table across calls (``max_seq_len_cached``). With positions
+    derived from the attention mask (left padding), the longest example then decides the table of
+    every other one: one example's length changes the others' gradients, unseen by clipping. With
+    the block on, every call of such a module starts from the state it had when the block began
+    (nothing carried from one batch, or one forward, to the next; put back after the block), and a
+    call whose rows have different largest positions is run again one row per distinct largest
+    position, alone: a row that alone gets other tables (or scaling) than the batch gave it raises
+    ``ValueError``. Positions shared by the batch (a broadcast ``(1, T)``, the default of Hugging
+    Face models) are a function of the padded length and are not checked."""
+    mods = [(n, m) for n, m in model.named_modules() if _dynamic_rope(m)]
+    if not mods:
+        yield
+        return
+    entry = {id(m): _RopeState(m) for _, m in mods}
+    names = {id(m): n for n, m in mods}
+
+    def split(args, kwargs):
+        x = args[0] if args else kwargs.get("x")
+        if len(args) > 1:
+            return x, args[1], lambda xi, pi: ((xi, pi, *args[2:]), kwargs)
+        pos = kwargs.get("position_ids")
+        rest = {k: v for k, v in kwargs.items() if k not in ("x", "position_ids")}
+        return x, pos, lambda xi, pi: (((xi,) if args else ()), {**rest, **({} if args else {"x": xi}), "position_ids": pi})
+
+    def pre(m, args, kwargs):
+        entry[id(m)].rebind(m)  # (each call from the block's starting state)
+
+    def post(m, args, kwargs, out):
+        x, pos, call = split(args, kwargs)
+        rows = _rope_rows(x, pos)
+        if rows is None:
+            return
+        B, dim = rows
+        longest = pos.detach().movedim(dim, 0).reshape(B, -1).amax(1)
+        if bool((longest == longest[0]).all()):
+            return
+        batch_tables, after = _RopeState.tables(m), _RopeState(m)
+        first: Dict[int, int] = {}
+        for i, v in enumerate(longest.tolist()):
+            first.setdefault(int(v), i)
+        apart = []
+        try:
+            with torch.no_grad():
+                for v, i in sorted(first.items()):
+                    entry[id(m)].rebind(m)
+                    a, k = call(x[i:i + 1], pos.narrow(dim, i, 1))
+                    type(m).forward(m, *a, **k)
+                    if not _same_tables(_RopeState.tables(m), batch_tables):
+                        apart.append(v + 1)
+        finally:
+            after.put_back(m)
+        if apart:
+            lengths = sorted(first)
+            raise ValueError(
+                f"the rotary embedding {names[id(m)] or '<root>'!r} ({type(m).__name__}, rope_type "
+                f"{getattr(m, 'rope_type', None)!r}) chose its frequency table for the whole batch from the batch's "
+                f"largest position (max(position_ids) + 1 = {lengths[-1] + 1}), and examples whose own largest "
+                f"position + 1 is {apart[:8]}{' ...' if len(apart) > 8 else ''} get other tables alone: one "
+                "example's length changes the other examples' gradients, outside the DP guarantee. Pass position_ids "
+                "that do not depend on the examples, e.g. torch.arange(T) shared by the batch (the Hugging Face "
+                "default when position_ids is not given; RoPE attention depends on position differences only, so "
+                "left padding does not change it), or batch examples of equal length.")
+
+    handles = []
+    try:
+        for _, m in mods:
+            handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(m.register_forward_hook(post, with_kwargs=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for _, m in mods:
+            entry[id(m)].put_back(m, values=True)
 
 
 @contextlib.contextmanager

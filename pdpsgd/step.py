@@ -18,7 +18,8 @@ from torch.utils._pytree import tree_flatten
 
 from ._types import Batch, LossFn, StepOutput
 from .clipping import Clipping, make_groups, make_weights_fn, sum_sq_norms
-from .functional import LossModule, ParamIndex, check_no_batch_mixing, model_constants, no_writes_to, trainable_params
+from .functional import (LossModule, ParamIndex, check_no_batch_mixing, model_constants, no_rope_mixing, no_writes_to,
+                         trainable_params)
 from .fused import RNGS, noise_and_scale, resolve_rng
 from .noise import entropy_generator
 from .per_sample import acc_dtype, batch_chunks, batch_size, vmap_engine
@@ -109,6 +110,14 @@ def _is_compiled(model: nn.Module) -> bool:
     cls = getattr(eval_frame, "OptimizedModule", None)
     return any((cls is not None and isinstance(m, cls)) or getattr(m, "_compiled_call_impl", None) is not None
                for m in model.modules())
+
+
+@contextlib.contextmanager
+def _guards(model: nn.Module, trained: Mapping[str, Tensor]):
+    """What runs around every forward of a step on a batch: no write to the model
+    (``no_writes_to``), no rotary table chosen by one example for the others (``no_rope_mixing``)."""
+    with no_writes_to(model, trained), no_rope_mixing(model):
+        yield
 
 
 def _check_grad_mode(params: Mapping[str, Tensor], batch: Batch, *, tensors: bool = True) -> None:
@@ -306,7 +315,7 @@ class DPStep:
         """What a step checks around running the forward on a batch (``plan`` and
         ``fallback_reasons`` run it too): no batch-mixing layer, no write to the model."""
         check_no_batch_mixing(self.model)
-        return no_writes_to(self.model, {n: p.detach() for n, p in params.items()})
+        return _guards(self.model, {n: p.detach() for n, p in params.items()})
 
     def _chunks(self, batch: Batch):
         """The batch as the step splits it (``chunk_size`` examples per pass)."""
@@ -361,7 +370,7 @@ class DPStep:
         groups = make_groups(list(detached), self.clipping, self.max_grad_norm, budget=self.clip_budget)
         weights_fn = make_weights_fn(groups, clip_fn=self.clip_fn, gamma=self.gamma)
         _check_grad_mode(params, batch, tensors=self.method != "vmap")
-        with no_writes_to(self.model, detached):
+        with _guards(self.model, detached):
             if self.method == "vmap":
                 res = _run_eagerly(vmap_engine, self._loss_module, detached, constants, batch, mask, weights_fn,
                                    chunk_size=self.chunk_size)

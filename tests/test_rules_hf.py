@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import pdpsgd
 from pdpsgd.testing import assert_exact, token_batches
@@ -237,3 +237,137 @@ def test_long_rope_table_switch_is_not_a_write_from_the_batch():
         # put back after the step (which table a batch took can tell its longest position)
         assert torch.equal(m.model.rotary_emb.inv_freq, table)
         assert_exact(m, causal_loss, b, method="bk", max_grad_norm=0.1)
+
+
+def _dynamic_rope_model(kind):
+    """A one-layer model whose rotary tables depend on the positions: Phi-3's "longrope" (long table
+    past 16 positions) or LLaMA's "dynamic" NTK (rescaled base past 16 positions)."""
+    import transformers as tf
+
+    hd = 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "longrope":
+            cfg = tf.Phi3Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                original_max_position_embeddings=16, pad_token_id=0, resid_pdrop=0.0,
+                                embd_pdrop=0.0, attention_dropout=0.0,
+                                rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * (hd // 2),
+                                              "long_factor": [2.0] * (hd // 2)})
+            cls = tf.Phi3ForCausalLM
+        else:
+            cfg = tf.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16,
+                                 pad_token_id=0, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+            cls = tf.LlamaForCausalLM
+        cfg._attn_implementation = "eager"
+        torch.manual_seed(0)
+        return cls(cfg).eval()
+
+
+def _padded(lens, T, seed=0):
+    """Examples of lengths ``lens`` padded to T, positions counted by the attention mask (each row's
+    largest position is its length - 1). (Right padding: in float64, Hugging Face's eager attention
+    gives NaN on the all-masked rows of left padding.)"""
+    ids = torch.randint(1, V, (len(lens), T), generator=torch.Generator().manual_seed(seed))
+    mask = torch.zeros(len(lens), T, dtype=torch.long)
+    for i, n in enumerate(lens):
+        mask[i, :n] = 1
+    return {"input_ids": ids * mask, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+
+
+def _positioned_loss(m, b):
+    lg = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
+    ce = F.cross_entropy(lg[:, :-1].transpose(1, 2), b["input_ids"][:, 1:], reduction="none")
+    return (ce * b["attention_mask"][:, 1:]).sum(-1)
+
+
+@pytest.mark.parametrize("kind", ["longrope", "dynamic"])
+@settings(max_examples=10, deadline=None)
+@given(lens=st.lists(st.integers(2, 24), min_size=2, max_size=4), pad=st.integers(0, 3),
+       method=st.sampled_from(["bk", "auto"]))
+@example(lens=[20, 10, 12], pad=0, method="bk")  # (mixes in both kinds)
+@example(lens=[18, 17], pad=2, method="auto")  # (longrope: both long; dynamic: each its own base)
+@example(lens=[5, 9, 16], pad=3, method="bk")  # (both kinds: one table)
+def test_rope_table_chosen_by_the_longest_example_is_refused(kind, lens, pad, method):
+    """Dynamic RoPE picks the whole batch's frequency table from its largest position: with
+    positions from the attention mask (padded batches) one example's length then changes the others'
+    gradients. Refused whenever an example alone would get another table (checked in every step,
+    not only the first of a shape); batches where none would are exact against the naive loop; the
+    rotary module's state (tables, dynamic NTK's grown cache) is the same after every step, so
+    nothing carries from one batch to the next."""
+    m = _dynamic_rope_model(kind)
+    rot = m.model.rotary_emb
+    table, cached = rot.inv_freq.clone(), getattr(rot, "max_seq_len_cached", None)
+    T = max(lens) + pad
+    if kind == "longrope":  # long table iff longer than original_max_position_embeddings = 16
+        mixes = len({n > 16 for n in lens}) > 1
+    else:  # the base rescaled from the longest, past max_position_embeddings = 16
+        mixes = max(lens) > 16 and min(lens) < max(lens)
+    step = pdpsgd.make_dp_step(m, _positioned_loss, max_grad_norm=1.0, noise_multiplier=0.0, method=method)
+    params = pdpsgd.trainable_params(m)
+    # a first batch of this shape that does not mix (equal lengths), then the drawn one
+    step.clipped_sum(params, _padded([T] * len(lens), T, seed=1))
+    b = _padded(lens, T)
+    if mixes:
+        with pytest.raises(ValueError, match="rotary embedding 'model.rotary_emb'.*largest position"):
+            step.clipped_sum(params, b)
+    else:
+        step.clipped_sum(params, b)
+        assert_exact(m, _positioned_loss, b, method=method, max_grad_norm=0.05)
+    assert torch.equal(rot.inv_freq, table)
+    assert getattr(rot, "max_seq_len_cached", None) == cached
+
+
+def test_dynamic_rope_cache_does_not_carry_between_steps():
+    """LLaMA's dynamic NTK keeps the table it grew for the longest batch so far, so a later batch's
+    table would depend on earlier batches: each step runs from the state the model had, and the
+    shorter batch's gradients are those of a fresh model (before, only the step's first forward
+    grew the table; the rest ran with the old one)."""
+    m = _dynamic_rope_model("dynamic")
+    step = pdpsgd.make_dp_step(m, _positioned_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    params = pdpsgd.trainable_params(m)
+    short = _padded([20, 20], 20, seed=3)
+    fresh = step.clipped_sum(params, short).sums
+    step.clipped_sum(params, _padded([24, 24], 24))  # (HF alone would keep its 24-position table)
+    again = step.clipped_sum(params, short).sums
+    for n in fresh:
+        assert torch.equal(fresh[n], again[n]), n
+    assert m.model.rotary_emb.max_seq_len_cached == 16
+    # every forward of the step (not only its first) with the table of this batch's length, as the
+    # naive loop on a fresh model has it (float64, each model fresh: the naive loop grows its own)
+    from pdpsgd.testing import naive_clipped_sum, to_float64
+
+    m64 = to_float64(_dynamic_rope_model("dynamic"))
+    got = pdpsgd.make_dp_step(m64, _positioned_loss, max_grad_norm=0.05, noise_multiplier=0.0,
+                              method="bk").clipped_sum(pdpsgd.trainable_params(m64), short).sums
+    _, want = naive_clipped_sum(to_float64(_dynamic_rope_model("dynamic")), _positioned_loss, short, max_grad_norm=0.05)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_rope_check_reads_multimodal_positions():
+    """Positions laid out (3, B, T) (multimodal RoPE) are split by their batch dim."""
+    from pdpsgd.functional import no_rope_mixing
+
+    class ToyRotaryEmbedding(torch.nn.Module):
+        rope_type = "longrope"
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", torch.ones(2))
+
+        def forward(self, x, position_ids):
+            self.inv_freq.fill_(2.0 if int(position_ids.max()) >= 10 else 1.0)
+            return position_ids[..., None].float() * self.inv_freq
+
+    rot = ToyRotaryEmbedding()
+    x = torch.zeros(2, 12, 4)
+    same = torch.arange(12).expand(3, 2, 12)
+    with no_rope_mixing(rot):
+        rot(x, same)  # (every example's largest position 11: one table)
+        rot(x, torch.arange(6).expand(3, 2, 6))
+    mixed = torch.stack([torch.arange(12), torch.arange(12).clamp(max=5)]).expand(3, 2, 12)
+    with pytest.raises(ValueError, match="largest position"), no_rope_mixing(rot):
+        rot(x, mixed)
+    assert torch.equal(rot.inv_freq, torch.ones(2))
