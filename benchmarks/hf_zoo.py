@@ -38,6 +38,8 @@ CAUSAL = {
  "vaultgemma": (tf.VaultGemmaConfig, tf.VaultGemmaForCausalLM, dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4, vocab_size=V, max_position_embeddings=32)),
  "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4, vocab_size=V, max_position_embeddings=32, sliding_window=4)),
  "falcon": (tf.FalconConfig, tf.FalconForCausalLM, dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=4, vocab_size=V)),
+ "phi3_longrope": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=V, max_position_embeddings=32, original_max_position_embeddings=4, pad_token_id=0, rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.0], "long_factor": [2.0, 3.0]})),
+ "llama_dynamic": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=V, max_position_embeddings=4, rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
  "gptj": (tf.GPTJConfig, tf.GPTJForCausalLM, dict(n_embd=16, n_layer=2, n_head=4, rotary_dim=4, vocab_size=V, n_positions=32)),
  "bloom": (tf.BloomConfig, tf.BloomForCausalLM, dict(hidden_size=16, n_layer=2, n_head=4, vocab_size=V)),
 }
