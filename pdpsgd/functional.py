@@ -9,7 +9,8 @@ weight is *one* parameter whose per-example gradient is summed over every use.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterable, Iterator, Mapping, Set
+import warnings
+from typing import Dict, Iterable, Iterator, Mapping, Optional, Set
 
 import torch
 from torch import Tensor, nn
@@ -184,10 +185,11 @@ def _not_watched(m: nn.Module) -> Set[str]:
 
 def _put_back_quietly(m: nn.Module) -> Set[str]:
     """Buffers that the forward may rewrite from the batch's shape (not a leak to raise on, but
-    not kept either): a Hugging Face rotary embedding's ``inv_freq`` tables, which dynamic / long
-    RoPE recompute or switch from the longest position in the batch (``position_ids`` built from
-    the attention mask make that the batch's content). Put back after the step, without a word."""
-    if type(m).__name__.endswith("RotaryEmbedding"):
+    not kept either): the ``inv_freq`` tables of the rotary embeddings ``no_rope_mixing`` watches
+    (``_watched_rope``), which dynamic / long RoPE recompute or switch from the longest position in
+    the batch (that check raises where an example's own would differ). Put back after the step,
+    without a word; a static kind's rotary module that writes them is raised on as any other."""
+    if _watched_rope(m):
         return {n for n in m._buffers if n.endswith("inv_freq")}
     return set()
 
@@ -338,14 +340,20 @@ def _remove_new(keys) -> list:
     return out
 
 
-def _dynamic_rope(m: nn.Module) -> bool:
-    """A Hugging Face rotary embedding whose tables depend on the positions it is called with
-    (``rope_type`` "dynamic" (NTK) or "longrope", per layer type or not)."""
+# Hugging Face rope kinds whose tables do not depend on the positions' values (elementwise in them)
+_STATIC_ROPE = frozenset({"default", "linear", "yarn", "llama3", "proportional"})
+
+
+def _watched_rope(m: nn.Module) -> bool:
+    """A rotary embedding whose tables may depend on the positions it is called with: a Hugging
+    Face ``*RotaryEmbedding`` whose ``rope_type`` (per layer type or not) is "dynamic" (NTK),
+    "longrope" or another kind not known to be static, or that has no ``rope_type`` (transformers
+    before 4.45: ``LlamaDynamicNTKScalingRotaryEmbedding``, remote-code Phi-3 longrope classes)."""
     if not type(m).__name__.endswith("RotaryEmbedding"):
         return False
     kind = getattr(m, "rope_type", None)
-    kinds = kind.values() if isinstance(kind, dict) else (kind,)
-    return any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds)
+    kinds = list(kind.values()) if isinstance(kind, dict) else [kind]
+    return not all(isinstance(k, str) and k in _STATIC_ROPE for k in kinds)
 
 
 class _RopeState:
@@ -382,12 +390,64 @@ class _RopeState:
                     b.copy_(self.vals[n])
         self._attrs_back(m)
 
-    @staticmethod
-    def tables(m: nn.Module) -> list:
-        """What the module's last call computed its output from: its tables and scalings."""
-        out = [(n, b.detach().clone()) for n, b in sorted(m._buffers.items()) if b is not None and n.endswith("inv_freq")]
-        out += [(k, v) for k, v in sorted(vars(m).items()) if "attention_scaling" in k]
-        return out
+
+def _rope_rows(pos):
+    """(the batch size B, the dim of ``pos`` that runs over the batch), or None where the positions
+    cannot tell examples apart (one row shared by the batch, a broadcast ``(1, T)``: a function of
+    the padded length) or are not a plain batch of positions."""
+    if not isinstance(pos, Tensor) or pos.dim() not in (2, 3):
+        return None
+    if torch._C._functorch.is_functorch_wrapped_tensor(pos):
+        return None  # (under vmap each example runs alone)
+    d = 1 if pos.dim() == 3 and pos.shape[0] == 3 else 0  # (multimodal RoPE: (3, B, T))
+    B = pos.shape[d]
+    return (B, d) if B > 1 else None
+
+
+def _row(t, B: int, d: int, i: int):
+    """Row i of a tensor laid out with the batch in dim d (or dim 0 / 1 where d is not of size B),
+    kept as a batch of one; a tensor with no dim of size B as it is (a shared table)."""
+    if not isinstance(t, Tensor) or t.dim() == 0:
+        return t
+    for k in (d, 0, 1):
+        if k < t.dim() and t.shape[k] == B:
+            return t.narrow(k, i, 1)
+    return t
+
+
+def _same_output(alone, batch, B: int, d: int, i: int) -> bool:
+    """The module's output for row i run alone equals row i of its output for the batch, bit for bit
+    (what the rest of the model is fed: equal bits, equal gradients)."""
+    from torch.utils._pytree import tree_flatten
+
+    a, sa = tree_flatten(alone)
+    b, sb = tree_flatten(batch)
+    if sa != sb:
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, Tensor) and isinstance(y, Tensor):
+            y = _row(y, B, d, i)
+            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y):
+                return False
+        elif isinstance(x, Tensor) or isinstance(y, Tensor) or x != y:
+            return False
+    return True
+
+
+_ROPE_WARNED = "warned"
+ROPE_LENGTH_WARNING = (
+    "the rotary embedding {name!r} ({cls}) took other tables than in an earlier step with positions shared by "
+    "the batch (torch.arange(T)): they are chosen by the padded length T. That is public only if every batch is "
+    "padded to one fixed length; padding to the batch's longest example makes T that example's length, and one "
+    "example's length then changes the other examples' gradients, outside the DP guarantee. Pad to a fixed "
+    "length (padding='max_length'). (Batches of unpadded examples of one length each are fine: each example "
+    "then has its own table.)")
+
+
+def _tables(m: nn.Module) -> list:
+    """What a rotary module's last call computed its output from: its tables and scalings."""
+    out = [(n, b.detach().clone()) for n, b in sorted(m._buffers.items()) if b is not None and n.endswith("inv_freq")]
+    return out + [(k, v) for k, v in sorted(vars(m).items()) if "attention_scaling" in k]
 
 
 def _same_tables(a: list, b: list) -> bool:
@@ -403,40 +463,27 @@ def _same_tables(a: list, b: list) -> bool:
     return True
 
 
-def _rope_rows(x, pos):
-    """(the batch size B, the dim of ``pos`` that runs over the batch), or None where the positions
-    cannot tell examples apart: one row for all (a broadcast ``(1, T)``, a function of the padded
-    length only), or no dim of size B."""
-    if not isinstance(x, Tensor) or not isinstance(pos, Tensor) or x.dim() == 0 or pos.dim() < 2:
-        return None
-    if torch._C._functorch.is_functorch_wrapped_tensor(pos) or torch._C._functorch.is_functorch_wrapped_tensor(x):
-        return None  # (under vmap each example runs alone)
-    B = x.shape[0]
-    if B < 2:
-        return None
-    if pos.shape[0] == B:
-        return B, 0
-    if pos.dim() >= 3 and pos.shape[1] == B:  # (multimodal RoPE: (3, B, T))
-        return B, 1
-    return None
-
-
 @contextlib.contextmanager
-def no_rope_mixing(model: nn.Module) -> Iterator[None]:
-    """Raise when a rotary embedding chose the batch's tables from one example's positions.
+def no_rope_mixing(model: nn.Module, *, seen: Optional[dict] = None) -> Iterator[None]:
+    """Raise when a rotary embedding gave an example other tables than it gets alone.
 
     Hugging Face's dynamic RoPE kinds choose their frequency table from ``max(position_ids) + 1``
     over the whole batch: "longrope" (Phi-3) switches to its long table, "dynamic" (NTK) rescales
     its base, and keeps the grown table across calls (``max_seq_len_cached``). With positions
-    derived from the attention mask (left padding), the longest example then decides the table of
-    every other one: one example's length changes the others' gradients, unseen by clipping. With
-    the block on, every call of such a module starts from the state it had when the block began
+    derived from the attention mask, the longest example then decides the table of every other
+    one: one example's length changes the others' gradients, unseen by clipping. With the block on,
+    every call of such a module (``_watched_rope``: those kinds, any kind not known to be static,
+    and rotary modules with no ``rope_type``) starts from the state it had when the block began
     (nothing carried from one batch, or one forward, to the next; put back after the block), and a
-    call whose rows have different largest positions is run again one row per distinct largest
-    position, alone: a row that alone gets other tables (or scaling) than the batch gave it raises
-    ``ValueError``. Positions shared by the batch (a broadcast ``(1, T)``, the default of Hugging
-    Face models) are a function of the padded length and are not checked."""
-    mods = [(n, m) for n, m in model.named_modules() if _dynamic_rope(m)]
+    call whose rows have different largest positions is run again for the row with the smallest
+    and the row with the largest of them, each alone: where one's output differs (bit for bit)
+    from its row of the batch's output, every distinct largest position is run alone to name them,
+    and ``ValueError`` is raised. Positions shared by the batch (a broadcast ``(1, T)``, the
+    default of Hugging Face models) are not checked: they are a function of the padded length T,
+    which is public only when every batch is padded to one fixed length. ``seen`` (a dict the
+    caller keeps from step to step): the tables each module took with shared positions; where a
+    later step's differ (T varied across a threshold), a ``UserWarning`` says so, once."""
+    mods = [(n, m) for n, m in model.named_modules() if _watched_rope(m)]
     if not mods:
         yield
         return
@@ -454,41 +501,55 @@ def no_rope_mixing(model: nn.Module) -> Iterator[None]:
     def pre(m, args, kwargs):
         entry[id(m)].rebind(m)  # (each call from the block's starting state)
 
+    def shared(m, pos) -> None:  # (positions shared by the batch: the tables follow the padded length)
+        if seen is None or seen.get(names[id(m)]) == _ROPE_WARNED or not isinstance(pos, Tensor) \
+                or torch._C._functorch.is_functorch_wrapped_tensor(pos):
+            return
+        now = _tables(m)
+        before = seen.setdefault(names[id(m)], now)
+        if not _same_tables(before, now):
+            seen[names[id(m)]] = _ROPE_WARNED
+            warnings.warn(ROPE_LENGTH_WARNING.format(name=names[id(m)] or "<root>", cls=type(m).__name__), stacklevel=2)
+
     def post(m, args, kwargs, out):
         x, pos, call = split(args, kwargs)
-        rows = _rope_rows(x, pos)
+        rows = _rope_rows(pos)
         if rows is None:
-            return
-        B, dim = rows
-        longest = pos.detach().movedim(dim, 0).reshape(B, -1).amax(1)
-        if bool((longest == longest[0]).all()):
-            return
-        batch_tables, after = _RopeState.tables(m), _RopeState(m)
-        first: Dict[int, int] = {}
-        for i, v in enumerate(longest.tolist()):
-            first.setdefault(int(v), i)
+            return shared(m, pos)
+        B, d = rows
+        longest = pos.detach().movedim(d, 0).reshape(B, -1).amax(1)
+        lo, hi = int(longest.argmin()), int(longest.argmax())
+        if bool(longest[lo] == longest[hi]):
+            return shared(m, pos)
+        after = _RopeState(m)
+
+        def alone(i: int) -> bool:
+            entry[id(m)].rebind(m)
+            a, k = call(_row(x, B, 0, i), pos.narrow(d, i, 1))  # (x: batch-first, or a shared tensor)
+            return _same_output(type(m).forward(m, *a, **k), out, B, d, i)
+
         apart = []
         try:
             with torch.no_grad():
-                for v, i in sorted(first.items()):
-                    entry[id(m)].rebind(m)
-                    a, k = call(x[i:i + 1], pos.narrow(dim, i, 1))
-                    type(m).forward(m, *a, **k)
-                    if not _same_tables(_RopeState.tables(m), batch_tables):
-                        apart.append(v + 1)
+                if not (alone(lo) and alone(hi)):
+                    first: Dict[int, int] = {}
+                    for i, v in enumerate(longest.tolist()):
+                        first.setdefault(int(v), i)
+                    apart = [v + 1 for v, i in sorted(first.items()) if not alone(i)]
+                    apart = apart or [int(longest[lo]) + 1]
         finally:
             after.put_back(m)
         if apart:
-            lengths = sorted(first)
             raise ValueError(
                 f"the rotary embedding {names[id(m)] or '<root>'!r} ({type(m).__name__}, rope_type "
-                f"{getattr(m, 'rope_type', None)!r}) chose its frequency table for the whole batch from the batch's "
-                f"largest position (max(position_ids) + 1 = {lengths[-1] + 1}), and examples whose own largest "
-                f"position + 1 is {apart[:8]}{' ...' if len(apart) > 8 else ''} get other tables alone: one "
-                "example's length changes the other examples' gradients, outside the DP guarantee. Pass position_ids "
-                "that do not depend on the examples, e.g. torch.arange(T) shared by the batch (the Hugging Face "
-                "default when position_ids is not given; RoPE attention depends on position differences only, so "
-                "left padding does not change it), or batch examples of equal length.")
+                f"{getattr(m, 'rope_type', None)!r}) gave the batch tables chosen from its largest position "
+                f"(max(position_ids) + 1 = {int(longest[hi]) + 1}), and examples whose own largest position + 1 is "
+                f"{apart[:8]}{' ...' if len(apart) > 8 else ''} get other ones alone: one example's length changes the "
+                "other examples' gradients, outside the DP guarantee. Pad every batch to one fixed length "
+                "(padding='max_length', not to the batch's longest example, which makes the padded length that "
+                "example's) and pass position_ids shared by the batch, torch.arange(T) (the Hugging Face default when "
+                "position_ids is not given; RoPE attention depends on position differences only, so left padding "
+                "does not change it), or batch examples of equal length.")
 
     handles = []
     try:

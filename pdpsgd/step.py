@@ -113,10 +113,11 @@ def _is_compiled(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _guards(model: nn.Module, trained: Mapping[str, Tensor]):
+def _guards(model: nn.Module, trained: Mapping[str, Tensor], seen: Optional[dict] = None):
     """What runs around every forward of a step on a batch: no write to the model
-    (``no_writes_to``), no rotary table chosen by one example for the others (``no_rope_mixing``)."""
-    with no_writes_to(model, trained), no_rope_mixing(model):
+    (``no_writes_to``), no rotary table chosen by one example for the others (``no_rope_mixing``;
+    ``seen``: the step's record of the tables taken with shared positions)."""
+    with no_writes_to(model, trained), no_rope_mixing(model, seen=seen):
         yield
 
 
@@ -239,6 +240,7 @@ class DPStep:
         # book-keeping's batch-dimension probe, per batch shape signature (a function of the model's
         # code and the shapes; see bookkeeping.PROBE_B)
         self._probe_memo: dict = {}
+        self._rope_seen: dict = {}  # (no_rope_mixing: tables taken with shared positions, for its warning)
         self.generator = generator
         self.clipping = clipping
         self.clip_budget = clip_budget
@@ -315,7 +317,7 @@ class DPStep:
         """What a step checks around running the forward on a batch (``plan`` and
         ``fallback_reasons`` run it too): no batch-mixing layer, no write to the model."""
         check_no_batch_mixing(self.model)
-        return _guards(self.model, {n: p.detach() for n, p in params.items()})
+        return _guards(self.model, {n: p.detach() for n, p in params.items()}, self._rope_seen)
 
     def _chunks(self, batch: Batch):
         """The batch as the step splits it (``chunk_size`` examples per pass)."""
@@ -370,7 +372,7 @@ class DPStep:
         groups = make_groups(list(detached), self.clipping, self.max_grad_norm, budget=self.clip_budget)
         weights_fn = make_weights_fn(groups, clip_fn=self.clip_fn, gamma=self.gamma)
         _check_grad_mode(params, batch, tensors=self.method != "vmap")
-        with _guards(self.model, detached):
+        with _guards(self.model, detached, self._rope_seen):
             if self.method == "vmap":
                 res = _run_eagerly(vmap_engine, self._loss_module, detached, constants, batch, mask, weights_fn,
                                    chunk_size=self.chunk_size)

@@ -347,7 +347,8 @@ def test_dynamic_rope_cache_does_not_carry_between_steps():
 
 
 def test_rope_check_reads_multimodal_positions():
-    """Positions laid out (3, B, T) (multimodal RoPE) are split by their batch dim."""
+    """Positions laid out (3, B, T) (multimodal RoPE) are split by their batch dim, also at B = 3;
+    a rotary module with no ``rope_type`` is checked, a static kind is not."""
     from pdpsgd.functional import no_rope_mixing
 
     class ToyRotaryEmbedding(torch.nn.Module):
@@ -371,3 +372,41 @@ def test_rope_check_reads_multimodal_positions():
     with pytest.raises(ValueError, match="largest position"), no_rope_mixing(rot):
         rot(x, mixed)
     assert torch.equal(rot.inv_freq, torch.ones(2))
+    # B = 3 (the layout's first dim is 3 too): still split by dim 1
+    ar, x3 = torch.arange(12), torch.zeros(3, 12, 4)
+    rows = torch.stack([ar, ar.clamp(max=5), ar.clamp(max=5)])  # (3 examples, two lengths)
+    with no_rope_mixing(rot):
+        rot(x3, rows[:1].expand(3, 3, 12))  # (three equal examples)
+    with pytest.raises(ValueError, match="largest position"), no_rope_mixing(rot):
+        rot(x3, rows[None].expand(3, 3, 12))
+    # a module with no rope_type (transformers < 4.45, remote code) is checked by what it returns
+    del ToyRotaryEmbedding.rope_type
+    with pytest.raises(ValueError, match="largest position"), no_rope_mixing(rot):
+        rot(x, mixed)
+    # a static kind (its tables elementwise in the positions) is not re-run
+    ToyRotaryEmbedding.rope_type = "default"
+    with no_rope_mixing(rot):
+        rot(x, mixed)
+
+
+def test_rope_tables_switched_by_the_padded_length_warn():
+    """With positions shared by the batch (the default) the table follows the padded length T,
+    public only if every batch is padded to one fixed length: a step whose table differs from an
+    earlier step's warns (once); steps that keep one table do not."""
+    m = _dynamic_rope_model("longrope")
+    step = pdpsgd.make_dp_step(m, causal_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    params = pdpsgd.trainable_params(m)
+
+    def batch(T):
+        ids = torch.randint(1, V, (2, T), generator=torch.Generator().manual_seed(T))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for T in (8, 12, 16):  # (at most original_max_position_embeddings = 16: one table)
+            step.clipped_sum(params, batch(T))
+    with pytest.warns(UserWarning, match="padded length T"):
+        step.clipped_sum(params, batch(20))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step.clipped_sum(params, batch(8))  # (said once)
