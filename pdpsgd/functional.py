@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Dict, Iterable, Iterator, Mapping, Optional, Set
+from typing import Dict, Iterable, Iterator, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -404,15 +404,27 @@ def _rope_rows(pos):
     return (B, d) if B > 1 else None
 
 
-def _row(t, B: int, d: int, i: int):
-    """Row i of a tensor laid out with the batch in dim d (or dim 0 / 1 where d is not of size B),
-    kept as a batch of one; a tensor with no dim of size B as it is (a shared table)."""
+def _row(t, B: int, i: int):
+    """Row i of a module's input laid out batch-first (or in dim 1), kept as a batch of one; a
+    tensor with no such dim of size B as it is (shared by the batch)."""
     if not isinstance(t, Tensor) or t.dim() == 0:
         return t
-    for k in (d, 0, 1):
+    for k in (0, 1):
         if k < t.dim() and t.shape[k] == B:
             return t.narrow(k, i, 1)
     return t
+
+
+def _row_like(y: Tensor, x: Tensor, B: int, d: int, i: int) -> Tensor:
+    """Row i of the batch's output y, read in the dim where the output x of row i alone has 1 and y
+    has B (the others equal; dim d first): the output's own layout, not the positions'. A y shaped
+    as x (a table shared by the batch) is read whole."""
+    if x.dim() == y.dim():
+        for k in sorted(range(y.dim()), key=lambda k: k != d):
+            if y.shape[k] == B and x.shape[k] == 1 and all(
+                    a == b for j, (a, b) in enumerate(zip(x.shape, y.shape)) if j != k):
+                return y.narrow(k, i, 1)
+    return y
 
 
 def _same_output(alone, batch, B: int, d: int, i: int) -> bool:
@@ -426,7 +438,7 @@ def _same_output(alone, batch, B: int, d: int, i: int) -> bool:
         return False
     for x, y in zip(a, b):
         if isinstance(x, Tensor) and isinstance(y, Tensor):
-            y = _row(y, B, d, i)
+            y = _row_like(y, x, B, d, i)
             if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y):
                 return False
         elif isinstance(x, Tensor) or isinstance(y, Tensor) or x != y:
@@ -440,8 +452,7 @@ ROPE_LENGTH_WARNING = (
     "the batch (torch.arange(T)): they are chosen by the padded length T. That is public only if every batch is "
     "padded to one fixed length; padding to the batch's longest example makes T that example's length, and one "
     "example's length then changes the other examples' gradients, outside the DP guarantee. Pad to a fixed "
-    "length (padding='max_length'). (Batches of unpadded examples of one length each are fine: each example "
-    "then has its own table.)")
+    "length (padding='max_length').")
 
 
 def _tables(m: nn.Module) -> list:
@@ -477,12 +488,14 @@ def no_rope_mixing(model: nn.Module, *, seen: Optional[dict] = None) -> Iterator
     (nothing carried from one batch, or one forward, to the next; put back after the block), and a
     call whose rows have different largest positions is run again for the row with the smallest
     and the row with the largest of them, each alone: where one's output differs (bit for bit)
-    from its row of the batch's output, every distinct largest position is run alone to name them,
-    and ``ValueError`` is raised. Positions shared by the batch (a broadcast ``(1, T)``, the
-    default of Hugging Face models) are not checked: they are a function of the padded length T,
-    which is public only when every batch is padded to one fixed length. ``seen`` (a dict the
-    caller keeps from step to step): the tables each module took with shared positions; where a
-    later step's differ (T varied across a threshold), a ``UserWarning`` says so, once."""
+    from its row of the batch's output, or the smallest's tables differ from the batch's (its
+    output can match by chance: positions all 0), every distinct largest position is run alone,
+    and ``ValueError`` is raised where one's output differs. Positions shared by the batch (a
+    broadcast ``(1, T)``, the default of Hugging Face models) are not checked: they are a function
+    of the padded length T, which is public only when every batch is padded to one fixed length.
+    ``seen`` (a dict the caller keeps from step to step): the tables each module took with
+    positions broadcast over a batch of several examples; where a later step's differ (T varied
+    across a threshold), a ``UserWarning`` says so, once."""
     mods = [(n, m) for n, m in model.named_modules() if _watched_rope(m)]
     if not mods:
         yield
@@ -515,28 +528,35 @@ def no_rope_mixing(model: nn.Module, *, seen: Optional[dict] = None) -> Iterator
         x, pos, call = split(args, kwargs)
         rows = _rope_rows(pos)
         if rows is None:
-            return shared(m, pos)
+            if isinstance(x, Tensor) and x.dim() and x.shape[0] > 1:  # (a batch, not an example alone)
+                shared(m, pos)
+            return
         B, d = rows
         longest = pos.detach().movedim(d, 0).reshape(B, -1).amax(1)
         lo, hi = int(longest.argmin()), int(longest.argmax())
         if bool(longest[lo] == longest[hi]):
-            return shared(m, pos)
-        after = _RopeState(m)
+            return
+        batch_tables, after = _tables(m), _RopeState(m)
 
-        def alone(i: int) -> bool:
+        def alone(i: int) -> Tuple[bool, bool]:  # (same output, same tables as the batch's)
             entry[id(m)].rebind(m)
-            a, k = call(_row(x, B, 0, i), pos.narrow(d, i, 1))  # (x: batch-first, or a shared tensor)
-            return _same_output(type(m).forward(m, *a, **k), out, B, d, i)
+            a, k = call(_row(x, B, i), pos.narrow(d, i, 1))  # (x: batch-first, or a shared tensor)
+            same = _same_output(type(m).forward(m, *a, **k), out, B, d, i)
+            return same, _same_tables(_tables(m), batch_tables)
 
         apart = []
         try:
             with torch.no_grad():
-                if not (alone(lo) and alone(hi)):
+                (out_lo, tab_lo), (out_hi, _) = alone(lo), alone(hi)
+                # the shortest row alone on other tables whose output still matches (all its positions
+                # 0: cos 1, sin 0 from any table) says nothing of the rows between: run every length
+                if not (out_lo and out_hi and tab_lo):
                     first: Dict[int, int] = {}
                     for i, v in enumerate(longest.tolist()):
                         first.setdefault(int(v), i)
-                    apart = [v + 1 for v, i in sorted(first.items()) if not alone(i)]
-                    apart = apart or [int(longest[lo]) + 1]
+                    apart = [v + 1 for v, i in sorted(first.items()) if not alone(i)[0]]
+                    if not apart and not (out_lo and out_hi):
+                        apart = [int(longest[lo if not out_lo else hi]) + 1]
         finally:
             after.put_back(m)
         if apart:

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import assume, example, given, settings, strategies as st
 
 import pdpsgd
 from pdpsgd.testing import assert_exact, token_batches
@@ -284,9 +284,11 @@ def _positioned_loss(m, b):
 
 @pytest.mark.parametrize("kind", ["longrope", "dynamic"])
 @settings(max_examples=10, deadline=None)
-@given(lens=st.lists(st.integers(2, 24), min_size=2, max_size=4), pad=st.integers(0, 3),
+@given(lens=st.lists(st.integers(0, 24), min_size=2, max_size=4), pad=st.integers(0, 3),
        method=st.sampled_from(["bk", "auto"]))
 @example(lens=[20, 10, 12], pad=0, method="bk")  # (mixes in both kinds)
+@example(lens=[0, 10, 20], pad=0, method="bk")  # (the shortest row's positions all 0: its output matches
+@example(lens=[1, 10, 20], pad=0, method="auto")  # on any table; the middle one's does not)
 @example(lens=[18, 17], pad=2, method="auto")  # (longrope: both long; dynamic: each its own base)
 @example(lens=[5, 9, 16], pad=3, method="bk")  # (both kinds: one table)
 def test_rope_table_chosen_by_the_longest_example_is_refused(kind, lens, pad, method):
@@ -299,11 +301,16 @@ def test_rope_table_chosen_by_the_longest_example_is_refused(kind, lens, pad, me
     m = _dynamic_rope_model(kind)
     rot = m.model.rotary_emb
     table, cached = rot.inv_freq.clone(), getattr(rot, "max_seq_len_cached", None)
+    # (a batch with no example of 2 tokens has no gradient: the order check cannot decide and sends it to
+    # the vmap fallback, which these models cannot run)
+    assume(max(lens) >= 2)
     T = max(lens) + pad
+    top = max(lens)  # (the batch's largest position + 1, up to the clamp of an empty row's to 0)
+    # an example of 0 or 1 tokens (positions all 0: cos 1, sin 0 from any table) is not moved
     if kind == "longrope":  # long table iff longer than original_max_position_embeddings = 16
-        mixes = len({n > 16 for n in lens}) > 1
+        mixes = any(n >= 2 and (n > 16) != (top > 16) for n in lens)
     else:  # the base rescaled from the longest, past max_position_embeddings = 16
-        mixes = max(lens) > 16 and min(lens) < max(lens)
+        mixes = top > 16 and any(2 <= n < top for n in lens)
     step = pdpsgd.make_dp_step(m, _positioned_loss, max_grad_norm=1.0, noise_multiplier=0.0, method=method)
     params = pdpsgd.trainable_params(m)
     # a first batch of this shape that does not mix (equal lengths), then the drawn one
@@ -379,6 +386,15 @@ def test_rope_check_reads_multimodal_positions():
         rot(x3, rows[:1].expand(3, 3, 12))  # (three equal examples)
     with pytest.raises(ValueError, match="largest position"), no_rope_mixing(rot):
         rot(x3, rows[None].expand(3, 3, 12))
+    # an output laid out (B, T, D) under (3, B, T) positions, T == B: read by the output's own batch dim
+    class FlatRotaryEmbedding(ToyRotaryEmbedding):
+        def forward(self, x, position_ids):
+            return (position_ids[..., None].float() * self.inv_freq)[0].cos()  # (B, T, 2)
+
+    flat, p4 = FlatRotaryEmbedding(), torch.arange(4).expand(3, 4, 4).clone()
+    p4[:, 0] = p4[:, 0].clamp(max=1)  # (B = T = 4, lengths differ, the table fixed: no mixing)
+    with no_rope_mixing(flat):
+        flat(torch.zeros(4, 4, 8), p4)
     # a module with no rope_type (transformers < 4.45, remote code) is checked by what it returns
     del ToyRotaryEmbedding.rope_type
     with pytest.raises(ValueError, match="largest position"), no_rope_mixing(rot):
@@ -410,3 +426,8 @@ def test_rope_tables_switched_by_the_padded_length_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step.clipped_sum(params, batch(8))  # (said once)
+        # one example a pass (chunk_size=1): each example's positions are its own, nothing to say
+        one = pdpsgd.make_dp_step(m, _positioned_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk",
+                                  chunk_size=1)
+        for lens in ([10, 20], [20, 10, 5]):
+            one.clipped_sum(params, _padded(lens, 20))
