@@ -52,7 +52,6 @@ import dataclasses
 import functools
 import math
 import types
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -80,6 +79,7 @@ _gradient_edge = _edge_fn()
 
 from ._compat import mha_fastpath_off
 from ._types import Batch, EngineResult, Params, WeightsFn
+from ._warn import warn
 from .batch_order import ReorderWatch
 from .clipping import sum_sq_norms
 from .functional import LossModule, model_constants, preserve_module_state
@@ -2690,10 +2690,10 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
     if f32 is not None:
         if loose32:
             why = "still computed them in bf16 / fp16 (a dtype fixed inside the forward)"
-            warnings.warn(_LOW_PRECISION_CHECK.format(n=len(loose32), first=loose32[0], why=why), stacklevel=3)
+            warn(_LOW_PRECISION_CHECK.format(n=len(loose32), first=loose32[0], why=why))
         return (*_both_passed(f32, run), True)
     if loose:
-        warnings.warn(_LOW_PRECISION_CHECK.format(n=len(loose), first=loose[0], why=why), stacklevel=3)
+        warn(_LOW_PRECISION_CHECK.format(n=len(loose), first=loose[0], why=why))
     return (*run, low or bool(loose))
 
 

@@ -9,7 +9,6 @@ weight is *one* parameter whose per-example gradient is summed over every use.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Dict, Iterable, Iterator, Mapping, Optional, Set, Tuple
 
 import torch
@@ -18,6 +17,7 @@ from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
 from ._types import Batch, LossFn, Params
+from ._warn import warn
 
 __all__ = ["trainable_params", "ParamIndex", "LossModule", "check_no_batch_mixing", "preserve_module_state",
            "model_constants", "no_writes_to", "no_rope_mixing"]
@@ -522,7 +522,7 @@ def no_rope_mixing(model: nn.Module, *, seen: Optional[dict] = None) -> Iterator
         before = seen.setdefault(names[id(m)], now)
         if not _same_tables(before, now):
             seen[names[id(m)]] = _ROPE_WARNED
-            warnings.warn(ROPE_LENGTH_WARNING.format(name=names[id(m)] or "<root>", cls=type(m).__name__), stacklevel=2)
+            warn(ROPE_LENGTH_WARNING.format(name=names[id(m)] or "<root>", cls=type(m).__name__))
 
     def post(m, args, kwargs, out):
         x, pos, call = split(args, kwargs)

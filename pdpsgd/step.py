@@ -9,7 +9,6 @@ import contextlib
 import math
 import numbers
 import threading
-import warnings
 from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import torch
@@ -17,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from ._types import Batch, LossFn, StepOutput
+from ._warn import warn
 from .clipping import Clipping, make_groups, make_weights_fn, sum_sq_norms
 from .functional import (LossModule, ParamIndex, check_no_batch_mixing, model_constants, no_rope_mixing, no_writes_to,
                          trainable_params)
@@ -223,11 +223,11 @@ class DPStep:
             native_rng.available()  # build (or find) the kernel now, not inside the first step's timing
         check_no_batch_mixing(model)
         if _is_compiled(model):
-            warnings.warn(
+            warn(
                 "the model is torch.compile'd: the DP step runs its forward and backward eagerly (the engine "
                 "captures each layer's input and output gradient, which compiled code would not expose), so "
                 "compiling the model speeds up only what runs outside the step. Pass the uncompiled model to "
-                "silence this; the step's noise can be compiled with fused=True.", stacklevel=3)
+                "silence this; the step's noise can be compiled with fused=True.")
         self.model = model
         self.loss_fn = loss_fn
         self.max_grad_norm = float(max_grad_norm)
@@ -418,10 +418,10 @@ class DPStep:
         first = self._first_divisor
         if size != first and not self._divisor_warned:
             self._divisor_warned = True
-            warnings.warn(f"expected_batch_size is not set and the batch size changed between steps ({first} -> {size}): "
+            warn(f"expected_batch_size is not set and the batch size changed between steps ({first} -> {size}): "
                           "the step divides by each batch's own size, which its output then reveals; under Poisson "
                           "sampling that size is private and the accountant's ε does not cover it. Pass "
-                          "expected_batch_size=q·N to make_dp_step (fixed-size batches: their size)", stacklevel=4)
+                          "expected_batch_size=q·N to make_dp_step (fixed-size batches: their size)")
 
     def finalize(self, partial: ClippedSum, *, params: Optional[Mapping[str, Tensor]] = None) -> StepOutput:
         """Add the noise once and scale: turns an (accumulated) ``ClippedSum`` into a step output

@@ -481,4 +481,4 @@ def test_target_met_at_smallest_sigma_warns():
         warnings.simplefilter("always")
         s = calibrate_noise(target_epsilon=1000.0, delta=1e-5, sample_rate=0.01, steps=10, sigma_range=(0.5, 10))
     assert s == 0.5
-    assert any("smallest" in str(w.message) for w in rec)
+    assert [w.filename for w in rec if "smallest" in str(w.message)] == [__file__]

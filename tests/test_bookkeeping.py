@@ -3390,8 +3390,9 @@ def test_order_check_warns_when_its_float32_run_fails():
     as it runs, at bf16's rounding, with a warning that names the failure and the fix, instead of
     every parameter taking the exact fallback in every step; each contribution ≤ C."""
     torch.manual_seed(0)
-    with pytest.warns(UserWarning, match=r"example-order check compared .* float32 run .* failed \(RuntimeError"):
+    with pytest.warns(UserWarning, match=r"example-order check compared .* float32 run .* failed \(RuntimeError") as rec:
         routes, ratio = _bk_under_bf16_autocast(_FixedBf16(), 8, 0.05, seed=1, rtol=1e-6)
+    assert {w.filename for w in rec if "example-order" in str(w.message)} == {__file__}
     assert "vmap" not in routes.values(), routes
     assert ratio <= 1 + 1e-6
 

@@ -421,8 +421,10 @@ def test_rope_tables_switched_by_the_padded_length_warn():
         warnings.simplefilter("error")
         for T in (8, 12, 16):  # (at most original_max_position_embeddings = 16: one table)
             step.clipped_sum(params, batch(T))
-    with pytest.warns(UserWarning, match="padded length T"):
+    with pytest.warns(UserWarning, match="padded length T") as rec:
         step.clipped_sum(params, batch(20))
+    # (raised in a forward hook, attributed to the line that called the step)
+    assert [w.filename for w in rec if "padded length T" in str(w.message)] == [__file__]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step.clipped_sum(params, batch(8))  # (said once)

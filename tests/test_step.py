@@ -137,8 +137,9 @@ def test_a_divisor_that_follows_a_changing_batch_size_warns(method, recwarn):
     for B in (5, 5, 5):
         step(params, batch(B))
     assert not [w for w in recwarn if "expected_batch_size" in str(w.message)]
-    with pytest.warns(UserWarning, match=r"batch size changed between steps \(5 -> 6\)"):
+    with pytest.warns(UserWarning, match=r"batch size changed between steps \(5 -> 6\)") as rec:
         step(params, batch(6))
+    assert {w.filename for w in rec} == {__file__}  # (the caller's line, not one inside pdpsgd)
     fixed = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=5,
                                 method=method)
     for B in (5, 6, 4):

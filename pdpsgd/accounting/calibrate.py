@@ -9,11 +9,11 @@
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Dict, NamedTuple, Optional, Tuple, Type, Union
 
 import numpy as np
 
+from .._warn import warn
 from ._common import (
     EpsilonBounds,
     HistoryAccountant,
@@ -168,12 +168,11 @@ def calibrate_noise(
         elif hi is None or u < hi[0]:
             hi = (u, gu)
         if hi is not None and hi[0] <= u_min:
-            warnings.warn(
+            warn(
                 f"target_epsilon={target:g} is met already at the smallest σ of the search range "
                 f"(sigma_range={s_min:g}..{s_max:g}); returning σ={s_min:g}. Lower sigma_range[0] "
                 "to search further.",
                 RuntimeWarning,
-                stacklevel=2,
             )
             return float(s_min)
         if lo is not None and lo[0] >= u_max:

@@ -40,7 +40,6 @@ connect-the-dots for ``upper``/``estimate``, optimistic privacy buckets for
 from __future__ import annotations
 
 import math
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
@@ -49,6 +48,7 @@ import numpy as np
 from scipy import fft as sfft
 from scipy import special
 
+from .._warn import warn
 from ._common import (
     DeltaBounds,
     EpsilonBounds,
@@ -586,10 +586,9 @@ class PRVAccountant(HistoryAccountant):
         self.last_fallback_reason = reason
         if reason not in self._warned:
             self._warned.add(reason)
-            warnings.warn(
+            warn(
                 f"PRV accounting unreliable here ({reason}); using dp-accounting's PLD accountant instead.",
                 RuntimeWarning,
-                stacklevel=3,
             )
 
     # -- public queries ----------------------------------------------------------
