@@ -2017,8 +2017,10 @@ def _amp_off(fn):
 
 @_amp_off
 def _zero_use(u: Use, p: Tensor) -> bool:
-    """Whether this use's per-example gradients are all exactly 0 (by their squared norms)."""
-    return not bool((_inner(u, u, p.shape, _acc(p.dtype)) != 0).any())
+    """Whether this use's per-example gradients are all exactly 0 (by their squared norms), but for
+    non-finite ones: an example with a non-finite norm is dropped from the step, so contributes 0."""
+    sq = _inner(u, u, p.shape, _acc(p.dtype))
+    return not bool(((sq != 0) & sq.isfinite()).any())
 
 
 def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[str], Set[str], bool]], batch,

@@ -3562,3 +3562,41 @@ def test_order_check_float32_run_of_a_checkpointed_model_under_autocast():
     assert "vmap" not in routes.values() and ratio <= 1 + 1e-6
     with pytest.raises(RuntimeError, match="norms changed when the batch was permuted"):
         _bk_under_bf16_autocast(_CheckpointedMix(0.05), 16, 0.01)
+
+
+class _NoVmap(nn.Module):
+    """An MLP whose forward ``torch.func.vmap`` cannot run (``.item()`` on the batch), so a step that
+    sends a parameter to the exact fallback fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        if bool(x.isinf().any()):  # (a data-dependent branch that changes nothing)
+            x = x.clone()
+        return self.b(torch.tanh(self.a(x)))
+
+
+@settings(max_examples=8, deadline=None)
+@given(B=st.integers(2, 6), bad=st.data(), method=st.sampled_from(["bk", "auto"]))
+def test_batch_whose_only_gradient_is_a_dropped_examples_stays_on_the_rules(B, bad, method):
+    """A batch in which every example's loss is weighted 0 but one example's is non-finite (a NaN
+    input: the step drops and counts it): the order check's run sees no gradient, and the step's
+    only non-zero per-example gradient is the dropped example's NaN. Its contributions are 0
+    wherever they go, so the parameters stay on their rules (they took the exact fallback, which
+    a model vmap cannot run then failed on); the clipped sum is 0 and the example is counted."""
+    i = bad.draw(st.integers(0, B - 1))
+    torch.manual_seed(B)
+    m = _NoVmap().double()
+    params = trainable_params(m)
+    loss = lambda mm, b: (mm(b["x"]) ** 2).sum(-1) * b["w"]  # noqa: E731
+    x = torch.randn(B, 3, dtype=torch.float64)
+    x[i, 0] = float("nan")
+    b = {"x": x, "w": torch.zeros(B, dtype=torch.float64)}
+    step = make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method=method)
+    assert step.fallback_reasons(b) == {}
+    out = step(params, b)
+    assert int(out.num_nonfinite) == 1
+    assert all(bool((g == 0).all()) for g in out.grads.values())
+    assert set(out.routes.values()) <= {"ghost", "explicit"}, out.routes
