@@ -494,8 +494,9 @@ def no_rope_mixing(model: nn.Module, *, seen: Optional[dict] = None) -> Iterator
     broadcast ``(1, T)``, the default of Hugging Face models) are not checked: they are a function
     of the padded length T, which is public only when every batch is padded to one fixed length.
     ``seen`` (a dict the caller keeps from step to step): the tables each module took with
-    positions broadcast over a batch of several examples; where a later step's differ (T varied
-    across a threshold), a ``UserWarning`` says so, once."""
+    positions broadcast over a batch of several examples; where a later step's differ with another
+    largest position (T varied across a threshold), a ``UserWarning`` says so, once (differing at the
+    same largest position, the model changed them itself: recorded anew)."""
     mods = [(n, m) for n, m in model.named_modules() if _watched_rope(m)]
     if not mods:
         yield
@@ -518,9 +519,14 @@ def no_rope_mixing(model: nn.Module, *, seen: Optional[dict] = None) -> Iterator
         if seen is None or seen.get(names[id(m)]) == _ROPE_WARNED or not isinstance(pos, Tensor) \
                 or torch._C._functorch.is_functorch_wrapped_tensor(pos):
             return
-        now = _tables(m)
+        # (tables that changed while the largest position did not were changed by the model itself: a
+        # bf16 round trip of the model rounds inv_freq; recorded anew, not warned of)
+        now = (int(pos.max()) + 1 if pos.numel() else 0, _tables(m))
         before = seen.setdefault(names[id(m)], now)
-        if not _same_tables(before, now):
+        if not _same_tables(before[1], now[1]):
+            if before[0] == now[0]:
+                seen[names[id(m)]] = now
+                return
             seen[names[id(m)]] = _ROPE_WARNED
             warn(ROPE_LENGTH_WARNING.format(name=names[id(m)] or "<root>", cls=type(m).__name__))
 

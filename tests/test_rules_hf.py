@@ -326,6 +326,29 @@ def test_rope_table_chosen_by_the_longest_example_is_refused(kind, lens, pad, me
     assert getattr(rot, "max_seq_len_cached", None) == cached
 
 
+def test_rope_tables_changed_by_the_model_itself_do_not_warn():
+    """A bf16 round trip of the model between steps rounds its rotary ``inv_freq``: other tables at
+    the same padded length are the model's own change, not the padded length's, so no warning; a
+    later step whose padded length moves the table still warns."""
+    m = _dynamic_rope_model("longrope")
+    step = pdpsgd.make_dp_step(m, causal_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+
+    def batch(T):
+        ids = torch.randint(1, V, (2, T), generator=torch.Generator().manual_seed(T))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    table = m.model.rotary_emb.inv_freq.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step.clipped_sum(pdpsgd.trainable_params(m), batch(12))
+        m.to(torch.bfloat16).to(torch.float32)
+        assert not torch.equal(m.model.rotary_emb.inv_freq, table)  # (rounded)
+        step.clipped_sum(pdpsgd.trainable_params(m), batch(12))
+        step.clipped_sum(pdpsgd.trainable_params(m), batch(8))
+    with pytest.warns(UserWarning, match="padded length T"):
+        step.clipped_sum(pdpsgd.trainable_params(m), batch(20))
+
+
 def test_dynamic_rope_cache_does_not_carry_between_steps():
     """LLaMA's dynamic NTK keeps the table it grew for the longest batch so far, so a later batch's
     table would depend on earlier batches: each step runs from the state the model had, and the
