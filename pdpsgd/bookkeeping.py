@@ -53,7 +53,7 @@ import functools
 import math
 import types
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -83,7 +83,7 @@ from ._warn import warn
 from .batch_order import ReorderWatch
 from .clipping import sum_sq_norms
 from .functional import LossModule, model_constants, preserve_module_state
-from .per_sample import (_LOW, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks,
+from .per_sample import (_LOW, DETACHED_LOSS, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks,
                          per_sample_grads, slice_batch, sq_norm_per_example, stray_parameter_error, trainable_parameters, weighted_dot, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
 from .rules.base import Dense, Explicit, Index, Rule, Use, module_attr
@@ -1192,6 +1192,7 @@ class _Collected:
     # the fallback reason otherwise (with the step's squared norms, (B,)); and the parameters that passed the check
     pending: Dict[str, Tuple[str, Tensor]] = field(default_factory=dict)
     passed: Set[str] = field(default_factory=set)
+    reached: bool = True  # (whether the losses required grad: some ruled parameter reached them)
 
 
 def _model_layout(model: nn.Module, params: Params, registry: RuleRegistry, overrides: Mapping[str, str]):
@@ -1572,7 +1573,7 @@ def _probe_custom_forward(rule: Rule, module: nn.Module, *args, **kwargs):
 def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
              registry: RuleRegistry, overrides: Mapping[str, str], probe_memo: Optional[Dict] = None,
              check_broadcast: bool = True, loss_weights: Optional[Tensor] = None,
-             no_expand: Optional[Mapping[str, str]] = None, check_order: bool = True) -> _Collected:
+             no_expand: Optional[Mapping[str, str]] = None, check_order: Union[bool, str] = True) -> _Collected:
     """Forward with the ruled layers' forwards wrapped, backward to the captured outputs; uses per ruled parameter.
 
     With the registry's capture adapters installed (``rules.base.CaptureAdapter``) while some module takes one.
@@ -1617,7 +1618,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
 def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
                   registry: RuleRegistry, overrides: Mapping[str, str], probe_memo: Optional[Dict] = None,
                   check_broadcast: bool = True, loss_weights: Optional[Tensor] = None,
-                  no_expand: Optional[Mapping[str, str]] = None, check_order: bool = True) -> _Collected:
+                  no_expand: Optional[Mapping[str, str]] = None, check_order: Union[bool, str] = True) -> _Collected:
     """``_collect``'s one attempt (with the adapters as ``_ADAPTERS_OFF`` says)."""
     model = loss_module.model
     B = batch_size(batch)
@@ -1642,6 +1643,9 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     # (its verdicts are keyed by the expansions its runs took: verdicts found through an expansion that a
     # later step's duplicated-example check drops are not reused once it is dropped)
     okey = _order_key(loss_module, batch, params, no_expand)
+    if check_order == "always" and probe_memo is not None:  # (this batch's verdicts, not the shape's)
+        for k in (okey, ("float32", okey)):
+            probe_memo.pop(k, None)
     order = (_order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo, no_expand, okey)
              if check_order and B > 1 else None)
     for m, (mn, _, local) in ruled.items():
@@ -1851,6 +1855,8 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                 for c2 in ruled[c.module][2].values():
                     fallback.setdefault(c2, f"{type(c.module).__name__} ({c.mname}): input/output modified in place")
         _release_outputs(calls)
+        if not losses.requires_grad and leaf_names and len(leaf_names) == len(params):
+            raise ValueError(DETACHED_LOSS)  # (every trained parameter a leaf here, none reached)
         early = _eager_calls(calls, [leaves[n] for n in leaf_names]) if losses.requires_grad else {}
         call_targets = [[] if i in early else c.targets for i, c in enumerate(calls)]
         targets = [t for ts in call_targets for t in ts] + [leaves[n] for n in leaf_names]
@@ -2000,7 +2006,9 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                            check_broadcast=False, loss_weights=loss_weights, no_expand={**no_expand, **bad},
                            check_order=False)
             return _apply_order(col, order, batch, probe_memo, params, okey)
-    return _apply_order(_Collected(losses.detach(), uses, fallback, owner), order, batch, probe_memo, params, okey)
+    col = _Collected(losses.detach(), uses, fallback, owner)
+    col.reached = losses.requires_grad
+    return _apply_order(col, order, batch, probe_memo, params, okey)
 
 
 def _amp_off(fn):
@@ -2957,10 +2965,22 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
     return relift
 
 
+def _check_order(opts: Mapping[str, Any]) -> Union[bool, str]:
+    """``bk_options["check_order"]``: True (default; the example-order check's verdicts are kept per
+    batch shape), "always" (checked again on every batch: a forward that mixes examples only for some
+    batches' values, a batch-wide ``if`` on the data, is seen on the batches where it does), or False."""
+    v = opts.get("check_order", True)
+    if v is True or v is False or v == "always":
+        return v
+    raise ValueError(f"bk_options['check_order'] = {v!r}: use True (checked once per batch shape), 'always' (every "
+                     "batch) or False (not checked)")
+
+
 def _options(method: str, opts: Mapping[str, Any]):
     unknown = set(opts) - set(BK_OPTIONS)
     if unknown:
         raise ValueError(f"unknown bk_options {sorted(unknown)}; known: {list(BK_OPTIONS)}")
+    _check_order(opts)
     registry = opts.get("registry") or DEFAULT_REGISTRY
     if not isinstance(registry, RuleRegistry):
         raise TypeError("bk_options['registry'] must be a pdpsgd.rules.RuleRegistry")
@@ -3082,7 +3102,7 @@ def plan(model: nn.Module, loss_fn, params: Mapping[str, Tensor], batch: Batch, 
     params = {n: p.detach() for n, p in params.items()}
     constants = model_constants(model, params)
     col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides, probe_memo,
-                   check_order=bool(bk_options.get("check_order", True)))
+                   check_order=_check_order(bk_options))
     _settle_pending(col, params, batch_size(batch), clip_groups)
     dev = next(iter(params.values())).device
     return _plan(col, params, batch_size(batch), cm, overrides, bk_options, dev)[0]
@@ -3098,7 +3118,7 @@ def fallback_reasons(model: nn.Module, loss_fn, params: Mapping[str, Tensor], ba
     params = {n: p.detach() for n, p in params.items()}
     constants = model_constants(model, params)
     col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides, probe_memo,
-                   check_order=bool(bk_options.get("check_order", True)))
+                   check_order=_check_order(bk_options))
     _settle_pending(col, params, batch_size(batch), clip_groups)
     return {n: col.fallback[n] for n in params if n in col.fallback}
 
@@ -3162,7 +3182,7 @@ def _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registr
     device = _device_of(params, mask)  # the parameters' device decides what may sync
     with amp(state, True):  # (the model's forward and backward: the caller's mixed precision)
         col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
-                       check_order=bool(opts.get("check_order", True)))
+                       check_order=_check_order(opts))
     _settle_pending(col, params, B, getattr(weights_fn, "clip_groups", None))
     # routes; compact: id(use) -> its non-zero rows, where they are few (CPU: host reads)
     routes, compact = _plan(col, params, B, cm, overrides, opts, device)
@@ -3246,7 +3266,9 @@ def _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registr
         others = {n: v.detach() for n, v in params.items() if n not in fb}
         try:
             with amp(state, True):
-                _, fb_grads = per_sample_grads(loss_module, {n: params[n] for n in fb}, {**constants, **others}, batch)
+                # (no ruled parameter reached the losses: the fallback's must, or none does)
+                _, fb_grads = per_sample_grads(loss_module, {n: params[n] for n in fb}, {**constants, **others}, batch,
+                                               require_grad=not col.reached)
         except RuntimeError as err:
             if isinstance(err, _OOM):
                 raise

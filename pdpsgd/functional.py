@@ -19,7 +19,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from ._types import Batch, LossFn, Params
 from ._warn import warn
 
-__all__ = ["trainable_params", "ParamIndex", "LossModule", "check_no_batch_mixing", "preserve_module_state",
+__all__ = ["trainable_params", "ParamIndex", "LossModule", "check_no_batch_mixing", "model_structure", "preserve_module_state",
            "model_constants", "no_writes_to", "no_rope_mixing"]
 
 
@@ -77,6 +77,22 @@ class ParamIndex:
             out[canon] = value
         return out
 
+
+
+def model_structure(model: nn.Module) -> Tuple[tuple, list]:
+    """What a step's memos (batch-dimension probe, example-order verdicts, the parameter index) were
+    found for: every module under its name(s), its type, a ``forward`` set on the instance, its
+    forward hooks, and its parameter objects. Returns (key, objects): the key compares by identity;
+    ``objects`` are the modules and parameters it names, to be kept alive beside it (so an id is not
+    reused by a new object while the key is held)."""
+    key, objs = [], []
+    for name, m in model.named_modules(remove_duplicate=False):
+        fwd = m.__dict__.get("forward")
+        ps = tuple(m._parameters.items())
+        key.append((name, id(m), type(m), id(fwd), tuple(m._forward_pre_hooks), tuple(m._forward_hooks),
+                    tuple((k, id(p)) for k, p in ps)))
+        objs.append((m, fwd, ps))
+    return tuple(key), objs
 
 
 def model_constants(model: nn.Module, trainable: Iterable[str]) -> Dict[str, Tensor]:

@@ -264,6 +264,7 @@ def per_sample_grads(
     batch: Batch,
     *,
     stray: Sequence[Tuple[str, Tensor]] = (),
+    require_grad: bool = False,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """Per-example losses (b,) and gradients name -> (b, *shape) for one chunk (vmap, exact).
 
@@ -272,6 +273,8 @@ def per_sample_grads(
     attribute (a reference kept in a list or a closure) would get no gradient term: such a loss is
     refused with an error that names the parameter (the per-example losses are taken as values of
     the outer autograd level, which records a path to a stray Parameter and nothing else).
+    ``require_grad``: ``params`` are all the step trains, so a loss that depends on none of them is
+    refused (``DETACHED_LOSS``) rather than given gradients of 0.
     """
 
     def loss_one(p: Params, example: Batch) -> Tuple[Tensor, Tensor]:
@@ -286,6 +289,8 @@ def per_sample_grads(
                 "'mean' or 'sum' over the batch."
             )
         loss = loss[0]
+        if require_grad and not loss.requires_grad:  # (torch.func.grad would return zeros)
+            raise ValueError(DETACHED_LOSS)
         return loss, loss
 
     fn = vmap(grad(loss_one, has_aux=True), in_dims=(None, _in_dims(batch)), randomness="different")
@@ -309,6 +314,13 @@ def per_sample_grads(
         if used:
             raise stray_parameter_error(used)
     return losses.detach(), grads
+
+
+DETACHED_LOSS = ("loss_fn's per-example losses do not depend on the trained parameters (they do not require grad: "
+                 "a .detach(), a torch.no_grad() block, .item() / NumPy, or a loss built from the outputs' values "
+                 "anew), so every gradient would be 0 and training would add noise alone. Return the losses as "
+                 "computed from the model's output (F.cross_entropy(..., reduction='none')), and pass the parameters "
+                 "the loss uses (pdpsgd.trainable_params(model)).")
 
 
 def stray_parameter_error(used: Sequence[str]) -> ValueError:
@@ -452,7 +464,7 @@ def vmap_engine(
                 sq_all[n].append(z)
                 w_all[n].append(z)
             continue
-        losses, grads = per_sample_grads(loss_module, params, constants, sub, stray=stray)
+        losses, grads = per_sample_grads(loss_module, params, constants, sub, stray=stray, require_grad=True)
         with amp(state, False):  # (the norms and sums in float32 at least, whatever the caller's autocast)
             sq = {n: sq_norm_per_example(g) for n, g in grads.items()}
             w = weights_fn(sq, losses, m)

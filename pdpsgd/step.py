@@ -15,11 +15,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from ._types import Batch, LossFn, StepOutput
+from ._types import Batch, LossFn, Params, StepOutput
 from ._warn import warn
 from .clipping import Clipping, make_groups, make_weights_fn, sum_sq_norms
-from .functional import (LossModule, ParamIndex, check_no_batch_mixing, model_constants, no_rope_mixing, no_writes_to,
-                         trainable_params)
+from .functional import (LossModule, ParamIndex, check_no_batch_mixing, model_constants, model_structure, no_rope_mixing,
+                         no_writes_to, trainable_params)
 from .fused import RNGS, noise_and_scale, resolve_rng
 from .noise import entropy_generator
 from .per_sample import acc_dtype, batch_chunks, batch_size, vmap_engine
@@ -251,6 +251,7 @@ class DPStep:
         self.fused = fused
         self.noise_rng = noise_rng
         self._index = ParamIndex(model)
+        self._structure = model_structure(model)
         self._loss_module = LossModule(model, loss_fn)
         if clip_fn not in ("abadi", "automatic"):
             raise ValueError(f"clip_fn={clip_fn!r} is unknown: use 'abadi' or 'automatic'")
@@ -297,7 +298,7 @@ class DPStep:
         ``pdpsgd.bookkeeping.plan``), with what this step's checks have found so far (a verdict
         memoised by an earlier step; the step's memo is read, not written). With ``chunk_size``,
         per chunk as the step runs them: a parameter whose chunks differ is "mixed"."""
-        params = self._index.resolve(params if params is not None else trainable_params(self.model))
+        params = self._resolve(params if params is not None else trainable_params(self.model))
         if self.method == "vmap":
             return {n: "vmap" for n in params}
         from .bookkeeping import plan as bk_plan
@@ -312,6 +313,20 @@ class DPStep:
                 for n, v in r.items():
                     routes[n] = v if routes.get(n, v) == v else "mixed"
         return routes
+
+    def _resolve(self, params: Mapping[str, Tensor]):
+        """``params`` keyed by canonical names, checked against the model as it is now. A model whose
+        modules changed since the step was built or last ran (a module added, replaced or given a
+        hook; a weight tied or swapped for a new Parameter) gets a fresh parameter index, and the
+        memos found for the old one (batch-dimension probe, example-order verdicts, rotary tables)
+        are dropped, so its next batch is checked as a first one is."""
+        now = model_structure(self.model)
+        if now[0] != self._structure[0]:
+            self._index = ParamIndex(self.model)
+            self._probe_memo.clear()
+            self._rope_seen.clear()
+            self._structure = now
+        return self._index.resolve(params)
 
     def _guarded(self, params: Mapping[str, Tensor]):
         """What a step checks around running the forward on a batch (``plan`` and
@@ -329,7 +344,7 @@ class DPStep:
         """{parameter name: why it takes the exact vmap fallback} for the parameters whose route in
         ``plan(batch)`` is "vmap" or, with ``chunk_size``, "mixed" (then the reason of the first
         chunk that takes it, marked so) (method="vmap": all of them)."""
-        params = self._index.resolve(params if params is not None else trainable_params(self.model))
+        params = self._resolve(params if params is not None else trainable_params(self.model))
         if self.method == "vmap":
             return {n: "method='vmap'" for n in params}
         from .bookkeeping import fallback_reasons
@@ -355,7 +370,9 @@ class DPStep:
     # -- the step ---------------------------------------------------------------------------
     def clipped_sum(self, params: Mapping[str, Tensor], batch: Batch, mask: Optional[Tensor] = None) -> ClippedSum:
         """The noise-free clipped sum of one physical batch (for logical-batch accumulation)."""
-        params = self._index.resolve(params)
+        return self._clipped(self._resolve(params), batch, mask)
+
+    def _clipped(self, params: Params, batch: Batch, mask: Optional[Tensor]) -> ClippedSum:
         B = batch_size(batch)
         device = next(iter(params.values())).device
         if mask is None:
@@ -460,8 +477,8 @@ class DPStep:
 
     def __call__(self, params: Mapping[str, Tensor], batch: Batch, mask: Optional[Tensor] = None) -> StepOutput:
         """One DP-SGD step's gradients for ``params`` on ``batch`` (see the class docstring)."""
-        resolved = self._index.resolve(params)
-        out = self._finalize(self.clipped_sum(resolved, batch, mask), resolved, consume=True)  # its own sums
+        resolved = self._resolve(params)
+        out = self._finalize(self._clipped(resolved, batch, mask), resolved, consume=True)  # its own sums
         # Return grads under the names the user passed (aliases of tied weights included).
         if set(params) != set(out.grads):
             back = {self._index.canonical[k]: k for k in params}

@@ -3600,3 +3600,95 @@ def test_batch_whose_only_gradient_is_a_dropped_examples_stays_on_the_rules(B, b
     assert int(out.num_nonfinite) == 1
     assert all(bool((g == 0).all()) for g in out.grads.values())
     assert set(out.routes.values()) <= {"ghost", "explicit"}, out.routes
+
+
+class _OutlierGuard(nn.Module):
+    """Rescales every example by a batch statistic only when the batch holds an outlier (a batch-wide
+    guard on the data): the example-order check of a batch without one passes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.o = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        scaled = h / h.abs().amax(0, keepdim=True).detach().clamp_min(1e-3) * 10
+        return self.o(torch.where((x.abs() > 50).any(), scaled, h))
+
+
+def _max_removal_move(step, params, b):
+    """The largest move of the clipped sum when one example is removed from the batch (its row dropped)."""
+    full = step.clipped_sum(params, b).sums
+    B = b["x"].shape[0]
+    out = 0.0
+    for i in range(B):
+        keep = [j for j in range(B) if j != i]
+        part = step.clipped_sum(params, {k: v[keep] for k, v in b.items()}).sums
+        out = max(out, math.sqrt(sum(float((full[n] - part[n]).pow(2).sum()) for n in full)))
+    return out
+
+
+@settings(max_examples=6, deadline=None)
+@given(B=st.integers(3, 6), seed=st.integers(0, 50), data=st.data())
+def test_check_order_always_sees_mixing_that_only_some_batches_trigger(B, seed, data):
+    """A forward that mixes examples only for some batches' values passes the check on a batch that
+    does not trigger it, and the verdict is kept for the batch shape (review of round 31: removing
+    the outlier moved the sum by 1.12 C). ``check_order="always"`` checks every batch: the
+    triggering one's parameters take the exact fallback, and removing any example moves the sum by
+    at most C. Unknown values are refused."""
+    torch.manual_seed(seed)
+    m = _OutlierGuard().double()
+    params = trainable_params(m)
+    loss = lambda mm, b: F.cross_entropy(mm(b["x"]), b["y"], reduction="none")  # noqa: E731
+    step = make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk", expected_batch_size=1.0,
+                        bk_options={"check_order": "always"})
+    benign = {"x": torch.randn(B, 4, dtype=torch.float64), "y": torch.randint(0, 2, (B,))}
+    assert set(step.clipped_sum(params, benign).routes.values()) <= {"ghost", "explicit"}
+    x = torch.randn(B, 4, dtype=torch.float64) * 0.01
+    x[data.draw(st.integers(0, B - 1))] = 100.0
+    trig = {"x": x, "y": torch.randint(0, 2, (B,))}
+    assert set(step.clipped_sum(params, trig).routes.values()) == {"vmap"}
+    assert _max_removal_move(step, params, trig) <= 1.0 + 1e-9
+    with pytest.raises(ValueError, match="check_order.*'always'"):
+        make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk",
+                     bk_options={"check_order": "each"}).clipped_sum(params, benign)
+
+
+class _Mix(nn.Module):
+    def forward(self, h):
+        return h + 0.5 * h.mean(0, keepdim=True)
+
+
+class _ThreeStage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.mid, self.o = nn.Linear(4, 4), nn.Identity(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.o(self.mid(self.a(x)))
+
+
+def test_a_model_changed_after_the_step_was_built_is_checked_again():
+    """The step's memos (parameter index, batch-dimension probe, example-order verdicts) describe the
+    model's modules when they were found. A layer swapped for one that mixes examples (same shapes)
+    after a step is checked as a new model: its parameters take the exact fallback, and removing an
+    example moves the sum by at most C (the kept verdicts left it on the rules: 1.036 C). A module added,
+    or replaced by one of another shape, is a parameter of the model as it is now (it was "does not
+    belong to the model" / "the model's has (2, 4)")."""
+    torch.manual_seed(0)
+    m = _ThreeStage().double()
+    loss = lambda mm, b: F.cross_entropy(mm(b["x"]), b["y"], reduction="none")  # noqa: E731
+    b = {"x": torch.randn(5, 4, dtype=torch.float64), "y": torch.randint(0, 2, (5,))}
+    step = make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk", expected_batch_size=1.0)
+    params = trainable_params(m)
+    assert set(step.clipped_sum(params, b).routes.values()) <= {"ghost", "explicit"}
+    m.mid = _Mix()
+    assert step.clipped_sum(params, b).routes["a.weight"] == "vmap"
+    assert _max_removal_move(step, params, b) <= 1.0 + 1e-9
+    m.extra = nn.Linear(4, 4).double()  # (not used by the forward)
+    out = step(trainable_params(m), b)
+    assert set(out.grads) == set(trainable_params(m))
+    m.o = nn.Linear(4, 3).double()
+    b3 = {**b, "y": torch.randint(0, 3, (5,))}
+    part = step.clipped_sum(trainable_params(m), b3)
+    assert part.sums["o.weight"].shape == (3, 4)

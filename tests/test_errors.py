@@ -59,6 +59,39 @@ def test_scalar_loss_is_refused():
         step(pdpsgd.trainable_params(m), batch())
 
 
+class _Unruled(nn.Linear):
+    """A Linear whose forward is its own (no rule: the exact fallback under book-keeping)."""
+
+    def forward(self, x):
+        return super().forward(x) * 1.0
+
+
+@pytest.mark.parametrize("method", ["vmap", "bk", "auto"])
+@pytest.mark.parametrize("how", ["detach", "no_grad"])
+@pytest.mark.parametrize("first", ["ruled", "unruled"])
+def test_loss_that_does_not_reach_the_parameters_is_refused(method, how, first):
+    """A loss that depends on none of the trained parameters would give gradients of 0 (noise alone,
+    silently; review of round 31): refused, naming the cause, under every method, whether the layers
+    are on rules or on the exact fallback. A loss that reaches only some of them is fine."""
+    m = nn.Sequential(nn.Linear(5, 4) if first == "ruled" else _Unruled(5, 4), nn.Tanh(), nn.Linear(4, 3))
+
+    def loss(model, b):
+        if how == "no_grad":
+            with torch.no_grad():
+                return mlp_loss(model, b)
+        out = mlp_loss(model, b)
+        return out.detach()
+
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)
+    with pytest.raises(ValueError, match="do not depend on the trained parameters.*require grad"):
+        step(pdpsgd.trainable_params(m), batch())
+    head = {n: p for n, p in pdpsgd.trainable_params(m).items() if n.startswith("2.")}
+    frozen_first = lambda model, b: F.cross_entropy(model[2](model[1](model[0](b["x"]).detach())), b["y"],  # noqa: E731
+                                                    reduction="none")
+    out = pdpsgd.make_dp_step(m, frozen_first, max_grad_norm=1.0, noise_multiplier=0.0, method=method)(head, batch())
+    assert all(bool(g.abs().sum() > 0) for g in out.grads.values())
+
+
 def test_wrong_loss_shape_is_refused():
     m = mlp()
     step = pdpsgd.make_dp_step(m, lambda mod, b: mod(b["x"]).reshape(-1), max_grad_norm=1.0, noise_multiplier=1.0)
