@@ -47,3 +47,8 @@ def test_phases_and_noise_bench_run():
     assert "ghost norms" in out
     out = _run(["benchmarks/noise_bench.py", "--reps", "1"])
     assert "native" in out or "torch" in out
+
+
+def test_guard_cost_runs_and_a_step_keeps_the_structure():
+    out = _run(["benchmarks/guard_cost.py", "--configs", "tiny", "--reps", "3"])
+    assert "structure unchanged by a step: True" in out and "model_structure" in out
