@@ -81,13 +81,16 @@ class ParamIndex:
 
 def model_structure(model: nn.Module) -> Tuple[tuple, list]:
     """What a step's memos (batch-dimension probe, example-order verdicts, the parameter index) were
-    found for: every module under its name(s), its type, a ``forward`` set on the instance, its
-    forward hooks, and its parameter objects. Returns (key, objects): the key compares by identity;
-    ``objects`` are the modules and parameters it names, to be kept alive beside it (so an id is not
-    reused by a new object while the key is held)."""
-    key, objs = [], []
+    found for: every module under its name(s), its type, its ``forward`` (set on the instance, or
+    its class's, which a patch ``Cls.forward = ...`` replaces), its forward hooks, and its parameter
+    objects; and torch's global module hooks. Returns (key, objects): the key compares by identity;
+    ``objects`` are what it names, to be kept alive beside it (so an id is not reused by a new object
+    while the key is held)."""
+    mm = nn.modules.module
+    glob = (tuple(getattr(mm, "_global_forward_pre_hooks", ())), tuple(getattr(mm, "_global_forward_hooks", ())))
+    key, objs = [glob], []
     for name, m in model.named_modules(remove_duplicate=False):
-        fwd = m.__dict__.get("forward")
+        fwd = m.__dict__.get("forward") or type(m).forward
         ps = tuple(m._parameters.items())
         key.append((name, id(m), type(m), id(fwd), tuple(m._forward_pre_hooks), tuple(m._forward_hooks),
                     tuple((k, id(p)) for k, p in ps)))

@@ -318,13 +318,13 @@ class DPStep:
         """``params`` keyed by canonical names, checked against the model as it is now. A model whose
         modules changed since the step was built or last ran (a module added, replaced or given a
         hook; a weight tied or swapped for a new Parameter) gets a fresh parameter index, and the
-        memos found for the old one (batch-dimension probe, example-order verdicts, rotary tables)
-        are dropped, so its next batch is checked as a first one is."""
+        memos found for the old one (batch-dimension probe, example-order verdicts) are dropped, so
+        its next batch is checked as a first one is. (The rotary tables taken so far stay: they are
+        what a later padded length is compared with, whatever hook was added.)"""
         now = model_structure(self.model)
         if now[0] != self._structure[0]:
             self._index = ParamIndex(self.model)
             self._probe_memo.clear()
-            self._rope_seen.clear()
             self._structure = now
         return self._index.resolve(params)
 
