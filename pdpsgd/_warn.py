@@ -7,6 +7,7 @@ import warnings
 from typing import Type
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_ENTRY_POINTS = frozenset(_PACKAGE + name for name in ("cli.py", "__main__.py"))
 
 
 def warn(message: str, category: Type[Warning] = UserWarning) -> None:
@@ -15,11 +16,15 @@ def warn(message: str, category: Type[Warning] = UserWarning) -> None:
     A warning raised in a forward hook or deep in the engine would otherwise name a line of torch
     or of pdpsgd; this names the user's ``dp_step(...)`` (or accountant, ...) call, so that the
     usual filters by module and the "once per location" rule apply to the user's code. Code run
-    wholly inside pdpsgd (``pdpsgd train``) gets its outermost frame's caller, as the warnings
-    module reads a stack level past the top."""
-    frame, level, outer = sys._getframe(0), 1, 1
+    wholly inside pdpsgd (``pdpsgd train``, ``python -m pdpsgd``: the outermost pdpsgd frame is
+    the command line's) gets the pdpsgd line that warned, not ``<frozen runpy>`` or the console
+    script."""
+    frame, level, outer, outer_file = sys._getframe(0), 1, 1, ""
     while frame is not None:
-        if os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
-            outer = level
+        path = os.path.abspath(frame.f_code.co_filename)
+        if path.startswith(_PACKAGE):
+            outer, outer_file = level, path
         frame, level = frame.f_back, level + 1
+    if outer_file in _ENTRY_POINTS:
+        outer = 1  # the caller of warn()
     warnings.warn(message, category, stacklevel=outer + 1)

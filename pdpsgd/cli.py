@@ -32,6 +32,29 @@ class UserError(Exception):
 
 
 # =============================================================================================
+def _check_optimizer_settings(state: Any, optimizer: "torch.optim.Optimizer", path: Any) -> None:
+    """Refuse to resume with other --lr / --head-lr / --weight-decay than the checkpoint's:
+    the optimizer's state_dict restores its own values, so the new ones would be silently
+    ignored (and reported as used)."""
+    try:
+        saved = state["trainer"]["optimizer"]["param_groups"]
+    except (KeyError, TypeError):
+        return  # a malformed checkpoint is reported by the trainer's own load
+    flags = ["--head-lr", "--lr"]
+    diffs = []
+    for i, (old, new) in enumerate(zip(saved, optimizer.param_groups)):
+        for key, flag in (("lr", flags[min(i, 1)]), ("weight_decay", "--weight-decay")):
+            if key not in old:
+                continue
+            a, b = float(old[key]), float(new[key])
+            if abs(a - b) > 1e-12 * max(1.0, abs(a)) and f"{flag} {a:g}" not in " ".join(diffs):
+                diffs.append(f"{flag} {a:g} in the checkpoint vs {b:g} now")
+    if diffs:
+        raise UserError(f"{path} was trained with other optimizer settings ({'; '.join(diffs)}); resume with "
+                        "the checkpoint's values (its optimizer state belongs to them), or start a new run "
+                        "in another --output-dir")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdpsgd", description="Differentially private training (DP-SGD).")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -343,6 +366,7 @@ def run_train(a: argparse.Namespace) -> int:
             check_fingerprint(state.get("fingerprint", {}), fingerprint, path=ckpt_path)
         except CheckpointError as e:
             raise UserError(str(e)) from None
+        _check_optimizer_settings(state, optimizer, ckpt_path)
         ledger = None
         if ledger_path.exists():
             try:

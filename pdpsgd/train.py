@@ -27,7 +27,6 @@ import os
 import secrets
 import statistics
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
@@ -35,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._warn import warn
 from .functional import trainable_params
 
 __all__ = [
@@ -107,7 +107,7 @@ def resolve_method(method: str) -> str:
         import importlib.util
 
         if importlib.util.find_spec("pdpsgd.bookkeeping") is None:
-            warnings.warn(f"method={method!r} needs pdpsgd.bookkeeping, which is not installed; using 'vmap'")
+            warn(f"method={method!r} needs pdpsgd.bookkeeping, which is not installed; using 'vmap'")
             return "vmap"
     return method
 

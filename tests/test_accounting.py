@@ -289,6 +289,74 @@ def test_fallback_when_grid_too_large():
     assert b.lower <= prv(1.0, 0.1, 200).epsilon(1e-5).upper
 
 
+def dp_accounting_rdp(sigma, q, steps, *, delta=None, epsilon=None):
+    """ε (or δ) from dp-accounting's RDP accountant: an independent valid upper bound."""
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import RdpAccountant
+
+    acc = RdpAccountant()
+    acc.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), steps)
+    return acc.get_epsilon(delta) if epsilon is None else acc.get_delta(epsilon)
+
+
+def test_fallback_at_tiny_delta_is_never_looser_than_rdp():
+    # Below δ ~ 1e-12 the PRV round-off check fails and dp-accounting's PLD is noise:
+    # at δ = 1e-14 its optimistic ε was 8.60 and its pessimistic 8.77 against a valid
+    # RDP bound of 4.98; at δ = 1e-15 it returned inf and the accountant raised.
+    acct = prv(1.0, 0.01, 1000)
+    uppers = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for delta in (1e-10, 1e-12, 1e-13, 1e-14, 1e-15, 1e-20):
+            b = acct.epsilon(delta)
+            ref = dp_accounting_rdp(1.0, 0.01, 1000, delta=delta)
+            assert math.isfinite(b.upper) and 0.0 <= b.lower <= b.estimate <= b.upper
+            assert b.upper <= ref * (1 + 1e-4), (delta, b, ref)
+            uppers.append(b.upper)
+    assert uppers == sorted(uppers)  # a smaller δ never gets a smaller ε
+    assert acct.epsilon(1e-14).method == "rdp"
+    # the PLD still answers where it is trusted, and is tighter than RDP there
+    b = prv_module.pld_epsilon(((1.0, 0.01, 1000),), 1e-12)
+    assert b.method == "pld" and b.upper < dp_accounting_rdp(1.0, 0.01, 1000, delta=1e-12)
+    # calibration at a tiny δ adds no more noise than RDP calibration (it added 24 % more)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        s_prv = calibrate_noise(target_epsilon=5.0, delta=1e-14, sample_rate=0.01, steps=1000)
+    s_rdp = calibrate_noise(target_epsilon=5.0, delta=1e-14, sample_rate=0.01, steps=1000, accountant="rdp")
+    assert s_prv <= s_rdp * 1.002
+
+
+def test_fallback_survives_millions_of_steps():
+    # ~2e6 steps: the optimistic PLD's losses reach -709 and dp-accounting raised
+    # OverflowError from the fallback itself.
+    acct = prv(0.5, 1e-3, 2_000_000)
+    with pytest.warns(RuntimeWarning, match="max_grid_size"):
+        b = acct.epsilon(1e-6)
+    ref = dp_accounting_rdp(0.5, 1e-3, 2_000_000, delta=1e-6)
+    assert b.method in ("pld", "rdp") and math.isfinite(b.upper)
+    assert 0.0 <= b.lower <= b.upper <= ref * (1 + 1e-4)
+    # ... and where the PRV does work, the fallback agrees with it (pessimistic side)
+    p = prv(0.5, 1e-3, 20_000).epsilon(1e-6)
+    f = prv_module.pld_epsilon(((0.5, 1e-3, 20_000),), 1e-6)
+    assert p.lower - 1e-3 <= f.upper and f.lower <= p.upper
+
+
+def test_delta_fallback_is_never_looser_than_rdp(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("Discrete mean differs from continuous mean significantly.")
+
+    monkeypatch.setattr(prv_module, "_discretise", broken)
+    acct = prv(1.0, 0.01, 1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for eps, method in ((2.0, "pld"), (5.0, "rdp"), (9.0, "rdp")):
+            d = acct.delta(eps)
+            ref = dp_accounting_rdp(1.0, 0.01, 1000, epsilon=eps)
+            assert d.method == method, (eps, d)
+            assert 0.0 <= d.lower <= d.upper <= ref * (1 + 1e-4) + 1e-300, (eps, d, ref)
+            assert d.upper <= 1.0
+
+
 # ----------------------------------------------------------------------------------
 # RDP
 # ----------------------------------------------------------------------------------

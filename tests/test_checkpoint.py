@@ -128,6 +128,11 @@ def test_corrupt_and_mismatched_checkpoints_are_clear_errors(tiny, tmp_path, cap
     assert "model" in resume_err(args=_args(tiny, out, "--resume") + ["--model", str(other)])
     # other privacy plan
     assert "noise_multiplier" in resume_err("--epsilon", "5")
+    # other optimizer settings: the checkpoint's optimizer state would silently restore its own
+    # (the new --lr was ignored but written to report.json before)
+    err = resume_err("--lr", "5e-4", "--weight-decay", "0.1")
+    assert "--lr 0.0001 in the checkpoint vs 0.0005 now" in err and "--weight-decay 0.01" in err
+    assert "--head-lr 0.03 in the checkpoint vs 0.1 now" in resume_err("--head-lr", "0.1")
     # the run still resumes with the right settings
     assert main(_args(tiny, out, "--resume")) == 0
 

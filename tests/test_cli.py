@@ -382,9 +382,26 @@ def test_auto_falls_back_to_vmap_without_bookkeeping(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "pdpsgd.bookkeeping" else real(name, *a))
-    with pytest.warns(UserWarning, match="using 'vmap'"):
+    with pytest.warns(UserWarning, match="using 'vmap'") as rec:
         assert resolve_method("auto") == "vmap"
+    assert [w.filename for w in rec] == [__file__]  # the caller's line
     assert resolve_method("vmap") == "vmap"
+
+
+def test_warnings_of_the_command_line_name_the_pdpsgd_line_that_warned():
+    """Under ``pdpsgd train`` / ``python -m pdpsgd`` the outermost pdpsgd frame is the command
+    line's, whose caller is ``<frozen runpy>`` or the console script: such warnings name the
+    pdpsgd line instead (they named ``<frozen runpy>`` before)."""
+    import pdpsgd.cli
+    from pdpsgd import _warn
+
+    code = compile("def inner():\n    warn('from the engine')\n\ninner()\n", pdpsgd.cli.__file__, "exec")
+    with pytest.warns(UserWarning, match="from the engine") as rec:
+        exec(code, {"warn": _warn.warn})
+    assert [(w.filename, w.lineno) for w in rec] == [(pdpsgd.cli.__file__, 2)]
+    with pytest.warns(UserWarning) as rec:  # a user's call into pdpsgd still names the user's line
+        _warn.warn("from a user call")
+    assert [w.filename for w in rec] == [__file__]
 
 
 def test_default_minilm_on_bbc_news_tiny_settings(tmp_path, capsys):

@@ -35,7 +35,9 @@ per-step means (aliasing on the periodic grid), a grid larger than
 the (always valid) RDP upper bound — and the accountant then
 falls back to the PLD accountant of ``dp-accounting`` (pessimistic
 connect-the-dots for ``upper``/``estimate``, optimistic privacy buckets for
-``lower``); the result says so in its ``method`` field.
+``lower``), checked against RDP: the smaller upper bound is returned, and below
+δ = 1e-12 (:data:`PLD_MIN_DELTA`) only RDP's; the result says so in its ``method``
+field.
 """
 from __future__ import annotations
 
@@ -374,22 +376,72 @@ def _pld_pair(groups: Groups, eps_error: float, scale: float = 0.0):
     return pess, opt
 
 
+#: Below this δ dp-accounting's PLD is not trusted: its composed PMF is truncated at
+#: 1e-15 and float64 FFT round-off reaches ~1e-14, so at δ = 1e-14 (σ=1, q=0.01,
+#: 1000 steps) its *optimistic* ε (8.60) exceeds the valid RDP upper bound (4.98).
+PLD_MIN_DELTA = 1e-12
+
+
+def _guarded(f, *args) -> float:
+    """``float(f(*args))``, or NaN when dp-accounting fails (e.g. an ``OverflowError``
+    in the optimistic PLD of ~2e6 steps, whose privacy losses reach -709)."""
+    try:
+        return float(f(*args))
+    except (ArithmeticError, ValueError):
+        return math.nan
+
+
+def _rdp_total(groups: Groups) -> np.ndarray:
+    total = np.zeros_like(_RDP_ORDERS)
+    for s, q, n in groups:
+        total = total + n * rdp_poisson_subsampled_gaussian(noise_multiplier=s, sample_rate=q, orders=_RDP_ORDERS)
+    return total
+
+
 def pld_epsilon(groups: Groups, delta: float, *, eps_error: float = 0.01, scale: float = 0.0) -> EpsilonBounds:
-    """ε bounds from dp-accounting's PLD accountant (used as the fallback)."""
-    pess, opt = _pld_pair(groups, eps_error, scale)
-    upper = float(pess.get_epsilon_for_delta(delta))
-    lower = float(opt.get_epsilon_for_delta(delta))
-    if not (math.isfinite(upper) and math.isfinite(lower)):
-        raise RuntimeError(f"PLD fallback returned a non-finite ε ({lower}, {upper}).")
-    return EpsilonBounds(min(lower, upper), upper, upper, "pld")
+    """ε bounds from dp-accounting's PLD accountant (used as the fallback), checked
+    against RDP.
+
+    ``upper`` is the smaller of the pessimistic PLD ε and the RDP ε (both valid upper
+    bounds; ``method`` names the one used); ``lower`` is the optimistic PLD ε when it
+    is consistent (≤ ``upper``), else 0. For δ < :data:`PLD_MIN_DELTA`, or when the
+    PLD is inconsistent with RDP or fails, the answer is RDP's (``lower`` 0).
+    """
+    rdp_eps, _ = epsilon_from_rdp(_RDP_ORDERS, _rdp_total(groups), delta)
+    upper = lower = math.nan
+    if delta >= PLD_MIN_DELTA:
+        pess, opt = _pld_pair(groups, eps_error, scale)
+        upper = _guarded(pess.get_epsilon_for_delta, delta)
+        lower = _guarded(opt.get_epsilon_for_delta, delta)
+    if lower > rdp_eps * (1 + 1e-6) + 1e-6:
+        # an optimistic ε above a valid upper bound: the PLD numbers are not to be trusted
+        upper = lower = math.nan
+    if not upper <= rdp_eps:  # NaN, inf, or looser than RDP
+        if not math.isfinite(rdp_eps):
+            raise RuntimeError(f"PLD fallback and RDP both returned a non-finite ε ({upper}, {rdp_eps}).")
+        lower = lower if lower <= rdp_eps else 0.0
+        return EpsilonBounds(max(0.0, lower), rdp_eps, rdp_eps, "rdp")
+    lower = lower if lower <= upper else 0.0  # NaN (a failed optimistic run) -> 0
+    return EpsilonBounds(max(0.0, lower), upper, upper, "pld")
 
 
 def pld_delta(groups: Groups, epsilon: float, *, eps_error: float = 0.01, scale: float = 0.0) -> DeltaBounds:
-    """δ bounds from dp-accounting's PLD accountant (used as the fallback)."""
+    """δ bounds from dp-accounting's PLD accountant (used as the fallback), checked
+    against RDP as in :func:`pld_epsilon`: ``upper`` is the smaller of the pessimistic
+    PLD δ and the RDP δ; a PLD δ below :data:`PLD_MIN_DELTA` is not trusted (RDP's is
+    used), nor is a PLD whose optimistic δ exceeds RDP's."""
+    rdp_d, _ = delta_from_rdp(_RDP_ORDERS, _rdp_total(groups), epsilon)
+    rdp_d = min(1.0, float(rdp_d))
     pess, opt = _pld_pair(groups, eps_error, scale)
-    upper = min(1.0, float(pess.get_delta_for_epsilon(epsilon)))
-    lower = max(0.0, float(opt.get_delta_for_epsilon(epsilon)))
-    return DeltaBounds(min(lower, upper), upper, upper, "pld")
+    upper = min(1.0, _guarded(pess.get_delta_for_epsilon, epsilon))
+    lower = max(0.0, _guarded(opt.get_delta_for_epsilon, epsilon))
+    if not upper >= PLD_MIN_DELTA or lower > rdp_d * (1 + 1e-6) + 1e-12:
+        upper = lower = math.nan
+    if not upper <= rdp_d:
+        lower = lower if lower <= rdp_d else 0.0
+        return DeltaBounds(lower, rdp_d, rdp_d, "rdp")
+    lower = lower if lower <= upper else 0.0
+    return DeltaBounds(lower, upper, upper, "pld")
 
 
 # ----------------------------------------------------------------------------------
@@ -425,7 +477,8 @@ class PRVAccountant(HistoryAccountant):
     1, Gaussian noise σ) is (ε, δ)-DP with ε = ``epsilon(δ).upper`` and, equivalently,
     (ε, ``delta(ε).upper``)-DP. With ``method == "prv"`` this rests on the error
     bounds of Gopi et al. 2021 (Thm. 5.5); with ``"pld"`` on dp-accounting's
-    pessimistic PLD.
+    pessimistic PLD; with ``"rdp"`` (a fallback where RDP is tighter than the PLD, or
+    δ < 1e-12 where the PLD is not trusted) on the RDP bound.
     """
 
     name = "prv"
@@ -587,7 +640,8 @@ class PRVAccountant(HistoryAccountant):
         if reason not in self._warned:
             self._warned.add(reason)
             warn(
-                f"PRV accounting unreliable here ({reason}); using dp-accounting's PLD accountant instead.",
+                f"PRV accounting unreliable here ({reason}); using dp-accounting's PLD accountant "
+                "instead (or RDP, where that is tighter or the PLD is not reliable).",
                 RuntimeWarning,
             )
 
