@@ -85,17 +85,33 @@ def model_structure(model: nn.Module) -> Tuple[tuple, list]:
     its class's, which a patch ``Cls.forward = ...`` replaces), its forward hooks, and its parameter
     objects; and torch's global module hooks. Returns (key, objects): the key compares by identity;
     ``objects`` are what it names, to be kept alive beside it (so an id is not reused by a new object
-    while the key is held)."""
+    while the key is held).
+
+    ``key[0]`` is the layout without the parameters' identities: each parameter slot's type (a
+    subclass with its own ``__torch_function__`` is other code), shape, dtype, device,
+    ``requires_grad`` and the first slot holding the same Parameter object (which weights are
+    tied). Parameters swapped for new ones of the same layout (``load_state_dict(assign=True)``)
+    change only ``key[1]``: a new parameter index, not a new model for the memos (keyed by names,
+    shapes and dtypes, never by a parameter's identity)."""
     mm = nn.modules.module
     glob = (tuple(getattr(mm, "_global_forward_pre_hooks", ())), tuple(getattr(mm, "_global_forward_hooks", ())))
-    key, objs = [glob], []
+    layout, ids, objs = [glob], [], []
+    first: Dict[int, Tuple[str, str]] = {}
     for name, m in model.named_modules(remove_duplicate=False):
         fwd = m.__dict__.get("forward") or type(m).forward
         ps = tuple(m._parameters.items())
-        key.append((name, id(m), type(m), id(fwd), tuple(m._forward_pre_hooks), tuple(m._forward_hooks),
-                    tuple((k, id(p)) for k, p in ps)))
+        slots = []
+        for k, p in ps:
+            if p is None:
+                slots.append((k, None))
+                continue
+            slot = first.setdefault(id(p), (name, k))
+            slots.append((k, slot, type(p), tuple(p.shape), p.dtype, p.device, p.requires_grad))
+        layout.append((name, id(m), type(m), id(fwd), tuple(m._forward_pre_hooks), tuple(m._forward_hooks),
+                       tuple(slots)))
+        ids.append(tuple(id(p) for _, p in ps))
         objs.append((m, fwd, ps))
-    return tuple(key), objs
+    return (tuple(layout), tuple(ids)), objs
 
 
 def model_constants(model: nn.Module, trainable: Iterable[str]) -> Dict[str, Tensor]:

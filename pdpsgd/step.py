@@ -319,12 +319,14 @@ class DPStep:
         modules changed since the step was built or last ran (a module added, replaced or given a
         hook; a weight tied or swapped for a new Parameter) gets a fresh parameter index, and the
         memos found for the old one (batch-dimension probe, example-order verdicts) are dropped, so
-        its next batch is checked as a first one is. (The rotary tables taken so far stay: they are
+        its next batch is checked as a first one is; Parameters swapped for new ones of the same
+        shapes, dtypes and tying (``load_state_dict(assign=True)``) keep the memos. (The rotary tables taken so far stay: they are
         what a later padded length is compared with, whatever hook was added.)"""
         now = model_structure(self.model)
         if now[0] != self._structure[0]:
             self._index = ParamIndex(self.model)
-            self._probe_memo.clear()
+            if now[0][0] != self._structure[0][0]:  # not only new Parameter objects of the same layout
+                self._probe_memo.clear()
             self._structure = now
         return self._index.resolve(params)
 

@@ -16,7 +16,7 @@ from torch import nn
 import models
 import pdpsgd
 from pdpsgd import make_dp_step, trainable_params
-from pdpsgd.testing import assert_exact, check_sensitivity, naive_per_sample_grads, to_float64
+from pdpsgd.testing import assert_exact, check_sensitivity, naive_clipped_sum, naive_per_sample_grads, to_float64
 
 METHODS = ["bk", "auto"]
 
@@ -3709,3 +3709,47 @@ def test_a_model_changed_after_the_step_was_built_is_checked_again():
     b3 = {**b, "y": torch.randint(0, 3, (5,))}
     part = step.clipped_sum(trainable_params(m), b3)
     assert part.sums["o.weight"].shape == (3, 4)
+
+
+class _TwoSquare(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.o = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.o(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def test_parameters_swapped_for_new_ones_keep_the_memos_a_new_tying_drops_them():
+    """``load_state_dict(assign=True)`` before every step puts new Parameter objects of the same
+    layout into the model: a new parameter index, but the example-order verdicts (keyed by names,
+    shapes and dtypes) still stand, so the check's forwards (one per example) run in the first step
+    only (review of round 31: in every step). Tying two weights, or another dtype, is a new layout:
+    checked anew. The sums are those of the Parameters the model holds now."""
+    torch.manual_seed(0)
+    m = _TwoSquare().double()
+    loss = lambda mm, b: F.cross_entropy(mm(b["x"]), b["y"], reduction="none")  # noqa: E731
+    b = {"x": torch.randn(5, 4, dtype=torch.float64), "y": torch.randint(0, 2, (5,))}
+    step = make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk", expected_batch_size=1.0)
+
+    def forwards(params, batch):
+        before = m.calls
+        out = step.clipped_sum(params, batch)
+        ref = naive_clipped_sum(m, loss, batch, max_grad_norm=0.5, params=params)[1]
+        assert set(out.sums) == set(ref)
+        for n in ref:
+            torch.testing.assert_close(out.sums[n], ref[n].to(out.sums[n].dtype), rtol=1e-5, atol=1e-7)
+        return m.calls - before
+
+    first = forwards(trainable_params(m), b)
+    plain = forwards(trainable_params(m), b)
+    assert first >= plain + 5  # (the check ran each of the 5 examples alone in the first step)
+    for i in range(3):
+        m.load_state_dict({k: v.clone() + 0.01 * (i + 1) for k, v in m.state_dict().items()}, assign=True)
+        assert forwards(trainable_params(m), b) == plain
+    m.b.weight = m.a.weight  # tied now: a new layout
+    assert forwards(trainable_params(m), b) >= plain + 5
+    m.float()  # another dtype: a new layout
+    assert forwards(trainable_params(m), {**b, "x": b["x"].float()}) >= plain + 5
