@@ -341,6 +341,19 @@ def test_fallback_survives_millions_of_steps():
     assert p.lower - 1e-3 <= f.upper and f.lower <= p.upper
 
 
+def test_delta_at_a_large_epsilon_is_never_looser_than_rdp():
+    # the PRV's upper δ is at least its δ error (1e-10 by default): at ε = 5 it said 1.0e-10 where
+    # RDP proves 8.4e-15 (and its estimate, 2.4e-14, was above that valid bound)
+    acct = prv(1.0, 0.01, 1000)
+    last = 1.0
+    for eps in (1.0, 2.0, 3.0, 4.0, 5.0, 8.0):
+        d = acct.delta(eps)
+        ref = dp_accounting_rdp(1.0, 0.01, 1000, epsilon=eps)
+        assert 0.0 <= d.lower <= d.estimate <= d.upper <= min(last, ref * (1 + 1e-4)), (eps, d, ref)
+        last = d.upper
+    assert acct.delta(2.0).method == "prv" and acct.delta(5.0).method == "rdp"
+
+
 def test_delta_fallback_is_never_looser_than_rdp(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("Discrete mean differs from continuous mean significantly.")

@@ -27,8 +27,8 @@ class EpsilonBounds(NamedTuple):
     (``method``): ``"prv"`` (Gopi et al. 2021 error bounds, rigorous),
     ``"pld"`` (dp-accounting PLD fallback: ``upper``/``estimate`` are the
     pessimistic PLD value, ``lower`` the optimistic one), ``"rdp"`` (RDP gives
-    only an upper bound, so ``lower`` is 0 or, from the PRV accountant's fallback,
-    the optimistic PLD value), ``"none"`` (empty history).
+    only an upper bound, so ``lower`` is 0 or, from the PRV accountant where RDP's bound
+    is the tighter one, the PRV's or optimistic PLD's lower bound), ``"none"`` (empty history).
 
     Quote ``upper`` as the privacy guarantee.
     """

@@ -477,8 +477,9 @@ class PRVAccountant(HistoryAccountant):
     1, Gaussian noise σ) is (ε, δ)-DP with ε = ``epsilon(δ).upper`` and, equivalently,
     (ε, ``delta(ε).upper``)-DP. With ``method == "prv"`` this rests on the error
     bounds of Gopi et al. 2021 (Thm. 5.5); with ``"pld"`` on dp-accounting's
-    pessimistic PLD; with ``"rdp"`` (a fallback where RDP is tighter than the PLD, or
-    δ < 1e-12 where the PLD is not trusted) on the RDP bound.
+    pessimistic PLD; with ``"rdp"`` (where RDP's bound is tighter than the PRV's or the
+    PLD's, e.g. :meth:`delta` at a large ε, or δ < 1e-12 where the PLD is not trusted) on the
+    RDP bound.
     """
 
     name = "prv"
@@ -682,6 +683,8 @@ class PRVAccountant(HistoryAccountant):
         rdp_eps, _ = epsilon_from_rdp(_RDP_ORDERS, self._total_rdp(groups), delta)
         if lower > rdp_eps * (1 + 1e-6) + 1e-6:
             raise PRVFailure(f"PRV lower bound {lower:.6g} exceeds the RDP upper bound {rdp_eps:.6g}")
+        if rdp_eps < upper:  # RDP's bound is the tighter valid one (rare for ε)
+            return EpsilonBounds(min(lower, rdp_eps), min(est, rdp_eps), float(rdp_eps), "rdp")
         return res
 
     def _prv_epsilon_raw(self, groups: Groups, delta: float, delta_error: float) -> EpsilonBounds:
@@ -736,4 +739,9 @@ class PRVAccountant(HistoryAccountant):
         rdp_delta, _ = delta_from_rdp(_RDP_ORDERS, self._total_rdp(groups), epsilon)
         if lower > rdp_delta * (1 + 1e-6) + 1e-12:
             raise PRVFailure(f"PRV lower bound {lower:.6g} exceeds the RDP upper bound {rdp_delta:.6g}")
+        if rdp_delta < upper:
+            # RDP's bound is the tighter valid one: at a large ε, where the PRV's upper is at least
+            # its δ error (1e-10 by default) and RDP's far below (σ=1, q=0.01, 1000 steps, ε=5: 8.4e-15)
+            r = float(rdp_delta)
+            return DeltaBounds(min(float(lower), r), min(float(est), r), r, "rdp")
         return DeltaBounds(float(lower), float(est), float(upper), "prv")
