@@ -47,8 +47,8 @@ def _check_optimizer_settings(state: Any, optimizer: "torch.optim.Optimizer", pa
             if key not in old:
                 continue
             a, b = float(old[key]), float(new[key])
-            if abs(a - b) > 1e-12 * max(1.0, abs(a)) and f"{flag} {a:g}" not in " ".join(diffs):
-                diffs.append(f"{flag} {a:g} in the checkpoint vs {b:g} now")
+            if abs(a - b) > 1e-12 * max(1.0, abs(a)) and f"{flag} {a!r} " not in " ".join(diffs):
+                diffs.append(f"{flag} {a!r} in the checkpoint vs {b!r} now")
     if diffs:
         raise UserError(f"{path} was trained with other optimizer settings ({'; '.join(diffs)}); resume with "
                         "the checkpoint's values (its optimizer state belongs to them), or start a new run "

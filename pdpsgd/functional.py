@@ -13,6 +13,7 @@ from typing import Dict, Iterable, Iterator, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
@@ -87,10 +88,11 @@ def model_structure(model: nn.Module) -> Tuple[tuple, list]:
     ``objects`` are what it names, to be kept alive beside it (so an id is not reused by a new object
     while the key is held).
 
-    ``key[0]`` is the layout without the parameters' identities: each parameter slot's type (a
-    subclass with its own ``__torch_function__`` is other code), shape, dtype, device,
-    ``requires_grad`` and the first slot holding the same Parameter object (which weights are
-    tied). Parameters swapped for new ones of the same layout (``load_state_dict(assign=True)``)
+    ``key[0]`` is the layout without the parameters' identities: each parameter slot's shape, dtype,
+    device, ``requires_grad`` and the first slot holding the same Parameter object (which weights
+    are tied); for a slot holding anything but a plain ``nn.Parameter`` (a subclass can carry state
+    of its own into the forward through ``__torch_function__``; a lazy one has no shape yet), its
+    type and identity. Parameters swapped for new ones of the same layout (``load_state_dict(assign=True)``)
     change only ``key[1]``: a new parameter index, not a new model for the memos (keyed by names,
     shapes and dtypes, never by a parameter's identity)."""
     mm = nn.modules.module
@@ -106,7 +108,13 @@ def model_structure(model: nn.Module) -> Tuple[tuple, list]:
                 slots.append((k, None))
                 continue
             slot = first.setdefault(id(p), (name, k))
-            slots.append((k, slot, type(p), tuple(p.shape), p.dtype, p.device, p.requires_grad))
+            if type(p) is not nn.Parameter or is_lazy(p):
+                # a subclass can carry state of its own into the forward (a __torch_function__ that
+                # copies an attribute through detach()): its object is part of the layout; a lazy
+                # one has no shape yet
+                slots.append((k, slot, type(p), id(p)))
+                continue
+            slots.append((k, slot, tuple(p.shape), p.dtype, p.device, p.requires_grad))
         layout.append((name, id(m), type(m), id(fwd), tuple(m._forward_pre_hooks), tuple(m._forward_hooks),
                        tuple(slots)))
         ids.append(tuple(id(p) for _, p in ps))
