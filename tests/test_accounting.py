@@ -111,6 +111,96 @@ def test_fallback_bounds_contain_exact_gaussian():
         assert b.upper - exact < 0.01
 
 
+# dp-accounting's FFT composition is not round-off controlled: its pessimistic ε was below
+# the exact one (σ=100, 10⁴ steps, δ=1e-12: 7.2293 < 7.2385; σ=5: 339.18 < 339.83)
+UNDERSTATED = [(100.0, 10_000, 1e-12), (5.0, 10_000, 1e-12), (300.0, 100_000, 1e-11)]
+
+
+def check_fallback_contains_exact_gaussian(sigma, steps, delta):
+    """pld_epsilon / pld_delta at q = 1 bracket the exact curve; returns (μ, exact ε)."""
+    mu = math.sqrt(steps) / sigma
+    exact = gaussian_epsilon(delta, mu)
+    groups = ((sigma, 1.0, steps),)
+    b = prv_module.pld_epsilon(groups, delta)
+    assert b.lower <= exact <= b.upper, (b, exact)
+    eps = max(exact, 0.05)
+    d = prv_module.pld_delta(groups, eps, scale=eps)
+    assert d.lower <= gaussian_delta(eps, mu) <= d.upper, (d, gaussian_delta(eps, mu))
+    return mu, exact
+
+
+@pytest.mark.parametrize("sigma,steps,delta", UNDERSTATED)
+def test_fallback_never_understates_the_exact_gaussian(sigma, steps, delta):
+    mu, exact = check_fallback_contains_exact_gaussian(sigma, steps, delta)
+    # the round-off bound covers what the pessimistic PLD lost
+    pess, _ = prv_module._pld_pair(((sigma, 1.0, steps),), 0.01)
+    lost = gaussian_delta(exact, mu) - float(pess.get_delta_for_epsilon(exact))
+    assert lost <= prv_module.pld_roundoff(pess, steps)
+
+
+@CHEAP
+@given(
+    sigma=st.floats(0.5, 300.0),
+    steps=st.sampled_from([10, 1000, 10_000, 30_000]),
+    delta=st.sampled_from([1e-5, 1e-8, 1e-10, 1e-11, 1e-12]),
+)
+def test_fallback_bounds_contain_exact_gaussian_everywhere(sigma, steps, delta):
+    check_fallback_contains_exact_gaussian(sigma, steps, delta)
+
+
+@pytest.mark.parametrize("sigma,delta", [(1000.0, 1e-11), (1000.0, 1e-10), (300.0, 1e-11)])
+def test_round_off_of_a_long_history_never_understates(sigma, delta):
+    # composing 10⁵ steps as an FFT to the 10⁵-th power leaves ~n ulps of smooth error in
+    # δ that no negative entry shows: σ=1000, δ=1e-11: the PRV said ε <= 2.0099, exact 2.0237
+    steps = 100_000
+    mu = math.sqrt(steps) / sigma
+    exact = gaussian_epsilon(delta, mu)
+    acct = prv(sigma, 1.0, steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        b = acct.epsilon(delta)
+        d = acct.delta(exact)
+    assert b.lower <= exact <= b.upper, (b, exact)
+    assert d.lower <= gaussian_delta(exact, mu) <= d.upper, (d, gaussian_delta(exact, mu))
+
+
+def test_a_cached_answer_reports_its_own_fallback_reason():
+    acct = prv(1.0, 0.01, 1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert acct.epsilon(1e-14).method != "prv"
+        reason = acct.last_fallback_reason
+        assert reason
+        assert acct.epsilon(1e-5).method == "prv" and acct.last_fallback_reason is None
+        acct.epsilon(1e-14)  # from the cache
+        assert acct.last_fallback_reason == reason
+        acct.epsilon(1e-5)
+        assert acct.last_fallback_reason is None
+
+
+def test_delta_is_never_exactly_zero():
+    # exp of a log-δ below -745 underflowed to a reported δ of exactly 0
+    d = RDPAccountant().step(noise_multiplier=1.0, sample_rate=0.01, num_steps=10).delta(2000.0)
+    assert 0.0 < d.upper <= 1e-300
+
+
+def test_fallback_delta_is_monotone_across_the_pld_floor(monkeypatch):
+    # below PLD_MIN_DELTA the PLD is not trusted; RDP's δ there was above the PLD's δ at a
+    # smaller ε, so δ(ε) rose with ε
+    def broken(*args, **kwargs):
+        raise RuntimeError("Discrete mean differs from continuous mean significantly.")
+
+    monkeypatch.setattr(prv_module, "_discretise", broken)
+    acct = prv(1.0, 0.01, 1000)
+    last = 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for eps in np.linspace(3.0, 6.0, 13):
+            d = acct.delta(float(eps))
+            assert 0.0 <= d.lower <= d.upper <= last, (eps, d, last)
+            last = d.upper
+
+
 # ----------------------------------------------------------------------------------
 # monotonicity, heterogeneous composition
 # ----------------------------------------------------------------------------------
@@ -315,9 +405,11 @@ def test_fallback_at_tiny_delta_is_never_looser_than_rdp():
             uppers.append(b.upper)
     assert uppers == sorted(uppers)  # a smaller δ never gets a smaller ε
     assert acct.epsilon(1e-14).method == "rdp"
-    # the PLD still answers where it is trusted, and is tighter than RDP there
-    b = prv_module.pld_epsilon(((1.0, 0.01, 1000),), 1e-12)
-    assert b.method == "pld" and b.upper < dp_accounting_rdp(1.0, 0.01, 1000, delta=1e-12)
+    # the PLD still answers where it is trusted (its round-off, ~1e-12 here, below δ/10),
+    # and is tighter than RDP there
+    b = prv_module.pld_epsilon(((1.0, 0.01, 1000),), 1e-10)
+    assert b.method == "pld" and b.upper < dp_accounting_rdp(1.0, 0.01, 1000, delta=1e-10)
+    assert prv_module.pld_epsilon(((1.0, 0.01, 1000),), 1e-12).method == "rdp"
     # calibration at a tiny δ adds no more noise than RDP calibration (it added 24 % more)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)

@@ -26,7 +26,8 @@ class EpsilonBounds(NamedTuple):
     ``lower <= true ε <= upper`` holds up to the stated numerical method
     (``method``): ``"prv"`` (Gopi et al. 2021 error bounds, rigorous),
     ``"pld"`` (dp-accounting PLD fallback: ``upper``/``estimate`` are the
-    pessimistic PLD value, ``lower`` the optimistic one), ``"rdp"`` (RDP gives
+    pessimistic PLD value, ``lower`` the optimistic one, each with the PLD's
+    float64 round-off folded into δ), ``"rdp"`` (RDP gives
     only an upper bound, so ``lower`` is 0 or, from the PRV accountant where RDP's bound
     is the tighter one, the PRV's or optimistic PLD's lower bound), ``"none"`` (empty history).
 

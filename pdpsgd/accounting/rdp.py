@@ -161,7 +161,8 @@ def delta_from_rdp(orders: Sequence[float], rdp: Sequence[float], epsilon: float
         logd = np.where(a > 1.01, np.minimum(log_kl, log_rdp), log_kl)
         logd = np.where(np.isnan(logd), 0.0, logd)
     i = int(np.argmin(logd))
-    return min(1.0, math.exp(float(logd[i]))), float(a[i])
+    # a bound below the smallest float64 is reported as that float, never as a δ of exactly 0
+    return min(1.0, max(math.exp(float(logd[i])), math.ulp(0.0))), float(a[i])
 
 
 class RDPAccountant(HistoryAccountant):
