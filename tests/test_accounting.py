@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scipy import fft as sfft
 from scipy import integrate, optimize, special
 
 from pdpsgd.accounting import (
@@ -162,6 +163,26 @@ def test_round_off_of_a_long_history_never_understates(sigma, delta):
         d = acct.delta(exact)
     assert b.lower <= exact <= b.upper, (b, exact)
     assert d.lower <= gaussian_delta(exact, mu) <= d.upper, (d, gaussian_delta(exact, mu))
+
+
+@pytest.mark.skipif(np.finfo(np.longdouble).eps >= np.finfo(np.float64).eps, reason="no long double")
+@pytest.mark.parametrize("sigma,q,steps,delta", [(1000.0, 1.0, 100_000, 1e-11), (0.6, 0.001, 30_000, 1e-8)])
+def test_round_off_bound_covers_the_error_against_a_long_double_composition(sigma, q, steps, delta):
+    acct = prv(sigma, q, steps)
+    groups = acct._groups()
+    derr = prv_module._default_delta_error(delta)
+    comp = acct._compose(groups, derr)
+    g = acct._grid_state(groups, derr).grid
+    pmf, shift, _ = prv_module._discretise(sigma, q, g)
+    f = sfft.irfft(sfft.rfft(pmf.astype(np.longdouble)) ** steps, g.n)
+    f = np.roll(f, -(((steps - 1) * g.K) % g.n)).astype(np.float64)
+    t = g.t_min + steps * shift + g.h * np.arange(g.n)
+    worst = 0.0
+    for eps in np.linspace(max(0.0, float(comp.t[0])), float(comp.t[-1]) - g.h, 60):
+        m = t >= float(comp.t[np.searchsorted(comp.t, eps)]) - g.h / 2
+        exact = float(np.sum(f[m] * -np.expm1(eps - t[m])))
+        worst = max(worst, abs(comp.delta(float(eps)) - exact))
+    assert 0 < worst <= comp.roundoff, (worst, comp.roundoff)
 
 
 def test_a_cached_answer_reports_its_own_fallback_reason():
