@@ -17,7 +17,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 __all__ = ["main", "build_parser", "UserError"]
 
@@ -53,6 +53,30 @@ def _check_optimizer_settings(state: Any, optimizer: "torch.optim.Optimizer", pa
         raise UserError(f"{path} was trained with other optimizer settings ({'; '.join(diffs)}); resume with "
                         "the checkpoint's values (its optimizer state belongs to them), or start a new run "
                         "in another --output-dir")
+
+
+#: settings a resumed run takes from its command line, not from the checkpoint (no privacy effect)
+_RESUME_NOTED = (("method", "--method"), ("dropout", "--dropout"), ("noise_rng", "--noise-rng"),
+                 ("max_physical_batch", "--max-physical-batch"))
+
+
+def _resume_notes(state: Any, args: argparse.Namespace) -> List[str]:
+    """Warnings for settings that differ from the checkpoint's run: --seed is ignored (every random
+    stream continues from the checkpoint); the others apply from the resumed step on."""
+    try:
+        saved = json.loads(state["args"])
+    except (KeyError, TypeError, ValueError):
+        return []
+    now = vars(args)
+    notes = []
+    if now.get("seed") is not None and now.get("seed") != saved.get("seed"):
+        notes.append(f"--seed {now['seed']!r} is ignored on resume: every random stream continues from the "
+                     f"checkpoint (its run had --seed {saved.get('seed')!r})")
+    changed = [f"{flag} {now.get(key)!r} (the checkpoint's run had {saved[key]!r})"
+               for key, flag in _RESUME_NOTED if key in saved and now.get(key) != saved[key]]
+    if changed:
+        notes.append("resumed with other settings, which apply from here on: " + "; ".join(changed))
+    return notes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -367,6 +391,8 @@ def run_train(a: argparse.Namespace) -> int:
         except CheckpointError as e:
             raise UserError(str(e)) from None
         _check_optimizer_settings(state, optimizer, ckpt_path)
+        for note in _resume_notes(state, a):
+            print(f"pdpsgd: warning: {note}", file=sys.stderr)
         ledger = None
         if ledger_path.exists():
             try:

@@ -133,8 +133,12 @@ def test_corrupt_and_mismatched_checkpoints_are_clear_errors(tiny, tmp_path, cap
     err = resume_err("--lr", "5e-4", "--weight-decay", "0.1")
     assert "--lr 0.0001 in the checkpoint vs 0.0005 now" in err and "--weight-decay 0.01" in err
     assert "--head-lr 0.03 in the checkpoint vs 0.1 now" in resume_err("--head-lr", "0.1")
-    # the run still resumes with the right settings
-    assert main(_args(tiny, out, "--resume")) == 0
+    # the run still resumes with the right settings; what it takes from the command line instead of
+    # the checkpoint is said (it was silent)
+    assert main(_args(tiny, out, "--resume", "--seed", "8", "--method", "bk")) == 0
+    err = capsys.readouterr().err
+    assert "--seed 8 is ignored on resume" in err, err
+    assert "--method 'bk' (the checkpoint's run had 'vmap')" in err, err
 
 
 def test_checkpoint_loading_is_weights_only(tmp_path):
