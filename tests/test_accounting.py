@@ -199,6 +199,29 @@ def test_a_cached_answer_reports_its_own_fallback_reason():
         assert acct.last_fallback_reason is None
 
 
+@pytest.mark.parametrize("sigma,q", [(3000.0, 1e-6), (100.0, 1e-7), (1.0, 1e-9)])
+def test_rdp_of_a_tiny_sampling_rate_still_bounds_the_exact_delta(sigma, q):
+    # log A_α ~ 1e-18 rounded to 0 (and the quadrature's to -3e-14): δ(0) was reported as 0 or
+    # 5e-324 and ε(1e-12) as 0, where one step's exact δ(0) = q·TV(N(1, σ²), N(0, σ²)) is ~4e-10
+    exact0 = q * (2.0 * special.ndtr(0.5 / sigma) - 1.0)
+    for acct in (RDPAccountant(), PRVAccountant()):
+        acct.step(noise_multiplier=sigma, sample_rate=q, num_steps=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            assert acct.delta(0.0).upper >= exact0, acct
+            assert acct.epsilon(1e-12).upper > 0.0, acct
+    r = rdp_poisson_subsampled_gaussian(noise_multiplier=sigma, sample_rate=q)
+    assert np.all(r > 0)
+
+
+def test_pld_lower_bound_above_700_is_not_the_underflowed_loss():
+    # dp-accounting returns the loss itself once exp(-loss) underflows: the optimistic
+    # "lower" was 778.53 against the exact 778.18
+    exact = gaussian_epsilon(1e-11, math.sqrt(100) / 0.3)
+    b = prv_module.pld_epsilon(((0.3, 1.0, 100),), 1e-11)
+    assert b.lower <= exact <= b.upper, (b, exact)
+
+
 def test_delta_is_never_exactly_zero():
     # exp of a log-δ below -745 underflowed to a reported δ of exactly 0
     d = RDPAccountant().step(noise_multiplier=1.0, sample_rate=0.01, num_steps=10).delta(2000.0)

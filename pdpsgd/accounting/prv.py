@@ -240,7 +240,7 @@ class _Composed:
     E: np.ndarray
     ndelta: np.ndarray  # E - d1 = -δ(t_i), increasing
     n: int              # full grid size
-    roundoff: float     # estimated absolute round-off of a tail sum (FFT noise + summation)
+    roundoff: float     # estimated absolute round-off of δ (FFT noise, summation, the n-th power)
 
     def epsilon(self, delta: float) -> float:
         i = int(np.searchsorted(self.ndelta, -delta, side="left"))
@@ -396,7 +396,7 @@ def _guarded(f, *args) -> float:
 
 
 def pld_roundoff(pld: Any, steps: int) -> float:
-    """Bound on the floating-point error of any tail sum of a composed dp-accounting PLD.
+    """Estimate (a generous one) of the floating-point error of δ from a composed dp-accounting PLD.
 
     dp-accounting composes by raising an FFT to the n-th power in float64 and does not
     control the round-off, which grows with n and the PMF length m: at q = 1, σ = 100,
@@ -404,7 +404,8 @@ def pld_roundoff(pld: Any, steps: int) -> float:
     (σ = 300, 10⁶ steps, δ = 1e-11: 26.06 against 27.36) — a privacy under-statement.
     The FFT leaves noise of about equal size on every entry, visible where the true
     mass is ~0 as negative entries; with s the largest such magnitude (at least one
-    ulp of the largest mass), m·s bounds the sum of the noise over all m entries.
+    ulp of the largest mass), m·s estimates (generously: no entry's noise is assumed
+    to cancel another's) the sum of the noise over all m entries.
     The n-th power adds a smooth error of ~n ulps (:data:`POWER_ROUNDOFF`) that leaves
     no negative entries. NaN when the PMF cannot be read (then the PLD is not used).
     """
@@ -459,6 +460,10 @@ def pld_epsilon(groups: Groups, delta: float, *, eps_error: float = 0.01, scale:
             upper = _guarded(pess.get_epsilon_for_delta, delta - r_p)
         if r_o <= MAX_ROUNDOFF * delta:
             lower = _guarded(opt.get_epsilon_for_delta, delta + r_o)
+            if lower >= 700.0:
+                # past ~710, exp(-loss) underflows and dp-accounting returns the loss itself,
+                # above the true ε (q=1, σ=0.3, 100 steps, δ=1e-11: 778.53 vs exact 778.18)
+                lower = 0.0
     if lower > rdp_eps * (1 + 1e-6) + 1e-6:
         # an optimistic ε above a valid upper bound: the PLD numbers are not to be trusted
         upper = lower = math.nan
@@ -482,10 +487,13 @@ def pld_delta(groups: Groups, epsilon: float, *, eps_error: float = 0.01, scale:
     pess, opt = _pld_pair(groups, eps_error, scale)
     steps = sum(n for _, _, n in groups)
     r_p, r_o = pld_roundoff(pess, steps), pld_roundoff(opt, steps)
-    upper = min(1.0, max(_guarded(pess.get_delta_for_epsilon, epsilon) + r_p, PLD_MIN_DELTA))
-    lower = max(0.0, _guarded(opt.get_delta_for_epsilon, epsilon) - r_o)
-    if lower > rdp_d * (1 + 1e-6) + 1e-12:
+    upper = _guarded(pess.get_delta_for_epsilon, epsilon) + r_p
+    lower = _guarded(opt.get_delta_for_epsilon, epsilon) - r_o
+    if math.isnan(upper) or lower > rdp_d * (1 + 1e-6) + 1e-12:  # (NaN explicit: min/max hide it)
         upper = lower = math.nan
+    else:
+        upper = min(1.0, max(upper, PLD_MIN_DELTA))
+        lower = max(0.0, lower) if lower == lower else 0.0
     if not upper <= rdp_d:  # NaN, or looser than RDP
         lower = lower if lower <= rdp_d else 0.0
         return DeltaBounds(lower, rdp_d, rdp_d, "rdp")
@@ -672,7 +680,8 @@ class PRVAccountant(HistoryAccountant):
         neg = np.minimum(p, 0.0)
         rms = math.sqrt(2.0 * _dot(neg, neg) / len(p))
         eps64 = np.finfo(np.float64).eps
-        roundoff = 6.0 * math.sqrt(len(p)) * rms + (1024 + len(p) / 1024) * eps64
+        # (twice: δ = d1 - e^(ε-t) E is a difference of two tail sums)
+        roundoff = 2.0 * (6.0 * math.sqrt(len(p)) * rms + (1024 + len(p) / 1024) * eps64)
         # Raising the transforms to the n-th power multiplies their relative round-off by n:
         # a smooth error of ~n ulps in the tail sums that leaves no negative entries
         # (q = 1, σ = 1000, 10⁵ steps: δ off by -7.8e-12 with the estimate above at 5.5e-13,
@@ -789,10 +798,13 @@ class PRVAccountant(HistoryAccountant):
     def _prv_delta(self, groups: Groups, epsilon: float, delta_error: float) -> DeltaBounds:
         comp = self._compose(groups, delta_error)
         derr = delta_error + comp.roundoff  # the round-off bound is folded into the δ error
-        est = min(1.0, max(0.0, comp.delta(epsilon)))
-        upper = min(1.0, max(0.0, comp.delta(epsilon - self.eps_error)) + derr)
-        lower = max(0.0, comp.delta(epsilon + self.eps_error) - derr)
-        if not all(math.isfinite(v) for v in (lower, est, upper)) or not (lower <= est <= upper):
+        raw = (comp.delta(epsilon + self.eps_error), comp.delta(epsilon), comp.delta(epsilon - self.eps_error))
+        if not all(math.isfinite(v) for v in raw):  # before clamping: max(0.0, nan) is 0.0
+            raise PRVFailure(f"non-finite PRV δ {raw}")
+        est = min(1.0, max(0.0, raw[1]))
+        upper = min(1.0, max(0.0, raw[2]) + derr)
+        lower = max(0.0, raw[0] - derr)
+        if not (lower <= est <= upper):
             raise PRVFailure(f"inconsistent PRV bounds ({lower}, {est}, {upper})")
         rdp_delta, _ = delta_from_rdp(_RDP_ORDERS, self._total_rdp(groups), epsilon)
         if lower > rdp_delta * (1 + 1e-6) + 1e-12:
