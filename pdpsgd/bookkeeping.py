@@ -666,12 +666,35 @@ def _take_rows(X: Tensor, flat: Optional[Tensor], K: int) -> Tensor:
 
 
 def _bound(u: Use, terms: Tensor, bounds: Dict[int, Tensor], tokens: Optional[Dict[int, Tensor]],
-           squared: bool = True) -> None:
+           squared: bool = True, robust: Optional[Tensor] = None) -> None:
     """From the per-row terms (B, T) ‖L_t‖²‖R_t‖² (or ‖L_t‖‖R_t‖, ``squared=False``): the bound
-    Σ_t ‖L_t‖‖R_t‖ ≥ ‖G_u,i‖ (B,) and, if ``tokens`` is given, each example's count of non-zero terms."""
-    bounds[id(u)] = (terms.sqrt() if squared else terms).sum(1)
+    Σ_t ‖L_t‖‖R_t‖ ≥ ‖G_u,i‖ (B,) and, if ``tokens`` is given, each example's count of non-zero terms.
+    ``robust``: the terms as :func:`_robust_terms` gives them, for the bound (the counts stay ``terms``')."""
+    bounds[id(u)] = ((robust if robust is not None else terms).sqrt() if squared else terms).sum(1)
     if tokens is not None and terms.dtype != torch.float64:  # (float64 is not guarded)
-        tokens[id(u)] = torch.count_nonzero(terms, dim=1)  # one kernel (a GPU step is launch-bound)
+        tokens[id(u)] = torch.count_nonzero(terms, dim=-1)  # one kernel (a GPU step is launch-bound)
+
+
+# The ghost norm of a weight is a product of two factors' Grams: an example whose activations are
+# tiny (2.5e-23: their squares underflow float32 to 0) and whose output gradients are huge (5e17)
+# has a Gram LLᵀ of 0 and so a norm of 0, while its gradient Lᵀ R (computed by the clipped sum's
+# matmul, without squares) is real: at C = 1 it contributed 1.64 C, at T = 512 ~13 C (found by
+# review, round 32). The cancellation guard's bound was read off the same underflowed diagonals.
+# Now each row's ‖L_t‖² and ‖R_t‖² enter the bound as ‖·‖² + width·UNDERFLOW_SLACK·tiny, in float64
+# (no product underflows there): a squared norm that lost its digits to underflow is far below that
+# bound (≥ 2^24·…, above the guard's κ threshold), so the guard clips the example with the bound.
+# For ordinary rows (‖L_t‖² ≫ width·2^-102) the slack changes nothing.
+UNDERFLOW_SLACK = 2.0 ** 24
+
+
+def _robust_terms(dl: Tensor, dr: Tensor, p0: int, p1: int, acc: torch.dtype) -> Optional[Tensor]:
+    """(‖L_t‖² + p0·s)(‖R_t‖² + p1·s) in float64, s = tiny(acc)·UNDERFLOW_SLACK: each factor's row
+    norm² plus what underflow can have taken from it (p entries, each < s); None for float64 (not
+    guarded)."""
+    if acc == torch.float64:
+        return None
+    sl = torch.finfo(acc).tiny * UNDERFLOW_SLACK
+    return (dl.double() + p0 * sl) * (dr.double() + p1 * sl)
 
 
 # Two index uses (an embedding's lookups) take the equal-ids mask (B, T, S) while T·S is at most this
@@ -707,8 +730,9 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
         for (ex, _, _), gl, gr in zip(comp.groups, gls, grs):
             part: Dict[str, Dict[int, Tensor]] = {"out": {id(u): (gl * gr).sum((1, 2))}, "bound": {}, "count": {}}
             if bounds is not None:  # over the group's rows (the others are zero rows: terms 0)
-                _bound(u, gl.diagonal(dim1=1, dim2=2) * gr.diagonal(dim1=1, dim2=2), part["bound"],
-                       part["count"] if tokens is not None else None)
+                dgl, dgr = gl.diagonal(dim1=1, dim2=2), gr.diagonal(dim1=1, dim2=2)
+                _bound(u, dgl * dgr, part["bound"], part["count"] if tokens is not None else None,
+                       robust=_robust_terms(dgl, dgr, u.L.shape[-1], u.R.shape[-1], acc))
             for k, d in part.items():  # the group's (B_g,) values into their examples' places
                 if id(u) in d:
                     x = d[id(u)]
@@ -731,7 +755,7 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
             dl, dr = _gdiag(gl), _gdiag(gr)  # ‖L_t‖², ‖R_t‖² (B, T)
             if bounds is not None:
                 # Σ_t ‖L_t‖‖R_t‖ (B,): √(‖L_t‖²‖R_t‖²), the Gram diagonals (sums of squares: ≥ 0)
-                _bound(u, dl * dr, bounds, tokens)
+                _bound(u, dl * dr, bounds, tokens, robust=_robust_terms(dl, dr, u.L.shape[-1], u.R.shape[-1], acc))
             if rows is not None:
                 act = _active_rows(u, dl, dr, tokens.get(id(u)) if tokens is not None else None)  # (_bound's counts)
                 if act is not None:
@@ -820,7 +844,8 @@ def _ghost_groups(items: Sequence[Tuple[str, Dense, Tuple]], rows: Optional[Dict
                     torch.bmm(X, X.transpose(1, 2), out=G[f, j])  # (B, T, P) x (B, P, T) -> (B, T, T)
             d = G.diagonal(dim1=3, dim2=4)  # (2, m, B, T): ‖L_t‖², ‖R_t‖²
             terms = d[0] * d[1]  # (m, B, T)
-            bound = terms.sqrt().sum(2)  # (m, B): Σ_t ‖L_t‖‖R_t‖
+            robust = _robust_terms(d[0], d[1], ls[2], rs[2], acc)  # (underflow, see ``_robust_terms``)
+            bound = (terms if robust is None else robust).sqrt().sum(2)  # (m, B): Σ_t ‖L_t‖‖R_t‖
             cnt = torch.count_nonzero(terms, dim=2) if acc != torch.float64 else None  # (m, B), as ``_bound``
             sq = (G[0] * G[1]).sum((2, 3))  # (m, B, T, T) -> (m, B): ⟨L Lᵀ, R Rᵀ⟩ per example
             check = rows is not None and B * T * ls[2] * rs[2] >= ACTIVE_ROWS_MIN_WORK
@@ -882,11 +907,12 @@ class _Guard:
             S = torch.stack([t for _, t, _, _ in items], 1).clamp_min_(0)  # m x (B,) -> (B, m)
             if T:  # T = 0: no bounds (float64, or a use without one): the norms as they are
                 b = torch.stack([b for _, _, b, _ in items], 1)
-                b2 = b * b
+                b2 = b.double() ** 2  # (float64: the bounds of ``_robust_terms`` may not fit S's dtype)
                 if T == "per example":
                     # counts (int64, ≤ T: exact in float32), stacked first: one conversion, not one per parameter
                     T = torch.stack([t.to(S.device) for _, _, _, t in items], 1).to(S.dtype).clamp_min_(1)  # (B, m)
-                S = torch.where(S * (KAPPA_MAX_PER_T * T) < b2, b2, S)
+                # (a bound beyond S's range becomes inf: the example is then dropped as non-finite)
+                S = torch.where(S.double() * (KAPPA_MAX_PER_T * T) < b2, b2.to(S.dtype), S)
             for j, item in enumerate(items):
                 sq[item[0]] = S[:, j]
         self.groups.clear()

@@ -73,7 +73,20 @@ def make_groups(
             raise ValueError(f"budget needs {len(groups)} positive weights, one per clipping group; got {budget}")
     total = sum(w)
     thresholds = [max_grad_norm * math.sqrt(x / total) for x in w]
+    if min(thresholds) < MIN_THRESHOLD:
+        raise ValueError(
+            f"clipping threshold {min(thresholds):.3g} (max_grad_norm={max_grad_norm:g}"
+            f"{', split over the clipping groups' if len(w) > 1 else ''}) is below {MIN_THRESHOLD:g}: "
+            "per-example squared norms are sums of squares in float32, which underflow near there, so "
+            "an example's norm could be under-stated and escape its clip. Scale the loss up (and C with "
+            "it) instead, or use fewer clipping groups / a more even budget.")
     return ClipGroups(groups, thresholds)
+
+
+#: Smallest clipping threshold (per group) and automatic-clipping γ accepted. A float32 squared norm
+#: loses to underflow at most ~(entries)·2^-126; below ~1e-10 that can reach C itself (review, round
+#: 32: C = 1e-30 with gradient entries of 1e-25 gave norm 0 and a contribution of 1e5·C).
+MIN_THRESHOLD = 1e-10
 
 
 def clip_factor(norm: Tensor, threshold: float, fn: str = "abadi", gamma: float = 0.01) -> Tensor:
@@ -111,8 +124,9 @@ def make_weights_fn(groups: ClipGroups, *, clip_fn: str = "abadi", gamma: float 
     """
     if clip_fn not in ("abadi", "automatic"):
         raise ValueError(f"clip_fn={clip_fn!r} is unknown: use 'abadi' or 'automatic'")
-    if not gamma > 0 and clip_fn == "automatic":
-        raise ValueError("gamma must be > 0 for automatic clipping")
+    if not gamma >= MIN_THRESHOLD and clip_fn == "automatic":
+        raise ValueError(f"gamma must be ≥ {MIN_THRESHOLD:g} for automatic clipping (smaller ones let an "
+                         f"under-stated, underflowed norm exceed C), got {gamma!r}")
 
     single = len(groups.names) == 1  # flat clipping: the group's norm is the total
 

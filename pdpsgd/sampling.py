@@ -52,6 +52,12 @@ def _check_int(value: Any, name: str, minimum: int) -> int:
     return value
 
 
+def _grid_rate(q: float) -> float:
+    """floor(q·2^53)·2^-53 (exact in float64): the largest inclusion probability ≤ q that uniform
+    variates on the 2^-53 grid give exactly."""
+    return math.floor(q * 2.0 ** 53) * 2.0 ** -53
+
+
 def _check_rate(sample_rate: Any) -> float:
     if isinstance(sample_rate, bool):
         raise TypeError(f"sample_rate must be a real number, got {sample_rate!r}.")
@@ -93,9 +99,10 @@ class PoissonSampler:
             for pb in to_physical_batches(indices, max_batch_size=1024):
                 batch, mask = collate(data, pb)      # fixed shape [1024, ...]
 
-    Each step draws N independent uniform float64 variates and keeps ``u < q``,
-    so inclusions are independent across examples and across steps, with
-    probability q up to 2^-53. ``len(sampler) == steps``. Iteration resumes from the
+    Each step draws N independent uniform float64 variates (multiples of 2^-53) and
+    keeps ``u < floor(q·2^53)·2^-53``, so inclusions are independent across examples
+    and across steps, with probability floor(q·2^53)/2^53: q up to 2^-53, and never
+    above it (``u < q`` includes ceil(q·2^53) of the 2^53 values: at q = 1e-17, 11 q). ``len(sampler) == steps``. Iteration resumes from the
     current position (``sampler.position``); :meth:`state_dict` /
     :meth:`load_state_dict` save and restore the position and the generator state
     for an exact resume.
@@ -149,7 +156,7 @@ class PoissonSampler:
             )
         u = torch.rand(self.num_examples, generator=self.generator, dtype=torch.float64)
         self.position += 1
-        return torch.nonzero(u < self.sample_rate, as_tuple=False).reshape(-1)
+        return torch.nonzero(u < _grid_rate(self.sample_rate), as_tuple=False).reshape(-1)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         while self.position < self.steps:

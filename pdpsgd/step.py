@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._types import Batch, LossFn, Params, StepOutput
 from ._warn import warn
-from .clipping import Clipping, make_groups, make_weights_fn, sum_sq_norms
+from .clipping import MIN_THRESHOLD, Clipping, make_groups, make_weights_fn, sum_sq_norms
 from .functional import (LossModule, ParamIndex, check_no_batch_mixing, model_constants, model_structure, no_rope_mixing,
                          no_writes_to, trainable_params)
 from .fused import RNGS, noise_and_scale, resolve_rng
@@ -190,6 +190,11 @@ class DPStep:
         noise_multiplier = _real("noise_multiplier", noise_multiplier)
         if not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 (the clipping bound C), got {max_grad_norm}")
+        if max_grad_norm < MIN_THRESHOLD:
+            raise ValueError(
+                f"max_grad_norm={max_grad_norm:g} is below {MIN_THRESHOLD:g}: per-example squared norms are "
+                "sums of squares in float32, which underflow near there, so an example's norm could be "
+                "under-stated and escape its clip; scale the loss up (and C with it) instead")
         if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
             raise ValueError(f"noise_multiplier must be a finite number ≥ 0 (σ), got {noise_multiplier}")
         if math.isinf(max_grad_norm) and noise_multiplier > 0:

@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -803,7 +803,7 @@ def test_stacked_sums_skip_nonfinite_examples():
 
 
 @pytest.mark.parametrize("route", ["ghost", "explicit"])
-def test_keep_check_per_weight_tensor_with_different_zero_patterns(route):
+def test_keep_check_per_weight_tensor_with_different_zero_patterns(route, monkeypatch):
     """Per-layer clipping where one group's float32 factors are all exactly 0 (budget underflows)
     and one example is non-finite: each weight tensor gets its own keep mask (taken once per
     distinct tensor), so every other group's sum stays exact."""
@@ -813,6 +813,8 @@ def test_keep_check_per_weight_tensor_with_different_zero_patterns(route):
     x[4] = 1e30  # non-finite gradient: weight 0 in every group
     b = {"x": x, "y": torch.randint(0, 3, (6,))}
     params = trainable_params(model)
+    # (a budget of 1e-100 is this test's way to zero a group's factors; below the threshold floor)
+    monkeypatch.setattr(pdpsgd.clipping, "MIN_THRESHOLD", 0.0)
     kw = dict(max_grad_norm=0.5, noise_multiplier=0.0, clipping="per_layer", clip_budget=[1e-100, 1, 1, 1, 1, 1])
     ref = make_dp_step(model, models.mlp_loss, method="vmap", **kw).clipped_sum(params, b)
     for m in METHODS:
@@ -859,6 +861,8 @@ def test_sync_free_engine_exact_with_nonfinite_masks_padding_and_groups(sync_fre
     x[4] = 1e30
     b = {"x": x, "y": torch.randint(0, 3, (6,))}
     model = nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3))
+    # (a budget of 1e-100 is this test's way to zero a group's factors; below the threshold floor)
+    monkeypatch.setattr(pdpsgd.clipping, "MIN_THRESHOLD", 0.0)
     kw = dict(max_grad_norm=0.5, noise_multiplier=0.0, clipping="per_layer", clip_budget=[1e-100, 1, 1, 1, 1, 1])
     params = trainable_params(model)
     ref = make_dp_step(model, models.mlp_loss, method="vmap", **kw).clipped_sum(params, b)
@@ -1066,6 +1070,57 @@ def test_float32_cancellation_cannot_escape_the_clip(route):
         assert float(part.sums["weight"].double().norm()) <= C * (1 + 1e-4)
         true = float(torch.outer(v.double(), (x[i, 0] - x[i, 1]).double()).norm())
         assert float(part.per_sample_norms[0]) >= true * (1 - 1e-3)  # never an underestimate
+
+
+class _TwoHeads(nn.Module):
+    """Two equal-shaped linears on different inputs: their ghost norms are taken as a group."""
+
+    def __init__(self, d, k):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, k, bias=False), nn.Linear(d, k, bias=False)
+
+    def forward(self, x):
+        return self.a(x) + self.b(2 * x)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    log_x=st.floats(-24.0, -19.0),  # activations whose squares underflow float32 (wholly below ~-22.6)
+    ratio=st.floats(1.5, 4.0),  # the example's true norm over C
+    T=st.sampled_from([64, 256]),
+    d=st.sampled_from([1024, 4096]),
+    two=st.booleans(),  # one linear (``_inner``) or two of equal shape (the grouped Grams)
+    C=st.sampled_from([1.0, 1e-2]),
+)
+def test_underflowed_ghost_norm_cannot_escape_the_clip(log_x, ratio, T, d, two, C):
+    """Tiny activations (their Gram LLᵀ underflows to 0) with huge output gradients: the ghost norm
+    was 0 and the example added its whole gradient (1.64 C at C = 1; found by review)."""
+    torch.manual_seed(0)
+    k = 4
+    model = _TwoHeads(d, k) if two else nn.Linear(d, k, bias=False)
+    x_val = 10.0 ** log_x
+    y_val = ratio * C / (T * x_val * math.sqrt(d * k) * (3.0 if two else 1.0))  # ‖G‖ = ratio·C in all
+    assume(k * y_val ** 2 < 1e38)  # (beyond: ‖R_t‖² overflows, the norm is inf, the example dropped)
+    x = torch.randn(2, T, d)
+    x[0] = x_val
+    y = torch.randn(2, T, k)
+    y[0] = y_val
+
+    def loss(m, b):
+        return (m(b["x"]) * b["y"]).sum((1, 2))
+
+    step = make_dp_step(model, loss, max_grad_norm=C, noise_multiplier=0.0, method="bk",
+                        bk_options={"cost_model": "ghost"})
+    params = trainable_params(model)
+    part = step.clipped_sum(params, {"x": x[:1], "y": y[:1]})
+    assert set(part.routes.values()) == {"ghost"}, part.routes
+    contrib = math.sqrt(sum(float(g.double().pow(2).sum()) for g in part.sums.values()))
+    assert contrib <= C * (1 + 1e-5), (contrib / C, part.per_sample_norms)
+    # an ordinary example beside it keeps its exact norm
+    both = step.clipped_sum(params, {"x": x, "y": y})
+    ref = make_dp_step(model, loss, max_grad_norm=C, noise_multiplier=0.0, method="vmap").clipped_sum(
+        params, {"x": x[1:], "y": y[1:]}).per_sample_norms
+    torch.testing.assert_close(both.per_sample_norms[1:], ref, rtol=1e-4, atol=0)
 
 
 def test_cancellation_guard_leaves_ordinary_float32_norms_alone():

@@ -424,3 +424,24 @@ def test_buffers_put_back_when_the_step_fails():
     with pytest.raises(ValueError, match="reduction='none'"):
         step(pdpsgd.trainable_params(m), batch())
     assert torch.equal(m.mean, torch.zeros(5))
+
+
+def test_a_clipping_bound_where_float32_norms_underflow_is_refused():
+    # review, round 32: C = 1e-30 with gradient entries of 1e-25 gave a norm of 0 (squares underflow)
+    # and a contribution of 1e5·C
+    lin = nn.Linear(3, 2)
+
+    def loss(m, b):
+        return m(b["x"]).sum(1)
+
+    with pytest.raises(ValueError, match="max_grad_norm=1e-30 is below 1e-10.*underflow.*scale the loss up"):
+        pdpsgd.make_dp_step(lin, loss, max_grad_norm=1e-30, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="threshold .* below 1e-10.*clipping groups"):
+        step = pdpsgd.make_dp_step(lin, loss, max_grad_norm=1e-9, noise_multiplier=1.0, clipping="per_layer",
+                                   clip_budget=[1e-4, 1.0])
+        step(pdpsgd.trainable_params(lin), {"x": torch.randn(2, 3)})
+    with pytest.raises(ValueError, match="gamma must be ≥ 1e-10"):
+        step = pdpsgd.make_dp_step(lin, loss, max_grad_norm=1.0, noise_multiplier=1.0, clip_fn="automatic",
+                                   gamma=1e-20)
+        step(pdpsgd.trainable_params(lin), {"x": torch.randn(2, 3)})
+    pdpsgd.make_dp_step(lin, loss, max_grad_norm=1e-10, noise_multiplier=1.0)  # the floor itself is fine

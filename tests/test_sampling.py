@@ -193,3 +193,18 @@ def test_bad_sizes():
     with pytest.raises(TypeError, match="generator"):
         PoissonSampler(10, 0.1, 5, generator="seed")
     assert len(list(PoissonSampler(10, 0.1, 0))) == 0
+
+
+def test_inclusion_probability_never_exceeds_q(monkeypatch):
+    # uniforms are multiples of 2^-53 and ``u < q`` took ceil(q·2^53) of the 2^53 values: more than q
+    # (at q = 1e-17, 11 q; review, round 32). The grid value just below q is now left out.
+    for q in (0.3, 1e-17, 1e-6 + 1e-22):
+        below = math.floor(q * 2.0 ** 53) * 2.0 ** -53
+        assert below < q
+        fake = torch.tensor([below, max(below - 2.0 ** -53, 0.0), 0.0], dtype=torch.float64)
+        monkeypatch.setattr(torch, "rand", lambda n, generator=None, dtype=None: fake[:n].clone())
+        got = PoissonSampler(3, q, 1, generator=0).sample().tolist()
+        assert got == ([1, 2] if below > 0 else []), (q, got)
+    monkeypatch.undo()
+    u = torch.rand(100_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert bool((u * 2.0 ** 53 == (u * 2.0 ** 53).floor()).all())  # torch's float64 uniforms: on the grid
