@@ -3193,20 +3193,91 @@ def _stacked_sums(names: List[str], S: Tensor, w: Mapping[str, Tensor], params: 
         sums[n] = tot[j].reshape(params[n].shape)
 
 
+def _matmul_knobs() -> List[Any]:
+    """The per-backend float32 matmul precision settings (torch >= 2.9's ``fp32_precision``), or []."""
+    out = []
+    for k in (getattr(getattr(torch.backends, "cuda", None), "matmul", None),
+              getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)):
+        if k is not None and hasattr(k, "fp32_precision"):
+            out.append(k)
+    return out
+
+
+@contextlib.contextmanager
+def _ieee_matmuls() -> Iterator[None]:
+    """Float32 matmuls at full precision inside (restored after): the engine's norms and clipped sums.
+
+    ``torch.set_float32_matmul_precision("high")`` (TF32 on CUDA) or ``"medium"`` (bf16 on a CPU with
+    AMX: 0.19 absolute error on a 512-long dot product here) made the ghost Grams and the clipped
+    sums ~1e-3-1e-2 relative off: a norm under-stated by that lets the example exceed C by as much
+    (and the cancellation guard's κ·ε budget assumed float32 rounding; review, round 32). The
+    capture (the model's own forward and backward) keeps the caller's setting."""
+    saved: List[Tuple[Any, Any]] = []
+    try:
+        knobs = _matmul_knobs()
+        if knobs:
+            for k in knobs:
+                v = k.fp32_precision
+                if v != "ieee":
+                    saved.append((k, v))
+                    k.fp32_precision = "ieee"
+        elif torch.get_float32_matmul_precision() != "highest":
+            saved.append((None, torch.get_float32_matmul_precision()))
+            torch.set_float32_matmul_precision("highest")
+    except (AttributeError, RuntimeError, ValueError):
+        pass
+    try:
+        yield
+    finally:
+        for k, v in reversed(saved):
+            if k is None:
+                torch.set_float32_matmul_precision(v)
+            else:
+                k.fp32_precision = v
+
+
+@contextlib.contextmanager
+def _caller_matmuls(saved: List[Tuple[Any, Any]]) -> Iterator[None]:
+    """Inside :func:`_ieee_matmuls`: the caller's settings back, for the capture."""
+    now = [(k, k.fp32_precision if k is not None else torch.get_float32_matmul_precision()) for k, _ in saved]
+    for k, v in saved:
+        torch.set_float32_matmul_precision(v) if k is None else setattr(k, "fp32_precision", v)
+    try:
+        yield
+    finally:
+        for k, v in reversed(now):
+            torch.set_float32_matmul_precision(v) if k is None else setattr(k, "fp32_precision", v)
+
+
+def _caller_precision() -> List[Tuple[Any, Any]]:
+    """The caller's float32 matmul settings that :func:`_ieee_matmuls` would change."""
+    try:
+        knobs = _matmul_knobs()
+        if knobs:
+            return [(k, k.fp32_precision) for k in knobs if k.fp32_precision != "ieee"]
+        p = torch.get_float32_matmul_precision()
+        return [] if p == "highest" else [(None, p)]
+    except (AttributeError, RuntimeError, ValueError):
+        return []
+
+
 def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts, probe_memo=None):
-    """One chunk: the capture (and the fallback's vmap) under the caller's autocast, if any; the
-    engine's own norms, clip factors and sums with it off (``per_sample.amp``)."""
+    """One chunk: the capture (and the fallback's vmap) under the caller's autocast and float32 matmul
+    precision, if any; the engine's own norms, clip factors and sums with autocast off
+    (``per_sample.amp``) and full-precision float32 matmuls (:func:`_ieee_matmuls`)."""
     state = amp_state()
-    with amp(state, False):  # (no region: nothing entered)
+    caller = _caller_precision()
+    with amp(state, False), _ieee_matmuls():  # (no region: nothing entered)
         return _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts,
-                           probe_memo, state)
+                           probe_memo, state, caller)
 
 
 def _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts, probe_memo,
-                state):
+                state, caller=()):
     B = mask.shape[0]
     device = _device_of(params, mask)  # the parameters' device decides what may sync
-    with amp(state, True):  # (the model's forward and backward: the caller's mixed precision)
+    # (the model's forward and backward: the caller's mixed precision and matmul precision)
+    with amp(state, True), _caller_matmuls(list(caller)):
         col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
                        check_order=_check_order(opts))
     _settle_pending(col, params, B, getattr(weights_fn, "clip_groups", None))

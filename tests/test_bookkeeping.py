@@ -1123,6 +1123,45 @@ def test_underflowed_ghost_norm_cannot_escape_the_clip(log_x, ratio, T, d, two, 
     torch.testing.assert_close(both.per_sample_norms[1:], ref, rtol=1e-4, atol=0)
 
 
+@pytest.mark.parametrize("route", ["ghost", "explicit"])
+def test_reduced_float32_matmul_precision_cannot_loosen_the_clip(route):
+    """``torch.set_float32_matmul_precision("medium")`` (bf16 matmuls on a CPU with AMX; "high" is
+    TF32 on CUDA) made the norms and the clipped sums ~1e-2 off: ordinary examples reached
+    1.000085 C (review, round 32). The engine's own matmuls now run at full precision; the caller's
+    setting is kept for the model and restored after the step."""
+    torch.manual_seed(0)
+    u, v = torch.randn(64, 512), torch.randn(512, 64)
+    exact = u @ v
+    torch.set_float32_matmul_precision("medium")
+    try:
+        reduced = not torch.equal(u @ v, exact)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    if not reduced:
+        pytest.skip("float32 matmuls on this CPU keep full precision at 'medium' (no AMX / avx512_bf16)")
+    m = nn.Linear(512, 64, bias=False)
+
+    def loss(mm, b):
+        return (mm(b["x"]) * b["y"]).sum((1, 2))
+
+    C = 1e-3
+    step = make_dp_step(m, loss, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=1.0, method="bk",
+                        bk_options={"cost_model": route})
+    params = trainable_params(m)
+    worst = 0.0
+    for _ in range(8):
+        b = {"x": torch.randn(1, 64, 512), "y": torch.randn(1, 64, 64)}
+        torch.set_float32_matmul_precision("medium")
+        try:
+            part = step.clipped_sum(params, b)
+            assert torch.get_float32_matmul_precision() == "medium"  # the caller's setting, restored
+        finally:
+            torch.set_float32_matmul_precision("highest")
+        assert part.routes["weight"] == route
+        worst = max(worst, float(part.sums["weight"].double().norm()) / C)
+    assert worst <= 1 + 1e-5, worst
+
+
 def test_cancellation_guard_leaves_ordinary_float32_norms_alone():
     torch.manual_seed(0)
     model = models.tiny_gpt2()
