@@ -666,11 +666,13 @@ def _take_rows(X: Tensor, flat: Optional[Tensor], K: int) -> Tensor:
 
 
 def _bound(u: Use, terms: Tensor, bounds: Dict[int, Tensor], tokens: Optional[Dict[int, Tensor]],
-           squared: bool = True, robust: Optional[Tensor] = None) -> None:
+           squared: bool = True, slack: Optional[Tensor] = None) -> None:
     """From the per-row terms (B, T) ‖L_t‖²‖R_t‖² (or ‖L_t‖‖R_t‖, ``squared=False``): the bound
     Σ_t ‖L_t‖‖R_t‖ ≥ ‖G_u,i‖ (B,) and, if ``tokens`` is given, each example's count of non-zero terms.
-    ``robust``: the terms as :func:`_robust_terms` gives them, for the bound (the counts stay ``terms``')."""
-    bounds[id(u)] = ((robust if robust is not None else terms).sqrt() if squared else terms).sum(1)
+    ``slack``: :func:`_underflow_slack` (B,), kept under the key ("slack", id(u))."""
+    bounds[id(u)] = (terms.sqrt() if squared else terms).sum(1)
+    if slack is not None:
+        bounds[("slack", id(u))] = slack  # type: ignore[index]
     if tokens is not None and terms.dtype != torch.float64:  # (float64 is not guarded)
         tokens[id(u)] = torch.count_nonzero(terms, dim=-1)  # one kernel (a GPU step is launch-bound)
 
@@ -679,22 +681,22 @@ def _bound(u: Use, terms: Tensor, bounds: Dict[int, Tensor], tokens: Optional[Di
 # tiny (2.5e-23: their squares underflow float32 to 0) and whose output gradients are huge (5e17)
 # has a Gram LLᵀ of 0 and so a norm of 0, while its gradient Lᵀ R (computed by the clipped sum's
 # matmul, without squares) is real: at C = 1 it contributed 1.64 C, at T = 512 ~13 C (found by
-# review, round 32). The cancellation guard's bound was read off the same underflowed diagonals.
-# Now each row's ‖L_t‖² and ‖R_t‖² enter the bound as ‖·‖² + width·UNDERFLOW_SLACK·tiny, in float64
-# (no product underflows there): a squared norm that lost its digits to underflow is far below that
-# bound (≥ 2^24·…, above the guard's κ threshold), so the guard clips the example with the bound.
-# For ordinary rows (‖L_t‖² ≫ width·2^-102) the slack changes nothing.
-UNDERFLOW_SLACK = 2.0 ** 24
-
-
-def _robust_terms(dl: Tensor, dr: Tensor, p0: int, p1: int, acc: torch.dtype) -> Optional[Tensor]:
-    """(‖L_t‖² + p0·s)(‖R_t‖² + p1·s) in float64, s = tiny(acc)·UNDERFLOW_SLACK: each factor's row
-    norm² plus what underflow can have taken from it (p entries, each < s); None for float64 (not
-    guarded)."""
+# review, round 32). Underflow takes less than tiny (the dtype's smallest normal; flush-to-zero
+# included) from each product, so each Gram entry is off by at most p·tiny and the product sum
+# ⟨A, B⟩ = Σ_ts A_ts B_ts by at most p0·tiny·Σ_ts|B_ts| + p1·tiny·Σ_ts|A_ts| + T²·tiny·(1 + p0·p1·tiny),
+# with Σ_ts|A_ts| ≤ (Σ_t ‖L_t‖)². That much (in float64, from the Gram diagonals, each row's norm²
+# taken + p·tiny for what it may have lost) is added to the squared norm: an upper bound whatever
+# underflowed, and ~1e-35 relative for ordinary activations.
+def _underflow_slack(dl: Tensor, dr: Tensor, p0: int, p1: int, acc: torch.dtype) -> Optional[Tensor]:
+    """The bound above (..., B) from the diagonals dl = ‖L_t‖², dr = ‖R_t‖² (..., B, T); None for
+    float64 (not guarded)."""
     if acc == torch.float64:
         return None
-    sl = torch.finfo(acc).tiny * UNDERFLOW_SLACK
-    return (dl.double() + p0 * sl) * (dr.double() + p1 * sl)
+    tiny = torch.finfo(acc).tiny
+    sl = (dl.double() + p0 * tiny).sqrt().sum(-1)  # Σ_t ‖L_t‖
+    sr = (dr.double() + p1 * tiny).sqrt().sum(-1)  # Σ_t ‖R_t‖
+    T = dl.shape[-1]
+    return p0 * tiny * sr * sr + p1 * tiny * sl * sl + T * T * tiny * (1.0 + p0 * p1 * tiny)
 
 
 # Two index uses (an embedding's lookups) take the equal-ids mask (B, T, S) while T·S is at most this
@@ -732,7 +734,7 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
             if bounds is not None:  # over the group's rows (the others are zero rows: terms 0)
                 dgl, dgr = gl.diagonal(dim1=1, dim2=2), gr.diagonal(dim1=1, dim2=2)
                 _bound(u, dgl * dgr, part["bound"], part["count"] if tokens is not None else None,
-                       robust=_robust_terms(dgl, dgr, u.L.shape[-1], u.R.shape[-1], acc))
+                       slack=_underflow_slack(dgl, dgr, u.L.shape[-1], u.R.shape[-1], acc))
             for k, d in part.items():  # the group's (B_g,) values into their examples' places
                 if id(u) in d:
                     x = d[id(u)]
@@ -755,7 +757,7 @@ def _inner(u: Use, v: Use, shape: torch.Size, acc: torch.dtype, cache: Optional[
             dl, dr = _gdiag(gl), _gdiag(gr)  # ‖L_t‖², ‖R_t‖² (B, T)
             if bounds is not None:
                 # Σ_t ‖L_t‖‖R_t‖ (B,): √(‖L_t‖²‖R_t‖²), the Gram diagonals (sums of squares: ≥ 0)
-                _bound(u, dl * dr, bounds, tokens, robust=_robust_terms(dl, dr, u.L.shape[-1], u.R.shape[-1], acc))
+                _bound(u, dl * dr, bounds, tokens, slack=_underflow_slack(dl, dr, u.L.shape[-1], u.R.shape[-1], acc))
             if rows is not None:
                 act = _active_rows(u, dl, dr, tokens.get(id(u)) if tokens is not None else None)  # (_bound's counts)
                 if act is not None:
@@ -844,8 +846,8 @@ def _ghost_groups(items: Sequence[Tuple[str, Dense, Tuple]], rows: Optional[Dict
                     torch.bmm(X, X.transpose(1, 2), out=G[f, j])  # (B, T, P) x (B, P, T) -> (B, T, T)
             d = G.diagonal(dim1=3, dim2=4)  # (2, m, B, T): ‖L_t‖², ‖R_t‖²
             terms = d[0] * d[1]  # (m, B, T)
-            robust = _robust_terms(d[0], d[1], ls[2], rs[2], acc)  # (underflow, see ``_robust_terms``)
-            bound = (terms if robust is None else robust).sqrt().sum(2)  # (m, B): Σ_t ‖L_t‖‖R_t‖
+            slack = _underflow_slack(d[0], d[1], ls[2], rs[2], acc)  # (m, B) (see ``_underflow_slack``)
+            bound = terms.sqrt().sum(2)  # (m, B): Σ_t ‖L_t‖‖R_t‖
             cnt = torch.count_nonzero(terms, dim=2) if acc != torch.float64 else None  # (m, B), as ``_bound``
             sq = (G[0] * G[1]).sum((2, 3))  # (m, B, T, T) -> (m, B): ⟨L Lᵀ, R Rᵀ⟩ per example
             check = rows is not None and B * T * ls[2] * rs[2] >= ACTIVE_ROWS_MIN_WORK
@@ -854,7 +856,7 @@ def _ghost_groups(items: Sequence[Tuple[str, Dense, Tuple]], rows: Optional[Dict
             d = d.clone() if check else None  # (the diagonals alone: the Grams are freed before the next group)
             del G, terms
             for j, (n, u) in enumerate(part):
-                out[n] = (sq[j], bound[j])
+                out[n] = (sq[j], bound[j], None if slack is None else slack[j])
                 if cnt is not None:
                     tokens[id(u)] = cnt[j]
                 if check:
@@ -898,21 +900,31 @@ class _Guard:
         if b is not None:
             T = sum((tokens or {}).get(id(u), getattr(u, "T", 1)) for u in uses)
         per_example = isinstance(T, Tensor)
+        # the underflow slack over all uses (``_underflow_slack``): pairs' cross terms included, (Σ_u √Δ_u)²
+        sl = [bounds[("slack", id(u))] for u in uses if ("slack", id(u)) in bounds]  # type: ignore[operator]
+        slack = None
+        if sl:
+            slack = sl[0] if len(sl) == 1 else torch.stack(sl).sqrt().sum(0) ** 2
         self.groups.setdefault((tot.dtype, tot.device, "per example" if per_example else T), []).append(
-            (n, tot, b, T if per_example else None))
+            (n, tot, b, T if per_example else None, slack))
 
     def done(self, sq: Dict[str, Tensor]) -> None:
         for (_, _, T), items in self.groups.items():
             # a sum of squares; rounding may dip below 0 only when ~0
-            S = torch.stack([t for _, t, _, _ in items], 1).clamp_min_(0)  # m x (B,) -> (B, m)
+            S = torch.stack([t for _, t, _, _, _ in items], 1).clamp_min_(0)  # m x (B,) -> (B, m)
             if T:  # T = 0: no bounds (float64, or a use without one): the norms as they are
-                b = torch.stack([b for _, _, b, _ in items], 1)
-                b2 = b.double() ** 2  # (float64: the bounds of ``_robust_terms`` may not fit S's dtype)
+                b = torch.stack([b for _, _, b, _, _ in items], 1)
+                b2 = b * b
                 if T == "per example":
                     # counts (int64, ≤ T: exact in float32), stacked first: one conversion, not one per parameter
-                    T = torch.stack([t.to(S.device) for _, _, _, t in items], 1).to(S.dtype).clamp_min_(1)  # (B, m)
-                # (a bound beyond S's range becomes inf: the example is then dropped as non-finite)
-                S = torch.where(S.double() * (KAPPA_MAX_PER_T * T) < b2, b2.to(S.dtype), S)
+                    T = torch.stack([t.to(S.device) for _, _, _, t, _ in items], 1).to(S.dtype).clamp_min_(1)  # (B, m)
+                S = torch.where(S * (KAPPA_MAX_PER_T * T) < b2, b2, S)
+            if any(it[4] is not None for it in items):
+                # + what underflow can have taken (float64; a sum beyond S's range becomes inf: the example
+                # is then dropped as non-finite)
+                zero = torch.zeros(S.shape[0], dtype=torch.float64, device=S.device)
+                D = torch.stack([zero if it[4] is None else it[4].to(S.device) for it in items], 1)  # (B, m)
+                S = (S.double() + D).to(S.dtype)
             for j, item in enumerate(items):
                 sq[item[0]] = S[:, j]
         self.groups.clear()
@@ -3343,8 +3355,11 @@ def _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registr
                 col.uses[n] = []  # drop this parameter's references to its a and g
             del G, uses
         elif n in grouped:
-            tot, b = grouped.pop(n)
-            guard.add(n, tot, uses, {id(uses[0]): b}, acc, tokens)
+            tot, b, slack = grouped.pop(n)
+            gb: Dict[Any, Tensor] = {id(uses[0]): b}
+            if slack is not None:
+                gb[("slack", id(uses[0]))] = slack
+            guard.add(n, tot, uses, gb, acc, tokens)
         else:
             tot = None
             bounds: Dict[int, Tensor] = {}
