@@ -3216,8 +3216,9 @@ def _matmul_knobs() -> List[Any]:
 
 
 @contextlib.contextmanager
-def _ieee_matmuls() -> Iterator[None]:
+def _ieee_matmuls() -> Iterator[List[Tuple[Any, Any]]]:
     """Float32 matmuls at full precision inside (restored after): the engine's norms and clipped sums.
+    Yields the caller's settings it changed, as (knob or None for the legacy setter, value).
 
     ``torch.set_float32_matmul_precision("high")`` (TF32 on CUDA) or ``"medium"`` (bf16 on a CPU with
     AMX: 0.19 absolute error on a 512-long dot product here) made the ghost Grams and the clipped
@@ -3239,7 +3240,7 @@ def _ieee_matmuls() -> Iterator[None]:
     except (AttributeError, RuntimeError, ValueError):
         pass
     try:
-        yield
+        yield saved
     finally:
         for k, v in reversed(saved):
             if k is None:
@@ -3261,25 +3262,12 @@ def _caller_matmuls(saved: List[Tuple[Any, Any]]) -> Iterator[None]:
             torch.set_float32_matmul_precision(v) if k is None else setattr(k, "fp32_precision", v)
 
 
-def _caller_precision() -> List[Tuple[Any, Any]]:
-    """The caller's float32 matmul settings that :func:`_ieee_matmuls` would change."""
-    try:
-        knobs = _matmul_knobs()
-        if knobs:
-            return [(k, k.fp32_precision) for k in knobs if k.fp32_precision != "ieee"]
-        p = torch.get_float32_matmul_precision()
-        return [] if p == "highest" else [(None, p)]
-    except (AttributeError, RuntimeError, ValueError):
-        return []
-
-
 def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts, probe_memo=None):
     """One chunk: the capture (and the fallback's vmap) under the caller's autocast and float32 matmul
     precision, if any; the engine's own norms, clip factors and sums with autocast off
     (``per_sample.amp``) and full-precision float32 matmuls (:func:`_ieee_matmuls`)."""
     state = amp_state()
-    caller = _caller_precision()
-    with amp(state, False), _ieee_matmuls():  # (no region: nothing entered)
+    with amp(state, False), _ieee_matmuls() as caller:  # (no region: nothing entered)
         return _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts,
                            probe_memo, state, caller)
 

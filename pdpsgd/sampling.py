@@ -102,10 +102,10 @@ class PoissonSampler:
     Each step draws N independent uniform float64 variates (multiples of 2^-53) and
     keeps ``u < floor(q·2^53)·2^-53``, so inclusions are independent across examples
     and across steps, with probability floor(q·2^53)/2^53: q up to 2^-53, and never
-    above it (``u < q`` includes ceil(q·2^53) of the 2^53 values: at q = 1e-17, 11 q). ``len(sampler) == steps``. Iteration resumes from the
-    current position (``sampler.position``); :meth:`state_dict` /
-    :meth:`load_state_dict` save and restore the position and the generator state
-    for an exact resume.
+    above it (``u < q`` includes ceil(q·2^53) of the 2^53 values: at q = 1e-17, 11 q).
+    ``len(sampler) == steps``. Iteration resumes from the current position
+    (``sampler.position``); :meth:`state_dict` / :meth:`load_state_dict` save and
+    restore the position and the generator state for an exact resume.
 
     ``generator``: a CPU ``torch.Generator`` (used and advanced in place), an int
     seed, or ``None`` (default) for a generator seeded from OS entropy
