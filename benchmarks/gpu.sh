@@ -2,7 +2,8 @@
 # GPU run (one CUDA device, < 8 min): exactness checks on the CUDA path (compiled fused noise),
 # then the benchmark at GPT-2-small size (12 layers, width 768, vocab 50257, T=256, B=8); then, time
 # permitting, a bf16-autocast timing, gpu_profile.py and the small configs' timings (diagnostics).
-# Usage: bash benchmarks/gpu.sh            (from the repository root)
+# Usage: bash benchmarks/gpu.sh            (from the repository root; on the lent machines torch is in
+#        /opt/torch/.venv: PATH=/opt/torch/.venv/bin:$PATH bash benchmarks/gpu.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
