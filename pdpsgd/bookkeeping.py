@@ -877,6 +877,14 @@ def _ghost_groups(items: Sequence[Tuple[str, Dense, Tuple]], rows: Optional[Dict
 # (Σ_t ‖L_t‖‖R_t‖)² ≥ ‖G_i‖² (triangle inequality) as its squared norm: clipped harder, never more
 # than C. No host read decides it (torch.where). Float64 keeps the exact norm.
 KAPPA_MAX_PER_T = 16
+# Below that threshold rounding can still leave a norm short: by up to ~0.27·u·(Σ_t ‖L_t‖‖R_t‖)²
+# (u = 2⁻²⁴ for float32) in a search over crafted cancelling examples just under it (d, p from 16
+# to 3072, T from 16 to 2048; round 33), i.e. up to ~κ·0.27·u relative, 0.1–0.5 % of C at T = 1024–
+# 4096. So every guarded squared norm gets ROUNDING_ALLOWANCE·u·(Σ_t ‖L_t‖‖R_t‖)² added (capped at
+# that bound itself, which is ≥ ‖G_i‖²): the rounding is made one-sided, on the clipped-harder side,
+# with a 15x margin over the largest error found (an empirical allowance, not a proof for every
+# summation order). Ordinary examples (κ ≤ 1.3·n) get ~5·u·n relative: 2e-5 of a norm at n = 128.
+ROUNDING_ALLOWANCE = 4.0
 
 
 class _Guard:
@@ -918,7 +926,8 @@ class _Guard:
                 if T == "per example":
                     # counts (int64, ≤ T: exact in float32), stacked first: one conversion, not one per parameter
                     T = torch.stack([t.to(S.device) for _, _, _, t, _ in items], 1).to(S.dtype).clamp_min_(1)  # (B, m)
-                S = torch.where(S * (KAPPA_MAX_PER_T * T) < b2, b2, S)
+                u = torch.finfo(S.dtype).eps / 2
+                S = torch.where(S * (KAPPA_MAX_PER_T * T) < b2, b2, torch.minimum(S + (ROUNDING_ALLOWANCE * u) * b2, b2))
             if any(it[4] is not None for it in items):
                 # + what underflow can have taken (float64; a sum beyond S's range becomes inf: the example
                 # is then dropped as non-finite)

@@ -2729,6 +2729,60 @@ def test_unfreezing_more_parameters_on_the_same_step_keeps_them_on_their_rules()
     assert "vmap" not in out.routes.values(), {n: r for n, r in out.routes.items() if r == "vmap"}
 
 
+def _cancelling(d, p, T, kind, log_scale, seed, B=3):
+    """float32 (x, y) whose token terms x_t y_tᵀ nearly cancel; smaller ``log_scale``: more cancels."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "base":  # large shared activations, output gradients of alternating sign
+        x = torch.randn(B, 1, d, generator=g) * 1e4 + torch.randn(B, T, d, generator=g) * 10 ** log_scale
+        y = torch.randn(B, 1, p, generator=g) * (torch.arange(T) % 2 * 2 - 1).view(1, T, 1).float()
+    else:  # pairs of nearly equal activations with opposite output gradients
+        a, gg = torch.randn(B, T // 2, d, generator=g) * 1e3, torch.randn(B, T // 2, p, generator=g)
+        x = torch.cat([a, a + torch.randn(B, T // 2, d, generator=g) * 10 ** log_scale], 1)
+        y = torch.cat([gg, -gg], 1)
+    return x.float().contiguous(), y.float().contiguous()
+
+
+@settings(max_examples=12, deadline=None)
+@given(d=st.sampled_from([8, 32, 96]), p=st.sampled_from([8, 48]), T=st.sampled_from([8, 16, 64]),
+       kind=st.sampled_from(["base", "pairs"]), frac=st.floats(0.3, 0.95), seed=st.integers(0, 2**16))
+def test_float32_ghost_norm_just_below_the_cancellation_threshold_never_understates(d, p, T, kind, frac, seed):
+    """Below the guard's threshold (κ < 16·n) float32 rounding left crafted norms short by up to
+    ~0.27·u·(Σ_t ‖x_t‖‖y_t‖)², i.e. ~κ·0.27·u relative, so the example exceeded C by as much
+    (0.1-0.5 % at T = 1024-4096; round 33). With ``ROUNDING_ALLOWANCE`` the squared norm used for
+    clipping is at least the exact one of the very float32 inputs, and each contribution ≤ C."""
+    import pdpsgd.bookkeeping as bk
+
+    def exact(x, y):  # float64 from the float32 inputs: ‖Σ_t x_t y_tᵀ‖², (Σ_t ‖x_t‖‖y_t‖)²
+        xd, yd = x.double(), y.double()
+        return (torch.einsum("btd,btp->bdp", xd, yd).pow(2).sum((1, 2)),
+                ((xd.norm(dim=2) * yd.norm(dim=2)).sum(1)) ** 2)
+
+    # the scale that puts κ at frac·16·T (the threshold): κ falls as the scale grows
+    lo, hi = -6.0, 6.0
+    for _ in range(25):
+        mid = (lo + hi) / 2
+        St, b2 = exact(*_cancelling(d, p, T, kind, mid, seed))
+        lo, hi = (mid, hi) if float((b2 / St).median()) > frac * bk.KAPPA_MAX_PER_T * T else (lo, mid)
+    x, y = _cancelling(d, p, T, kind, mid, seed)
+    St, b2 = exact(x, y)
+    m = nn.Linear(d, p, bias=False)
+
+    def loss(mm, b):
+        return (mm(b["x"]) * b["y"]).sum((1, 2))
+
+    free = make_dp_step(m, loss, max_grad_norm=1e30, noise_multiplier=0.0, method="bk",
+                        bk_options={"routes": {"weight": "ghost"}})
+    S = free.clipped_sum(trainable_params(m), {"x": x, "y": y}).per_sample_norms.double() ** 2
+    guarded = S >= b2 * (1 - 1e-6)  # above the threshold: clipped with the bound itself
+    assert bool((S >= St * (1 - 4 * 2.0 ** -24)).all()), ((St - S) / (2.0 ** -24 * b2), (b2 / St) / T)
+    C = float(St.sqrt().min()) / 2
+    step = make_dp_step(m, loss, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=1.0, method="bk",
+                        bk_options={"routes": {"weight": "ghost"}})
+    for i in range(x.shape[0]):
+        part = step.clipped_sum(trainable_params(m), {"x": x[i:i + 1], "y": y[i:i + 1]})
+        assert float(part.sums["weight"].double().norm()) <= C * (1 + 1e-6), (i, bool(guarded[i]))
+
+
 @pytest.mark.parametrize("neighbour_len", [0, 64])
 @pytest.mark.parametrize("grouped", [False, True])
 def test_float32_guard_counts_each_examples_own_tokens(neighbour_len, grouped):
