@@ -81,7 +81,7 @@ from ._compat import mha_fastpath_off
 from ._types import Batch, EngineResult, Params, WeightsFn
 from ._warn import warn
 from .batch_order import ReorderWatch
-from .clipping import sum_sq_norms
+from .clipping import MIN_THRESHOLD, sum_sq_norms
 from .functional import LossModule, model_constants, preserve_module_state
 from .per_sample import (_LOW, DETACHED_LOSS, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks,
                          per_sample_grads, slice_batch, sq_norm_per_example, stray_parameter_error, trainable_parameters, weighted_dot, weighted_sum)
@@ -673,7 +673,7 @@ def _bound(u: Use, terms: Tensor, bounds: Dict[int, Tensor], tokens: Optional[Di
     bounds[id(u)] = (terms.sqrt() if squared else terms).sum(1)
     if slack is not None:
         bounds[("slack", id(u))] = slack  # type: ignore[index]
-    if tokens is not None and terms.dtype != torch.float64:  # (float64 is not guarded)
+    if tokens is not None:
         tokens[id(u)] = torch.count_nonzero(terms, dim=-1)  # one kernel (a GPU step is launch-bound)
 
 
@@ -688,15 +688,19 @@ def _bound(u: Use, terms: Tensor, bounds: Dict[int, Tensor], tokens: Optional[Di
 # taken + p·tiny for what it may have lost) is added to the squared norm: an upper bound whatever
 # underflowed, and ~1e-35 relative for ordinary activations.
 def _underflow_slack(dl: Tensor, dr: Tensor, p0: int, p1: int, acc: torch.dtype) -> Optional[Tensor]:
-    """The bound above (..., B) from the diagonals dl = ‖L_t‖², dr = ‖R_t‖² (..., B, T); None for
-    float64 (not guarded)."""
-    if acc == torch.float64:
-        return None
+    """The bound above (..., B) from the diagonals dl = ‖L_t‖², dr = ‖R_t‖² (..., B, T). Float64 too
+    (round 33): activations of 1e-163 (squares 0) with output gradients of 5e153 had a norm of 0 and
+    contributed 80 C at C = 1e-10; the products below are taken left to right (p·tiny first), so
+    they stay finite wherever the Grams are."""
     tiny = torch.finfo(acc).tiny
     sl = (dl.double() + p0 * tiny).sqrt().sum(-1)  # Σ_t ‖L_t‖
     sr = (dr.double() + p1 * tiny).sqrt().sum(-1)  # Σ_t ‖R_t‖
     T = dl.shape[-1]
-    return p0 * tiny * sr * sr + p1 * tiny * sl * sl + T * T * tiny * (1.0 + p0 * p1 * tiny)
+    slack = p0 * tiny * sr * sr + p1 * tiny * sl * sl + T * T * tiny * (1.0 + p0 * p1 * tiny)
+    # A slack δ ≤ (eps·MIN_THRESHOLD)² cannot move a contribution past C by more than eps² relative
+    # (C ≥ MIN_THRESHOLD: √(C² + δ) ≤ C·(1 + eps²/2)): dropped, so that an example whose gradient is
+    # exactly 0 (no loss tokens) keeps a norm of exactly 0, not ~1e-152 (float64).
+    return torch.where(slack > (torch.finfo(acc).eps * MIN_THRESHOLD) ** 2, slack, 0.0)
 
 
 # Two index uses (an embedding's lookups) take the equal-ids mask (B, T, S) while T·S is at most this
@@ -848,7 +852,7 @@ def _ghost_groups(items: Sequence[Tuple[str, Dense, Tuple]], rows: Optional[Dict
             terms = d[0] * d[1]  # (m, B, T)
             slack = _underflow_slack(d[0], d[1], ls[2], rs[2], acc)  # (m, B) (see ``_underflow_slack``)
             bound = terms.sqrt().sum(2)  # (m, B): Σ_t ‖L_t‖‖R_t‖
-            cnt = torch.count_nonzero(terms, dim=2) if acc != torch.float64 else None  # (m, B), as ``_bound``
+            cnt = torch.count_nonzero(terms, dim=2)  # (m, B), as ``_bound``
             sq = (G[0] * G[1]).sum((2, 3))  # (m, B, T, T) -> (m, B): ⟨L Lᵀ, R Rᵀ⟩ per example
             check = rows is not None and B * T * ls[2] * rs[2] >= ACTIVE_ROWS_MIN_WORK
             if check and cnt is not None and int(cnt.sum()) == len(part) * B * T:
@@ -875,7 +879,8 @@ def _ghost_groups(items: Sequence[Tuple[str, Dense, Tuple]], rows: Optional[Dict
 # count; a use without per-row terms counts T). An example with κ_i > KAPPA_MAX_PER_T · n_i
 # (summed over a parameter's uses) in float32 (or narrower) is clipped with the bound
 # (Σ_t ‖L_t‖‖R_t‖)² ≥ ‖G_i‖² (triangle inequality) as its squared norm: clipped harder, never more
-# than C. No host read decides it (torch.where). Float64 keeps the exact norm.
+# than C. No host read decides it (torch.where). Float64 is guarded too (round 33: activations of
+# 1e12 cancel the same way), at a threshold 2²⁹ times higher (its rounding unit is 2⁻²⁹ float32's).
 KAPPA_MAX_PER_T = 16
 # Below that threshold rounding can still leave a norm short: by up to ~0.27·u·(Σ_t ‖L_t‖‖R_t‖)²
 # (u = 2⁻²⁴ for float32) in a search over crafted cancelling examples just under it (d, p from 16
@@ -883,7 +888,8 @@ KAPPA_MAX_PER_T = 16
 # 4096. So every guarded squared norm gets ROUNDING_ALLOWANCE·u·(Σ_t ‖L_t‖‖R_t‖)² added (capped at
 # that bound itself, which is ≥ ‖G_i‖²): the rounding is made one-sided, on the clipped-harder side,
 # with a 15x margin over the largest error found (an empirical allowance, not a proof for every
-# summation order). Ordinary examples (κ ≤ 1.3·n) get ~5·u·n relative: 2e-5 of a norm at n = 128.
+# summation order). Ordinary examples (κ ≤ 1.3·n) get ~5·u·n relative: 2e-5 of a norm at n = 128
+# in float32, 4e-14 in float64 (inside the oracle tests' 1e-9).
 ROUNDING_ALLOWANCE = 4.0
 
 
@@ -898,7 +904,7 @@ class _Guard:
     def add(self, n: str, tot: Tensor, uses: List[Use], bounds: Dict[int, Tensor], acc: torch.dtype,
             tokens: Optional[Dict[int, Tensor]] = None) -> None:
         b = None
-        if acc != torch.float64 and uses and all(id(u) in bounds for u in uses):
+        if uses and all(id(u) in bounds for u in uses):
             b = bounds[id(uses[0])]
             for u in uses[1:]:
                 b = b + bounds[id(u)]  # Σ over uses: ‖Σ_u G_u,i‖ ≤ Σ_u Σ_t ‖L_t‖‖R_t‖
@@ -920,14 +926,15 @@ class _Guard:
         for (_, _, T), items in self.groups.items():
             # a sum of squares; rounding may dip below 0 only when ~0
             S = torch.stack([t for _, t, _, _, _ in items], 1).clamp_min_(0)  # m x (B,) -> (B, m)
-            if T:  # T = 0: no bounds (float64, or a use without one): the norms as they are
+            if T:  # T = 0: no bounds (a use without one): the norms as they are
                 b = torch.stack([b for _, _, b, _, _ in items], 1)
                 b2 = b * b
                 if T == "per example":
                     # counts (int64, ≤ T: exact in float32), stacked first: one conversion, not one per parameter
                     T = torch.stack([t.to(S.device) for _, _, _, t, _ in items], 1).to(S.dtype).clamp_min_(1)  # (B, m)
                 u = torch.finfo(S.dtype).eps / 2
-                S = torch.where(S * (KAPPA_MAX_PER_T * T) < b2, b2, torch.minimum(S + (ROUNDING_ALLOWANCE * u) * b2, b2))
+                kmax = KAPPA_MAX_PER_T * max(1.0, 2.0 ** -24 / u)  # float64: 2²⁹·16 (its rounding is 2⁻²⁹ float32's)
+                S = torch.where(S * (kmax * T) < b2, b2, torch.minimum(S + (ROUNDING_ALLOWANCE * u) * b2, b2))
             if any(it[4] is not None for it in items):
                 # + what underflow can have taken (float64; a sum beyond S's range becomes inf: the example
                 # is then dropped as non-finite)

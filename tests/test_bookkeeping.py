@@ -1541,9 +1541,8 @@ def test_compacted_inner_matches_the_full_one(B, T, seed, layout, dtype):
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(got_b[id(u)], want_b[id(u)], **tol)
-    assert (id(u) in got_t) == (id(u) in want_t) == (dtype != torch.float64)
-    if dtype != torch.float64:
-        assert got_t[id(u)].tolist() == want_t[id(u)].tolist() == mask.sum(1).tolist()
+    # (token counts for float64 too since round 33: its ghost norms are guarded as well)
+    assert got_t[id(u)].tolist() == want_t[id(u)].tolist() == mask.sum(1).tolist()
 
 
 def test_grouped_compaction_takes_views_gathers_and_shares():
@@ -2781,6 +2780,60 @@ def test_float32_ghost_norm_just_below_the_cancellation_threshold_never_understa
     for i in range(x.shape[0]):
         part = step.clipped_sum(trainable_params(m), {"x": x[i:i + 1], "y": y[i:i + 1]})
         assert float(part.sums["weight"].double().norm()) <= C * (1 + 1e-6), (i, bool(guarded[i]))
+
+
+def _linear_ghost_step(d, p, C, dtype):
+    m = nn.Linear(d, p, bias=False).to(dtype)
+
+    def loss(mm, b):
+        return (mm(b["x"]) * b["y"]).sum((1, 2))
+
+    step = make_dp_step(m, loss, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=1.0, method="bk",
+                        bk_options={"routes": {"weight": "ghost"}})
+    return step, trainable_params(m)
+
+
+def test_float64_ghost_norm_of_underflowing_activations_cannot_escape_the_clip():
+    """Float64 was not underflow-guarded: activations of 1e-163 (squares 0, so the Gram is 0) with
+    output gradients of 5e153 had a ghost norm of 0, and the example contributed 80 C at C = 1e-10
+    (round 33). ``_underflow_slack`` now covers float64 too."""
+    C = 1e-10
+    step, params = _linear_ghost_step(4, 4, C, torch.float64)
+    x = torch.full((1, 4, 4), 1e-163, dtype=torch.float64)
+    y = torch.full((1, 4, 4), 5e153, dtype=torch.float64)
+    part = step.clipped_sum(params, {"x": x, "y": y})
+    true = float(torch.einsum("btd,btp->dp", x * 1e150, y).norm()) / 1e150  # 8e-9
+    assert true > 10 * C
+    assert float(part.per_sample_norms[0]) >= true
+    assert float(part.sums["weight"].norm()) <= C * (1 + 1e-12)
+
+
+@settings(max_examples=15, deadline=None)
+@given(d=st.integers(2, 12), p=st.integers(2, 12), half=st.integers(1, 16), base_exp=st.floats(5.0, 14.0),
+       seed=st.integers(0, 2**16))
+def test_float64_ghost_norm_of_cancelling_tokens_never_understates(d, p, half, base_exp, seed):
+    """Float64 was not cancellation-guarded: activations base + noise (base ≈ 1e5-1e14) with output
+    gradients ±v cancel to a gradient (Σ_t ±noise_t) vᵀ that float64 Gram products lose (round 33).
+    Now the squared norm used for clipping is at least the exact one, each contribution ≤ C."""
+    g = torch.Generator().manual_seed(seed)
+    T = 2 * half
+    x = (torch.randn(1, 1, d, generator=g, dtype=torch.float64) * 10 ** base_exp
+         + torch.randn(1, T, d, generator=g, dtype=torch.float64))
+    v = torch.randn(1, 1, p, generator=g, dtype=torch.float64)
+    sgn = (torch.arange(T) % 2 * 2 - 1).view(1, T, 1).to(torch.float64)
+    y = v * sgn  # (exact)
+    # exact gradient (Σ_t sgn_t x_t) vᵀ: the signed token sums exactly rounded (fsum), then one product each
+    w = torch.tensor([math.fsum(float(sgn[0, t, 0]) * float(x[0, t, j]) for t in range(T)) for j in range(d)],
+                     dtype=torch.float64)
+    true = float(torch.outer(w, v[0, 0]).norm())
+    assume(true > 0)
+    free, params = _linear_ghost_step(d, p, 1e30, torch.float64)
+    got = float(free.clipped_sum(params, {"x": x, "y": y}).per_sample_norms[0])
+    assert got >= true * (1 - 1e-12), (got, true)
+    C = true / 2
+    step, params = _linear_ghost_step(d, p, C, torch.float64)
+    part = step.clipped_sum(params, {"x": x, "y": y})
+    assert float(part.sums["weight"].norm()) <= C * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("neighbour_len", [0, 64])
