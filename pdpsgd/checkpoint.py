@@ -9,7 +9,9 @@ old file (``os.replace`` is atomic), so a crash mid-write leaves the previous ch
 
 Formal guarantee (with ``pdpsgd.train``): RNG *states* are saved and restored, never re-derived
 from a seed, so a resumed run continues each random stream where it stopped and never repeats
-noise that was already used in a released update.
+noise that was already used in a released update. That needs the privacy ledger: it shows whether
+updates were released after the checkpoint (then, and when no ledger is given, every stream is
+re-seeded from fresh entropy; the CLI refuses a private checkpoint without its ledger).
 """
 from __future__ import annotations
 

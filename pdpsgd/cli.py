@@ -399,6 +399,12 @@ def run_train(a: argparse.Namespace) -> int:
                 ledger = json.loads(ledger_path.read_text())
             except (OSError, ValueError):
                 raise UserError(f"the privacy ledger {ledger_path} is corrupt; refusing to resume") from None
+        elif not a.no_dp:
+            # (a private run writes it before its first update: without it, updates released after the
+            # checkpoint can be neither counted nor told apart, and resuming would repeat their noise)
+            raise UserError(f"{ckpt_path} has no privacy ledger beside it ({ledger_path.name} is missing): updates "
+                            "released after the checkpoint could be neither counted nor told apart, and resuming "
+                            "would repeat their noise. Put ledger.json back, or start again in another --output-dir")
         msg = trainer.load_state_dict(state["trainer"], ledger=ledger)
         if msg:
             print(f"pdpsgd: warning: {msg}", file=sys.stderr)

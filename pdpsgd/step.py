@@ -333,7 +333,15 @@ class DPStep:
             if now[0][0] != self._structure[0][0]:  # not only new Parameter objects of the same layout
                 self._probe_memo.clear()
             self._structure = now
-        return self._index.resolve(params)
+        out = self._index.resolve(params)
+        for n, p in out.items():
+            if p.is_complex():  # (review, round 33)
+                raise TypeError(
+                    f"parameter {n!r} is complex ({p.dtype}): DP-SGD here clips and noises real coordinates "
+                    "(a complex per-example norm came out complex, the clipped sum exceeded C, and complex "
+                    "Gaussian noise has σC/√2 per real part). Keep it as a real tensor (torch.view_as_real) "
+                    "or freeze it (requires_grad=False)")
+        return out
 
     def _guarded(self, params: Mapping[str, Tensor]):
         """What a step checks around running the forward on a batch (``plan`` and

@@ -333,12 +333,19 @@ class DPTrainer:
         }
 
     def load_state_dict(self, state: Mapping[str, Any], *, ledger: Optional[Mapping[str, Any]] = None) -> Optional[str]:
-        """Restore ``state_dict()`` output. ``ledger``: the ledger file's content, if any.
+        """Restore ``state_dict()`` output. ``ledger``: the ledger file's content (``ledger_path``).
 
         If the ledger shows more released steps than the checkpoint (a crash after a checkpoint),
         the ledger's accountant is kept (the lost releases stay counted) and every random stream
         is re-seeded from fresh OS entropy (no noise or sample is ever reused); returns a warning
         message in that case, else None.
+
+        Without a ledger (``ledger=None``) a private trainer cannot tell whether updates after this
+        checkpoint were released (an older checkpoint, or a second run from the same one): restoring
+        the noise stream would repeat their noise, and on changed data two releases would then differ
+        by the changed example's clipped gradient alone (review, round 33). So every random stream is
+        re-seeded from fresh entropy and a warning is returned (ε counts this checkpoint's steps only).
+        Pass the ledger to continue the streams exactly.
         """
         params = state["params"]
         if set(params) != set(self.params):
@@ -373,6 +380,14 @@ class DPTrainer:
             return (f"{lost} step(s) were released after the last checkpoint and are lost; they stay on the "
                     f"privacy ledger (ε will exceed the plan slightly) and all random streams were re-seeded "
                     "from fresh entropy")
+        if ledger is None and self.dp and self.plan.noise_multiplier > 0:
+            self.sample_generator.manual_seed(secrets.randbits(63))
+            self.noise_generator.manual_seed(secrets.randbits(63))
+            torch.manual_seed(secrets.randbits(63))
+            return ("no privacy ledger was given: updates released after this checkpoint, if any, cannot be seen, "
+                    "so every random stream was re-seeded from fresh entropy (their noise is never repeated) and ε "
+                    "counts this checkpoint's steps only; pass ledger= (the content of the file that "
+                    "DPTrainer(ledger_path=...) writes) to continue the streams exactly")
         return None
 
 

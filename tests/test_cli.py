@@ -240,6 +240,16 @@ def test_existing_run_needs_resume(tiny, tmp_path, capsys):
     _check_one_line_error(rc, err, "no checkpoint")
 
 
+def test_resume_without_the_ledger_is_refused(tiny, tmp_path, capsys):
+    """Review, round 33: a checkpoint whose ledger.json was lost resumed silently and restored the
+    noise stream, so updates released after the checkpoint would have their noise repeated."""
+    out = tmp_path / "o"
+    assert run_cli(tiny_args(tiny, out, "--epochs", "0.5"), capsys)[0] == 0
+    (out / "ledger.json").unlink()
+    rc, _, err = run_cli(tiny_args(tiny, out, "--epochs", "0.5", "--resume"), capsys)
+    _check_one_line_error(rc, err, "has no privacy ledger beside it")
+
+
 def test_a_ledger_without_a_checkpoint_is_not_overwritten(tiny, tmp_path, capsys):
     """A run killed before its first checkpoint leaves only ledger.json (its released steps): a new
     run in that directory must not rewrite it from zero (found by review, round 23)."""

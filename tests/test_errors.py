@@ -445,3 +445,23 @@ def test_a_clipping_bound_where_float32_norms_underflow_is_refused():
                                    gamma=1e-20)
         step(pdpsgd.trainable_params(lin), {"x": torch.randn(2, 3)})
     pdpsgd.make_dp_step(lin, loss, max_grad_norm=1e-10, noise_multiplier=1.0)  # the floor itself is fine
+
+
+@pytest.mark.parametrize("method", ["vmap", "bk"])
+@pytest.mark.parametrize("clip_fn", ["abadi", "automatic"])
+def test_complex_parameters_are_refused(method, clip_fn):
+    # review, round 33: automatic clipping accepted a complex parameter; its per-example norm came out
+    # complex, the clipped sum's real norm was 1.73 C, and complex noise has σC/√2 per real part
+    class Phase(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, dtype=torch.complex64))
+
+        def forward(self, x):
+            return (x.to(torch.complex64) * self.w).abs().sum(1)
+
+    m = Phase()
+    step = pdpsgd.make_dp_step(m, lambda mm, b: mm(b["x"]), max_grad_norm=1.0, noise_multiplier=1.0,
+                               method=method, clip_fn=clip_fn)
+    with pytest.raises(TypeError, match="parameter 'w' is complex.*view_as_real.*requires_grad=False"):
+        step(pdpsgd.trainable_params(m), {"x": torch.randn(4, 3)})

@@ -125,21 +125,57 @@ def test_entropy_seeds_never_repeat_noise():
 def test_state_dict_roundtrip_continues_streams(tmp_path):
     from pdpsgd.checkpoint import load_checkpoint, save_checkpoint
 
-    tr, model, _, plan = _mlp_setup(seed=1, epochs=2)
+    tr, model, _, plan = _mlp_setup(seed=1, epochs=2, ledger=tmp_path / "ledger.json")
     for _ in range(3):
         tr.step()
     save_checkpoint(tmp_path / "c.pt", {"trainer": tr.state_dict()})
+    ledger = json.loads((tmp_path / "ledger.json").read_text())  # (as if the run had stopped here)
     while not tr.done:
         tr.step()
     final = [p.detach().clone() for p in model.parameters()]
     tr2, model2, _, _ = _mlp_setup(seed=99, epochs=2)  # other seed: all state comes from the checkpoint
-    tr2.load_state_dict(load_checkpoint(tmp_path / "c.pt")["trainer"])
+    assert tr2.load_state_dict(load_checkpoint(tmp_path / "c.pt")["trainer"], ledger=ledger) is None
     assert tr2.step_count == 3
     while not tr2.done:
         tr2.step()
     for a, b in zip(final, model2.parameters()):
         assert torch.equal(a, b)
     assert tr.epsilon() == tr2.epsilon()
+
+
+def test_resume_without_a_ledger_never_repeats_released_noise(tmp_path):
+    """Review, round 33: restoring the noise stream from a checkpoint with no ledger replayed the noise
+    of updates already released after it; on changed data the two releases then differed by the
+    changed example's clipped gradient alone (noise-free, to 3e-7). Without a ledger every stream is
+    now re-seeded (with a warning); with one showing no later release they continue exactly."""
+    from pdpsgd.checkpoint import load_checkpoint, save_checkpoint
+
+    tr, model, _, _ = _mlp_setup(seed=1, epochs=2, ledger=tmp_path / "ledger.json")
+    for _ in range(3):
+        tr.step()
+    save_checkpoint(tmp_path / "c.pt", {"trainer": tr.state_dict()})
+    snap = json.loads((tmp_path / "ledger.json").read_text())
+    tr.step()  # released
+    first = [p.detach().clone() for p in model.parameters()]
+    outs = {}
+    for how, ledger in (("none", None), ("at the checkpoint", snap),
+                        ("later", json.loads((tmp_path / "ledger.json").read_text()))):
+        tr2, model2, _, _ = _mlp_setup(seed=1, epochs=2)
+        msg = tr2.load_state_dict(load_checkpoint(tmp_path / "c.pt")["trainer"], ledger=ledger)
+        tr2.step()
+        outs[how] = (msg, [p.detach().clone() for p in model2.parameters()], tr2.epsilon())
+    msg, params, _ = outs["none"]
+    assert msg is not None and "no privacy ledger" in msg and "re-seeded" in msg
+    assert not all(torch.equal(a, b) for a, b in zip(first, params))  # fresh noise
+    msg, params, _ = outs["at the checkpoint"]
+    assert msg is None and all(torch.equal(a, b) for a, b in zip(first, params))  # the exact continuation
+    msg, params, eps = outs["later"]
+    assert "1 step(s) were released after the last checkpoint" in msg
+    assert not all(torch.equal(a, b) for a, b in zip(first, params)) and eps > tr.epsilon()
+    # a non-private trainer has no noise to repeat: its streams continue without a ledger
+    tr3, *_ = _mlp_setup(seed=1, epochs=2, dp=False)
+    tr3.step()
+    assert tr3.load_state_dict(tr3.state_dict()) is None
 
 
 def test_telemetry_quantiles_and_records(tmp_path):
