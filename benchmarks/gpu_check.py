@@ -59,6 +59,17 @@ def main() -> int:
     err = max(float((e[n] - c[n]).abs().max()) for n in sums)
     print(("ok  " if err < 1e-5 else "FAIL") + f" fused compiled vs eager on CUDA: max abs diff {err:.2e}")
     fails += err >= 1e-5
+    # float32 noise on CUDA from float64 normals (curand's float32 Box–Muller ends its tails at ~6.7σ;
+    # review, round 33): the step's draw equals a float64 draw of the same generator, cast
+    from pdpsgd.fused import WIDE_PIECE
+    n = WIDE_PIECE + 1000
+    got = fused.draw_noise({"w": torch.Size([n])}, torch.Generator(device=dev).manual_seed(7), torch.float32, dev,
+                           std=1.0, rng="torch")["w"]
+    g = torch.Generator(device=dev).manual_seed(7)
+    want = torch.cat([torch.empty(m, dtype=torch.float64, device=dev).normal_(generator=g) for m in (WIDE_PIECE, 1000)])
+    ok = got.dtype == torch.float32 and torch.equal(got, want.float())
+    print(("ok  " if ok else "FAIL") + " float32 noise drawn as float64 normals (tails to ~8.6σ), cast")
+    fails += not ok
     # bf16 model: norms / sums in float32, close to the float32 model's
     m = models.tiny_gpt2().to(dev)
     ref = pdpsgd.make_dp_step(m, models.hf_lm_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="vmap")

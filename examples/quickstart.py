@@ -20,10 +20,20 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--epsilon", type=float, default=3.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None,
+                    help="reproducible sampling and noise, for experiments only: anyone who knows the seed "
+                         "can recompute the noise (default: fresh OS entropy)")
     args = ap.parse_args(argv)
 
-    torch.manual_seed(args.seed)
+    def generator(stream):  # sampling (0) and noise (1): seeded apart, or from OS entropy
+        g = torch.Generator()
+        if args.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(2 * args.seed + stream)
+        return g
+
+    torch.manual_seed(0)  # the synthetic data and the initial weights (public)
     N, d, classes = 512, 10, 3
     w_true = torch.randn(d, classes)
     X = torch.randn(N, d)
@@ -37,10 +47,9 @@ def main(argv=None):
     batch_size, delta, C = 64, 1e-5, 1.0
     q = batch_size / N
     sigma = calibrate_noise(target_epsilon=args.epsilon, delta=delta, sample_rate=q, steps=args.steps)
-    sampler = PoissonSampler(N, q, args.steps, generator=torch.Generator().manual_seed(args.seed))
+    sampler = PoissonSampler(N, q, args.steps, generator=generator(0))
     dp_step = pdpsgd.make_dp_step(model, loss_fn, max_grad_norm=C, noise_multiplier=sigma,
-                                  expected_batch_size=q * N,
-                                  generator=torch.Generator().manual_seed(args.seed + 1))  # noise
+                                  expected_batch_size=q * N, generator=generator(1))  # noise
     params = pdpsgd.trainable_params(model)
     opt = torch.optim.AdamW(params.values(), lr=1e-2)
     acct = PRVAccountant()

@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Philox (built once with the C compiler)")
     g.add_argument("--dropout", action="store_true",
                    help="keep the model's dropout on while training (default: off, i.e. eval-mode forward)")
-    g.add_argument("--seed", type=int, help="seed for init, sampling, noise, dropout (default: fresh OS entropy)")
+    g.add_argument("--seed", type=int, help="seed for init, sampling, noise, dropout (default: fresh OS entropy); anyone who "
+                   "knows it can recompute the noise: for experiments, never for a model you release")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     g.add_argument("--malloc", default="tuned", choices=("tuned", "default"),
                    help="on CPU, tuned: glibc keeps the memory a step frees for the next one (pdpsgd.malloc; "

@@ -9,7 +9,7 @@ compiled version fuses them.
 
 Noise stream (``draw_noise`` is its reference; compiled and eager use the very same z and agree to
 float rounding). With a CPU generator: per parameter, in order, in chunks of ``NOISE_CHUNK``
-coordinates, each chunk one ``normal_`` call (the kernel ``torch.randn`` runs; with ``rng="mkl"``
+coordinates, each chunk one ``normal_`` call (float64 draws, cast: ``_wide_normal_``; with ``rng="mkl"``
 one oneMKL ``vsRngGaussian`` call on a Philox stream keyed from the generator, ``pdpsgd.mkl_rng``); eager (the CPU
 default) draws each chunk into a small scratch buffer that stays in cache and writes
 scratch + sum/denom into its output slice in one pass (no buffer of all parameters' size, whose
@@ -113,7 +113,24 @@ def _open(rng: str, generator: Optional[torch.Generator]):
 
         stream = NativeStream(generator)
         return stream.fill_, stream.close, stream.add_many
-    return (lambda buf, std: buf.normal_(0.0, std, generator=generator)), (lambda: None), None
+    return (lambda buf, std: _wide_normal_(buf, std, generator)), (lambda: None), None
+
+
+# torch's float32 ``normal_`` takes 24-bit uniforms (CPU; CUDA's curand 32-bit ones), so its tails
+# end at 5.77σ (6.66σ): an output coordinate beyond one dataset's reach but within its neighbour's
+# tells them apart (review, round 33). Narrower noise buffers are therefore filled from float64
+# draws (53-bit uniforms, 8.57σ), in pieces of this many coordinates (bounded extra memory).
+WIDE_PIECE = 1 << 22
+
+
+def _wide_normal_(buf: Tensor, std: float, generator: Optional[torch.Generator]) -> Tensor:
+    if buf.dtype == torch.float64:
+        return buf.normal_(0.0, std, generator=generator)
+    flat = buf.view(-1)
+    for a in range(0, flat.numel(), WIDE_PIECE):
+        part = flat[a:a + WIDE_PIECE]
+        part.copy_(torch.empty(part.shape, dtype=torch.float64, device=buf.device).normal_(0.0, std, generator=generator))
+    return buf
 
 
 def draw_noise(shapes: Mapping[str, torch.Size], generator: Optional[torch.Generator], dtype: torch.dtype,

@@ -35,10 +35,14 @@ the generator resume the same noise); within a stream the 64-bit counter runs ov
 of 16 counters (64 float32 or 32 float64 normals per block; see the C file's header).
 
 Formal guarantee: each coordinate is an independent N(0, std²) draw up to floating point:
-Box–Muller on uniforms from Philox words (float32: 24-bit uniforms, tails to ~5.8σ, as torch's
-float32 ``normal_``; the transform agrees with float64 Box–Muller on the same words to < 1e-6
-absolute, checked over every quadrant and exponent class; float64: 53-bit uniforms and libm). The
-Gaussian mechanism's analysis is unchanged, with the same floating-point caveats as torch's draws.
+Box–Muller on uniforms from Philox words (float32: a 40-bit radius uniform, 64-bit in the tail
+beyond 5.77σ, so tails reach 9.42σ; the transform agrees with float64 Box–Muller on the same words
+to < 1e-6 absolute, checked over every quadrant and exponent class; float64: 53-bit uniforms and
+libm, 8.57σ). Before round 33 the float32 radius took 24-bit uniforms (as torch's float32
+``normal_``): tails ended at 5.77σ, and an output coordinate beyond one dataset's reach but within
+its neighbour's (probability up to ~φ(5.77)·‖Δ‖₁/(σC) per step, Δ the shift) told the two apart, a δ the
+accountant does not count (review, round 33). At 9.42σ that is φ(9.42) ≈ 2e-20 times ‖Δ‖₁/(σC) ≤
+√d/σ: negligible for any model size.
 """
 from __future__ import annotations
 
@@ -238,7 +242,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         f.restype = i64
     lib.pdpsgd_philox_raw.argtypes = [ctypes.c_void_p, i64, u64, u32, u32, u32, u32]
     lib.pdpsgd_philox_raw.restype = None
-    lib.pdpsgd_box_muller_f32.argtypes = [ctypes.c_void_p] * 4 + [i64, ctypes.c_float]
+    lib.pdpsgd_box_muller_f32.argtypes = [ctypes.c_void_p] * 5 + [i64, ctypes.c_float]
     lib.pdpsgd_box_muller_f32.restype = None
     return lib
 
@@ -316,16 +320,20 @@ def philox4x32_10(nblocks: int, counter: int, key: tuple, nonce: tuple = (0, 0))
     return out.view(-1, 4).to(torch.int64) & 0xFFFFFFFF
 
 
-def box_muller_f32(x: Tensor, y: Tensor, std: float = 1.0):
+def box_muller_f32(x: Tensor, y: Tensor, std: float = 1.0, e: Optional[Tensor] = None):
     """The float32 transform alone on given 32-bit words (int64 tensors of values < 2³²):
-    (r·cos, r·sin), r = std·√(−2 ln u1), u1 = ((x >> 8) + 1)/2²⁴, angle 2π (y >> 8)/2²⁴."""
+    (r·cos, r·sin), r = std·√(−2 ln u1), angle 2π (y >> 8)/2²⁴, u1 = (k·2¹⁶ + l + 1)/2⁴⁰ with
+    k = x >> 8, l = ((x & 255) << 8) | (y & 255); where k = 0, u1 = (l·2²⁴ + (e >> 8) + 1)/2⁶⁴
+    (``e``: the tail words, default 0; the stream takes them from its tail nonce)."""
     lib = require()
     x = x.to(torch.int64).to(torch.int32).contiguous()  # the same 32 bits
     y = y.to(torch.int64).to(torch.int32).contiguous()
-    if x.shape != y.shape:
-        raise ValueError(f"box_muller_f32: x and y differ in shape ({tuple(x.shape)} vs {tuple(y.shape)})")
+    e = torch.zeros_like(x) if e is None else e.to(torch.int64).to(torch.int32).contiguous()
+    if x.shape != y.shape or e.shape != x.shape:
+        raise ValueError(f"box_muller_f32: x, y and e differ in shape ({tuple(x.shape)}, {tuple(y.shape)}, "
+                         f"{tuple(e.shape)})")
     c, s = torch.empty(x.shape), torch.empty(x.shape)
-    lib.pdpsgd_box_muller_f32(x.data_ptr(), y.data_ptr(), c.data_ptr(), s.data_ptr(), x.numel(), std)
+    lib.pdpsgd_box_muller_f32(x.data_ptr(), y.data_ptr(), e.data_ptr(), c.data_ptr(), s.data_ptr(), x.numel(), std)
     return c, s
 
 

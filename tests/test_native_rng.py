@@ -30,20 +30,31 @@ def philox_np(counters: np.ndarray, key, nonce) -> np.ndarray:
     return np.stack(x, axis=1).astype(np.int64)
 
 
-def box_muller_ref(x: np.ndarray, y: np.ndarray):
-    """float64 Box–Muller on the float32 path's 24-bit uniforms."""
-    u1 = ((x >> 8) + 1) / 2.0 ** 24
+TAIL_NONCE = 0x9E3779B9
+
+
+def box_muller_ref(x: np.ndarray, y: np.ndarray, e=None):
+    """float64 Box–Muller on the float32 path's uniforms: 40-bit, 64-bit where x >> 8 is 0 (``e``:
+    the tail words, default 0)."""
+    e = np.zeros_like(x) if e is None else e
+    k, low = x >> 8, ((x & 0xFF) << 8) | (y & 0xFF)
+    f32 = np.float32  # the uniform as the kernel forms it: two exact float32 terms, their sum rounded once
+    u1 = np.where(k > 0, f32(k * 2.0 ** -24) + f32((low + 1) * 2.0 ** -40),
+                  f32(low * 2.0 ** -40) + f32(((e >> 8) + 1) * 2.0 ** -64)).astype(np.float64)
     t = 2 * np.pi * (y >> 8) / 2.0 ** 24
     r = np.sqrt(-2 * np.log(u1))
     return r * np.cos(t), r * np.sin(t)
 
 
-def stream_ref(nblocks, key, nonce, dtype):
-    """The documented stream layout, from raw words, in float64."""
-    w = philox_np(np.arange(nblocks * 16, dtype=np.uint64), key, nonce).reshape(nblocks, 16, 4)
+def stream_ref(nblocks, key, nonce, dtype, first=0):
+    """The documented stream layout, from raw words, in float64 (blocks first .. first + nblocks - 1)."""
+    ctr = np.arange(first * 16, (first + nblocks) * 16, dtype=np.uint64)
+    w = philox_np(ctr, key, nonce).reshape(nblocks, 16, 4)
     if dtype == torch.float32:
-        c0, s0 = box_muller_ref(w[..., 0], w[..., 1])
-        c1, s1 = box_muller_ref(w[..., 2], w[..., 3])
+        e = philox_np(ctr, key, (nonce[0], nonce[1] ^ TAIL_NONCE))
+        e = e.reshape(nblocks, 16, 4)
+        c0, s0 = box_muller_ref(w[..., 0], w[..., 1], e[..., 0])
+        c1, s1 = box_muller_ref(w[..., 2], w[..., 3], e[..., 1])
         return np.concatenate([c0, s0, c1, s1], axis=1).reshape(-1)
     a = (w[..., 0] << 21) ^ (w[..., 1] >> 11)
     b = (w[..., 2] << 21) ^ (w[..., 3] >> 11)
@@ -93,8 +104,45 @@ def test_box_muller_matches_float64_over_every_input_class():
         assert np.abs(s.double().numpy() - rs).max() < 1e-6
         c3, _ = native_rng.box_muller_f32(torch.from_numpy(x), torch.from_numpy(y), std=3.0)
         np.testing.assert_allclose(c3.double().numpy(), 3 * c.double().numpy(), rtol=1e-6, atol=1e-7)
-    top = native_rng.box_muller_f32(torch.tensor([0]), torch.tensor([0]))[0]  # u1 = 2^-24: the largest radius
-    assert abs(float(top) - math.sqrt(48 * math.log(2))) < 1e-5
+    top = native_rng.box_muller_f32(torch.tensor([0]), torch.tensor([0]))[0]  # u1 = 2^-64: the largest radius
+    assert abs(float(top) - math.sqrt(128 * math.log(2))) < 1e-5
+
+
+@settings(max_examples=25, deadline=None)
+@given(low=st.integers(0, 2 ** 16 - 1), e=st.integers(0, 2 ** 32 - 1), k=st.integers(0, 3), angle=st.integers(0, 2 ** 24 - 1),
+       std=st.floats(0.1, 10.0))
+def test_tails_reach_beyond_the_24_bit_uniforms_limit(low, e, k, angle, std):
+    """Review, round 33: 24-bit uniforms ended the float32 tails at 5.77σ (an output beyond one
+    dataset's reach but within a neighbour's tells them apart). The radius uniform is now 40-bit,
+    and 64-bit where it is below 2^-24: every radius up to 9.42σ is reachable, as float64
+    Box–Muller on the same words gives it."""
+    x = np.array([(k << 8) | (low >> 8)], dtype=np.int64)
+    y = np.array([(angle << 8) | (low & 0xFF)], dtype=np.int64)
+    ee = np.array([e], dtype=np.int64)
+    c, s = native_rng.box_muller_f32(torch.from_numpy(x), torch.from_numpy(y), std=std, e=torch.from_numpy(ee))
+    rc, rs = box_muller_ref(x, y, ee)
+    r = math.hypot(float(c[0]), float(s[0]))
+    assert abs(r - std * math.hypot(rc[0], rs[0])) <= 2e-6 * std * max(1.0, r / std)
+    assert np.abs(c.double().numpy() - std * rc).max() <= 2e-6 * std * max(1.0, r / std)
+    if k == 0 and low == 0 and e < 2 ** 8:
+        assert r > 9.4 * std  # u1 = 2^-64
+
+
+def test_stream_tail_beyond_5_77_sigma_is_drawn():
+    """A stream's draws beyond 5.77σ: in 2^27 pairs ~8 of them (2^-24 each) fall in the tail; each
+    equals the reference with its tail word, and their count is what the Gaussian gives."""
+    s = native_rng.NativeStream(torch.Generator().manual_seed(11))
+    per, piece = 64, 1 << 24  # 2^28 draws in pieces of 2^24 (2^18 blocks each)
+    tails = []
+    for i in range(16):
+        z = s.fill_(torch.empty(piece), 1.0)
+        for j in torch.nonzero(z.abs() > 5.77).flatten().tolist():
+            b = j // per  # its block, checked against the reference with the tail words
+            ref = stream_ref(1, s.key, s.nonce, torch.float32, first=i * (piece // per) + b)
+            assert np.abs(z[b * per:(b + 1) * per].double().numpy() - ref).max() <= 1e-5
+            tails.append(float(z[j]))
+    # P(|z| > 5.77) = 7.9e-9 per draw, ~2.1 expected in 2^28 (this seed: see the assert); none before the fix
+    assert len(tails) >= 1, tails
 
 
 @settings(max_examples=30, deadline=None)

@@ -354,3 +354,22 @@ def test_consume_writes_disjoint_views_of_one_storage_in_place_and_copies_overla
         assert got[f"r{j}"].data_ptr() == st2[j].data_ptr()  # in place
     assert torch.equal(b2, b2_before)  # the overlapping ones were copied, their storage left as it was
     assert float((got["o1"][20:] - got["o2"][:10]).abs().min()) > 0  # two independent draws on the overlap
+
+
+@pytest.mark.parametrize("n", [5, 70_000])
+def test_torch_path_draws_float32_noise_from_float64_normals(n, monkeypatch):
+    """Review, round 33: torch's float32 ``normal_`` takes 24-bit uniforms (CPU), so its tails end at
+    5.77σ and an output beyond one dataset's reach but within a neighbour's tells them apart. The
+    torch path now draws float64 normals (53-bit uniforms, 8.57σ) and casts them: the same values as
+    a float64 draw from the same generator, in pieces of ``WIDE_PIECE``."""
+    from pdpsgd import fused
+
+    monkeypatch.setattr(fused, "WIDE_PIECE", 4096)  # several pieces
+    got = fused.draw_noise({"w": torch.Size([n])}, torch.Generator().manual_seed(5), torch.float32,
+                           torch.device("cpu"), std=2.0, rng="torch")["w"]
+    g = torch.Generator().manual_seed(5)
+    want = []
+    for a, b in fused._chunks(n):  # the CPU path's 64k chunks, each filled in 4096-coordinate pieces
+        for c in range(a, b, 4096):
+            want.append(torch.empty(min(b, c + 4096) - c, dtype=torch.float64).normal_(0.0, 2.0, generator=g))
+    assert got.dtype == torch.float32 and torch.equal(got, torch.cat(want).float())

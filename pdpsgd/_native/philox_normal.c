@@ -8,7 +8,12 @@
  * counter j is the 128-bit word (lo32(j), hi32(j), n0, n1). Counters are used in blocks of BLK = 16.
  * float32: block b (counters 16b .. 16b+15, words w0..w3 of each) gives 64 normals, in this order:
  *   [ r(w0) cos(w1) x16, r(w0) sin(w1) x16, r(w2) cos(w3) x16, r(w2) sin(w3) x16 ],
- *   r(x) = std * sqrt(-2 ln u1), u1 = ((x >> 8) + 1) / 2^24 in (0, 1]; angle 2 pi (y >> 8) / 2^24.
+ *   r(x, y) = std * sqrt(-2 ln u1) with a 40-bit uniform u1 = (k 2^16 + l + 1) / 2^40, k = x >> 8,
+ *   l = ((x & 255) << 8) | (y & 255); angle 2 pi (y >> 8) / 2^24. Where k = 0 (u1 < 2^-24: |z| > 5.77
+ *   std, 1 in 2^24 pairs) u1 = (l 2^24 + (e >> 8) + 1) / 2^64 instead, e the word of counter j under
+ *   nonce (n0, n1 ^ TAIL_NONCE) at the pair's position (w0 pair: word 0, w2 pair: word 1), so tails
+ *   reach 9.42 std. (Before round 33 u1 = (k + 1) / 2^24: tails ended at 5.77 std, and an output
+ *   beyond one dataset's reach but within a neighbour's told them apart; review, round 33.)
  * float64: block b gives 32 normals [ r cos x16, r sin x16 ] with 53-bit uniforms
  *   u1 = (((w0 << 21) ^ (w1 >> 11)) + 1) / 2^53, u2 = ((w2 << 21) ^ (w3 >> 11)) / 2^53.
  * A call of n normals uses ceil(n / per-block) blocks from its first counter; a partial last block's
@@ -22,6 +27,7 @@
 #define BLK 16
 #define PB32 (4 * BLK)
 #define PB64 (2 * BLK)
+#define TAIL_NONCE 0x9E3779B9u
 
 static void key_schedule(uint32_t k0, uint32_t k1, uint32_t *ka, uint32_t *kb) {
     for (int r = 0; r < 10; r++) { ka[r] = k0; kb[r] = k1; k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
@@ -125,10 +131,15 @@ static inline void sincos_turns24(uint32_t k, float *c, float *s) {
     *s = f_of(ss ^ ((q & 2u) << 30));                           /* q = 2, 3: sin < 0 */
 }
 
+/* the 16 low bits of the 40-bit radius uniform: x's low 8 bits, then y's (y's high 24: the angle) */
+static inline uint32_t low16(uint32_t x, uint32_t y) { return ((x & 255u) << 8) | (y & 255u); }
+
 static inline void box_muller_f32(const uint32_t *restrict x, const uint32_t *restrict y, float *restrict oc,
                                   float *restrict os, float std, int n) {
     for (int j = 0; j < n; j++) {
-        float u1 = (float)(int32_t)((x[j] >> 8) + 1u) * (1.0f / 16777216.0f);  /* (0, 1], exact */
+        /* (k 2^16 + l + 1) / 2^40 rounded to float32: k 2^-24 exact, (l + 1) 2^-40 exact */
+        float u1 = (float)(int32_t)(x[j] >> 8) * (1.0f / 16777216.0f)
+                   + (float)(int32_t)(low16(x[j], y[j]) + 1u) * (1.0f / 1099511627776.0f);
         float r = sqrtf(-2.0f * log_f32(u1)) * std;
         float c, s;
         sincos_turns24(y[j] >> 8, &c, &s);
@@ -137,12 +148,25 @@ static inline void box_muller_f32(const uint32_t *restrict x, const uint32_t *re
     }
 }
 
-/* the transform alone, on given words (tests feed it every input class) */
-void pdpsgd_box_muller_f32(const uint32_t *x, const uint32_t *y, float *oc, float *os, int64_t n, float std) {
+/* a pair whose k = x >> 8 is 0 (u1 < 2^-24), again with u1 = (l 2^24 + (e >> 8) + 1) / 2^64 */
+static void tail_f32(uint32_t x, uint32_t y, uint32_t e, float *c, float *s, float std) {
+    float u1 = (float)(int32_t)low16(x, y) * (1.0f / 1099511627776.0f)
+               + (float)(int32_t)((e >> 8) + 1u) * (1.0f / 18446744073709551616.0f);
+    float r = sqrtf(-2.0f * log_f32(u1)) * std, cc, ss;
+    sincos_turns24(y >> 8, &cc, &ss);
+    *c = r * cc;
+    *s = r * ss;
+}
+
+/* the transform alone, on given words, e the tail words (tests feed it every input class) */
+void pdpsgd_box_muller_f32(const uint32_t *x, const uint32_t *y, const uint32_t *e, float *oc, float *os, int64_t n,
+                           float std) {
     for (int64_t i = 0; i < n; i += BLK) {
         int m = (int)((n - i) < BLK ? (n - i) : BLK);
         box_muller_f32(x + i, y + i, oc + i, os + i, std, m);
     }
+    for (int64_t i = 0; i < n; i++)
+        if (x[i] < 256u) tail_f32(x[i], y[i], e[i], oc + i, os + i, std);
 }
 
 /* raw Philox words of nblk blocks: out[(16 b + j) * 4 + w] = word w of counter ctr + 16 b + j */
@@ -165,6 +189,17 @@ static inline void block_f32(uint64_t ctr, uint32_t n0, uint32_t n1, const uint3
     philox_block(ctr, n0, n1, ka, kb, w0, w1, w2, w3);
     box_muller_f32(w0, w1, o, o + BLK, std, BLK);
     box_muller_f32(w2, w3, o + 2 * BLK, o + 3 * BLK, std, BLK);
+    uint32_t tail = 0;
+    for (int j = 0; j < BLK; j++) tail |= (uint32_t)(w0[j] < 256u) | (uint32_t)(w2[j] < 256u);
+    if (tail) {  /* 1 in 2^23 blocks: the tail words of the counters that need them */
+        for (int j = 0; j < BLK; j++) {
+            if (w0[j] >= 256u && w2[j] >= 256u) continue;
+            uint32_t e0[BLK], e1[BLK], e2[BLK], e3[BLK];
+            philox_block(ctr + (uint64_t)j, n0, n1 ^ TAIL_NONCE, ka, kb, e0, e1, e2, e3);  /* lane 0: counter ctr + j */
+            if (w0[j] < 256u) tail_f32(w0[j], w1[j], e0[0], o + j, o + BLK + j, std);
+            if (w2[j] < 256u) tail_f32(w2[j], w3[j], e1[0], o + 2 * BLK + j, o + 3 * BLK + j, std);
+        }
+    }
 }
 
 /* out[i] = z_i (add == 0) or out[i] = out[i] * scale + z_i (add != 0), z_i ~ N(0, std^2), i < n;
