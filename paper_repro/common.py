@@ -418,8 +418,11 @@ class DPConfig:
 
 
 def poisson_batches(n: int, q: float, steps: int, gen: torch.Generator):
-    for _ in range(steps):
-        yield torch.nonzero(torch.rand(n, generator=gen) < q).flatten()
+    # the library's sampler: float32 ``torch.rand(n) < q`` included each example w.p. ceil(q·2^24)/2^24,
+    # above the q the accountant composes (review, round 33)
+    from pdpsgd.sampling import PoissonSampler
+
+    yield from PoissonSampler(n, q, steps, generator=gen)
 
 
 def train(task_or_model, loss_fn, data, *, epochs: int, batch_size: int, lr: float, seed: int,

@@ -109,8 +109,9 @@ class PoissonSampler:
 
     ``generator``: a CPU ``torch.Generator`` (used and advanced in place), an int
     seed, or ``None`` (default) for a generator seeded from OS entropy
-    (``secrets``) — use that for real private training, since predictable batches
-    do not break the DP guarantee but reproducible seeds are easy to misuse.
+    (``secrets``) — use that for real private training: batches that someone can
+    recompute from a known seed void the amplification by subsampling that the
+    accountant's ε counts on (review, round 33; this said the opposite before).
 
     Formal guarantee: the index sets are exactly the Poisson subsampling assumed by
     :class:`pdpsgd.accounting.PRVAccountant` / ``RDPAccountant`` with the same

@@ -230,7 +230,11 @@ class DPStep:
         elif noise_rng == "auto" and float(noise_multiplier) > 0 and (generator is None or generator.device.type == "cpu"):
             from . import native_rng
 
-            native_rng.available()  # build (or find) the kernel now, not inside the first step's timing
+            if not native_rng.available():  # build (or find) the kernel now, not inside the first step's timing
+                why = native_rng._ERR[1] if native_rng._ERR else "it did not build"
+                warn(f"noise_rng='auto': pdpsgd's native noise kernel is not available ({why.splitlines()[0][:200]}), "
+                     "so float32 noise is drawn with torch's normal_ as float64 normals (the same distribution, "
+                     "another stream, ~10x the kernel's time on the CPU); a C compiler ($CC or cc) enables it")
         check_no_batch_mixing(model)
         if _is_compiled(model):
             warn(

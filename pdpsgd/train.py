@@ -154,7 +154,8 @@ class DPTrainer:
             ``make_dp_step`` (flat, per_layer or parameter groups sharing C). ``train_mode``: run the
             model in train mode (dropout on) while training; False = eval mode. ``dp=False`` trains non-privately on the
             same sampled batches (mean loss over q·N, no clipping, no noise) as a baseline.
-        seed: None (fresh OS entropy for every stream) or an int (reproducible runs).
+        seed: None (fresh OS entropy for every stream) or an int (reproducible runs: anyone who knows
+            it can recompute the noise and the batches, so for experiments, never for a model you release).
         noise_rng: "auto" (default: "native" on the CPU where it builds, else "torch"), "torch",
             "mkl" or "native" (``make_dp_step``: oneMKL's or pdpsgd's own faster CPU Gaussian, keyed
             from the noise generator; "mkl" needs ``pip install mkl``, "native" a C compiler the
@@ -303,6 +304,13 @@ class DPTrainer:
         return statistics.median(times[1:])
 
     # ---------------------------------------------------------------------------------------
+    def _privacy_key(self) -> Dict[str, Any]:
+        """What a saved state must share with this trainer to continue its guarantee (review, round 33:
+        a dp=False trainer's state was accepted by a private one, and its steps went uncounted)."""
+        p = self.plan
+        return {"dp": bool(self.dp), "noise_multiplier": float(p.noise_multiplier), "sample_rate": float(p.sample_rate),
+                "steps": int(p.steps), "num_examples": int(p.num_examples), "max_grad_norm": float(self.max_grad_norm)}
+
     def _ledger(self) -> Dict[str, Any]:
         return {"steps_released": self.released, "noise_multiplier": self.plan.noise_multiplier,
                 "sample_rate": self.plan.sample_rate, "delta": self.plan.delta,
@@ -323,6 +331,7 @@ class DPTrainer:
         return {
             "step": self.step_count,
             "released": self.released,
+            "privacy": self._privacy_key(),
             "params": {n: p.detach().clone() for n, p in self.params.items()},
             "optimizer": self.optimizer.state_dict(),
             "accountant": json.dumps(self.accountant.state_dict()),
@@ -347,6 +356,13 @@ class DPTrainer:
         re-seeded from fresh entropy and a warning is returned (ε counts this checkpoint's steps only).
         Pass the ledger to continue the streams exactly.
         """
+        saved = state.get("privacy")
+        if saved is not None and dict(saved) != self._privacy_key():
+            diff = ", ".join(f"{k}: {saved.get(k)!r} in the state vs {v!r} here"
+                             for k, v in self._privacy_key().items() if saved.get(k) != v)
+            raise ValueError(f"the state was saved by a trainer with other privacy settings ({diff}): its steps "
+                             "would be counted under this one's plan (a dp=False state's steps as private ones). "
+                             "Build the trainer with the state's settings")
         params = state["params"]
         if set(params) != set(self.params):
             raise ValueError("checkpoint parameters differ from the model's trainable parameters")

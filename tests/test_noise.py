@@ -301,7 +301,8 @@ def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch):
     from pdpsgd import native_rng
 
     monkeypatch.setattr(native_rng, "available", lambda: False)
-    auto = _tiny_step()
+    with pytest.warns(UserWarning, match="native noise kernel is not available.*torch's normal_"):
+        auto = _tiny_step()
     torch_ = _tiny_step(noise_rng="torch")
     assert auto[0].noise_source() == "torch"
     ga, gt = auto[0](auto[1], auto[2]).grads, torch_[0](torch_[1], torch_[2]).grads

@@ -306,3 +306,17 @@ def test_docs_custom_loop_snippet_runs():
     ns = {"N": N, "steps": steps, "data": data, "model": model, "loss_fn": loss_fn}
     exec(compile(code, "docs/train.md", "exec"), ns)
     assert ns["acct"].num_steps == steps and ns["acct"].epsilon(delta=1e-5).upper <= 3.0 * 1.001
+
+
+def test_a_state_from_other_privacy_settings_is_refused():
+    """Review, round 33: a dp=False trainer's state loaded into a private one; 15 of 20 steps had run
+    without clipping or noise and the accountant counted only the 5 after it."""
+    tr, *_ = _mlp_setup(seed=1, dp=False)
+    tr.step()
+    state = tr.state_dict()
+    priv, *_ = _mlp_setup(seed=1)
+    with pytest.raises(ValueError, match="other privacy settings .*dp: False in the state vs True here"):
+        priv.load_state_dict(state)
+    other, *_ = _mlp_setup(seed=1, sigma=3.0)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        other.load_state_dict(_mlp_setup(seed=1)[0].state_dict())
