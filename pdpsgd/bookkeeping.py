@@ -1414,6 +1414,58 @@ def _eager_calls(calls: List[_Call], leaves: List[Tensor]) -> Dict[int, _Early]:
     return {i: _Early(calls[i]) for i in cand if reaches(calls[i].edge.node)}
 
 
+_CREATE_GRAPH = (
+    "the loss takes gradients inside itself (torch.autograd.grad or .backward with create_graph=True, e.g. a "
+    "gradient penalty or a score-matching loss): the book-keeping engine captures each layer's input and output "
+    "gradient, which misses the parameters' second-order terms, and vmap cannot run torch.autograd.grad. Write the "
+    "inner gradient with torch.func.grad and use method='vmap', or take per-example gradients with the naive loop "
+    "(pdpsgd.testing.naive_per_sample_grads)")
+
+
+class _Watched:
+    def __init__(self):
+        self.create_graph = False
+        self.hooked: Set[Tuple[Any, int]] = set()  # (grad_fn, output_nr) of non-leaf tensors given a hook
+
+
+@contextlib.contextmanager
+def _watch_autograd() -> Iterator[_Watched]:
+    """While the capture's forward runs: records the non-leaf tensors given a gradient hook
+    (``Tensor.register_hook``) and whether a gradient is taken with ``create_graph=True``
+    (``torch.autograd.grad`` / ``backward``), both of which the capture cannot follow (review,
+    round 33: a hook on a layer's output scaled g after the engine read it; a gradient penalty's
+    second-order terms were dropped; both silently). Restored after, also on error."""
+    w = _Watched()
+    reg, grad, back = torch.Tensor.register_hook, torch.autograd.grad, torch.autograd.backward
+
+    def register_hook(self, hook):
+        if self.grad_fn is not None:
+            w.hooked.add((self.grad_fn, self.output_nr))
+        return reg(self, hook)
+
+    def grad_(*args, **kwargs):
+        w.create_graph |= bool(kwargs.get("create_graph", False) or (len(args) > 4 and args[4]))
+        return grad(*args, **kwargs)
+
+    def backward_(*args, **kwargs):
+        w.create_graph |= bool(kwargs.get("create_graph", False) or (len(args) > 3 and args[3]))
+        return back(*args, **kwargs)
+
+    torch.Tensor.register_hook, torch.autograd.grad, torch.autograd.backward = register_hook, grad_, backward_
+    try:
+        yield w
+    finally:
+        torch.Tensor.register_hook, torch.autograd.grad, torch.autograd.backward = reg, grad, back
+
+
+def _edge_key(c: "_Call") -> Optional[Tuple[Any, int]]:
+    if c.edge is not None:
+        return (c.edge.node, c.edge.output_nr)
+    if c.output is not None and c.output.grad_fn is not None:
+        return (c.output.grad_fn, c.output.output_nr)
+    return None
+
+
 def _eager_hook(st: _Early, B: int):
     c = st.call
     nr = c.edge.output_nr
@@ -1715,6 +1767,9 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     leaves = {n: (params[n].detach().requires_grad_(True) if n in ruled_names else params[n].detach())
               for n in params}
     detached = {n: leaves[n].detach() for n in ruled_names}
+    # each ruled slot's own Parameter (the checks' extra forwards run the model on these) or the step's leaf:
+    # anything else in the slot when the layer runs was put there by the model itself (``swap_in``)
+    own = {(id(m), pn): m._parameters[pn] for m, (_, _, local) in ruled.items() for pn in local}
     calls: List[_Call] = []
     # After the forward, the wrapped forwards stay on through the backward: a layer that runs again then is a
     # checkpoint recomputation (torch.utils.checkpoint, use_reentrant=False; HF's default), which
@@ -1729,7 +1784,15 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         prev = {}
         for pn, c in local.items():
             if c in detached:
-                prev[pn] = module._parameters[pn]
+                now = module._parameters[pn]
+                if now is not leaves[c] and now is not own.get((id(module), pn)):
+                    # the layer runs with another tensor in this slot than the step's parameter (the model's
+                    # own torch.func.functional_call, a hypernetwork's or fast weights): its gradient is not
+                    # aᵀg of this parameter, and swapping ours in would change the forward (review, round 33)
+                    fallback.setdefault(c, f"{type(module).__name__} ({mname or '<root>'}) ran with a substituted "
+                                           f"{pn} (e.g. torch.func.functional_call inside the model)")
+                    continue
+                prev[pn] = now
                 module._parameters[pn] = detached[c]
         swapped.setdefault(module, []).append(prev)
 
@@ -1891,8 +1954,10 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     leaf_names = [n for n in ruled_names]
 
     def forward_backward():
-        with torch.enable_grad():
+        with torch.enable_grad(), _watch_autograd() as watched:
             losses = loss_module(batch)
+        if watched.create_graph:
+            raise ValueError(_CREATE_GRAPH)
         replay[0] = True
         flat.clear()  # (the forward's nodes are not held beyond it)
         if not isinstance(losses, Tensor) or losses.shape != (B,):
@@ -1901,6 +1966,12 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                 f"loss_fn must return one loss per example, shape [{B}]; got {shape}. Use reduction='none' "
                 "(and sum per-token losses per example)."
             )
+        # a gradient hook on a captured output (Tensor.register_hook) changes g after the engine reads it
+        for c in calls:
+            if watched.hooked and _edge_key(c) in watched.hooked:
+                for c2 in ruled[c.module][2].values():
+                    fallback.setdefault(c2, f"{type(c.module).__name__} ({c.mname}): a gradient hook on its output "
+                                            "(Tensor.register_hook)")
         # in-place edits of a captured input/output after the layer ran would make a or g stale
         for c in calls:
             now = (() if c.output is None else (c.output._version,)) + tuple(

@@ -4061,3 +4061,66 @@ def test_a_parameter_subclass_swapped_for_another_object_is_checked_again():
     bl = {"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))}
     lazy(bl["x"])  # (materialised by a first forward)
     assert set(step.clipped_sum(trainable_params(lazy), bl).routes.values()) <= {"ghost", "explicit"}
+
+
+class _HookedOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.m, self.b = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.m(torch.tanh(self.a(x)))
+        if h.requires_grad:
+            h.register_hook(lambda g: 3.0 * g)  # scales the gradient reaching m (and a)
+        return self.b(torch.tanh(h))
+
+
+class _Hyper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.code = nn.Parameter(torch.randn(1, 4))
+        self.gen, self.target, self.out = nn.Linear(4, 48), nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        w = self.gen(self.code).view(8, 6)
+        h = torch.func.functional_call(self.target, {"weight": w}, (x,))  # target run with a generated weight
+        return self.out(torch.tanh(h))
+
+
+@pytest.mark.parametrize("method", ["bk", "auto"])
+@pytest.mark.parametrize("B", [1, 5])
+@pytest.mark.parametrize("make", [_HookedOutput, _Hyper])
+def test_hooks_on_outputs_and_substituted_weights_stay_exact(make, B, method):
+    """Review, round 33: a gradient hook on a ruled layer's output (``Tensor.register_hook``) acted
+    after the engine read g (m.weight 0.667 off); a layer run with a substituted weight
+    (``torch.func.functional_call``, a hypernetwork) had the step's own weight swapped back in (the
+    generator's gradient came out 0). Both silently, on the rules; now those parameters take the
+    exact fallback and the rest stay on their rules."""
+    torch.manual_seed(0)
+    model = make().double()
+    b = {"x": torch.randn(B, 6, dtype=torch.float64), "y": torch.randint(0, 3, (B,))}
+
+    def loss(mm, bb):
+        return F.cross_entropy(mm(bb["x"]), bb["y"], reduction="none")
+
+    r = assert_exact(model, loss, b, method=method, max_grad_norm=1e3)
+    off = {n for n, v in r.routes.items() if v == "vmap"}
+    assert off >= ({"m.weight", "m.bias"} if make is _HookedOutput else {"target.weight"}), r.routes
+    assert r.routes["b.weight" if make is _HookedOutput else "out.weight"] != "vmap"
+
+
+@pytest.mark.parametrize("method", ["bk", "auto"])
+def test_a_loss_taking_gradients_inside_itself_is_refused(method):
+    """Review, round 33: a gradient penalty (torch.autograd.grad with create_graph=True in the loss)
+    lost the parameters' second-order terms on the rules (0.30 off), silently."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def loss(mm, bb):
+        x = bb["x"].requires_grad_(True)
+        ce = F.cross_entropy(mm(x), bb["y"], reduction="none")
+        (gx,) = torch.autograd.grad(ce.sum(), x, create_graph=True)
+        return ce + 0.5 * gx.pow(2).sum(1)
+
+    step = make_dp_step(model, loss, max_grad_norm=1.0, noise_multiplier=0.0, method=method)
+    with pytest.raises(ValueError, match="takes gradients inside itself.*create_graph=True.*torch.func.grad"):
+        step.clipped_sum(trainable_params(model), {"x": torch.randn(4, 6), "y": torch.randint(0, 3, (4,))})
