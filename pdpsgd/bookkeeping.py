@@ -51,6 +51,7 @@ import contextvars
 import dataclasses
 import functools
 import math
+import threading
 import types
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
@@ -886,7 +887,8 @@ KAPPA_MAX_PER_T = 16
 # (u = 2⁻²⁴ for float32) in a search over crafted cancelling examples just under it (d, p from 16
 # to 3072, T from 16 to 2048; round 33), i.e. up to ~κ·0.27·u relative, 0.1–0.5 % of C at T = 1024–
 # 4096. So every guarded squared norm gets ROUNDING_ALLOWANCE·u·(Σ_t ‖L_t‖‖R_t‖)² added (capped at
-# that bound itself, which is ≥ ‖G_i‖²): the rounding is made one-sided, on the clipped-harder side,
+# that bound itself, which is ≥ ‖G_i‖², up to its own float rounding where κ ≈ 1 and nothing cancels):
+# the rounding is made one-sided, on the clipped-harder side,
 # with a 15x margin over the largest error found (an empirical allowance, not a proof for every
 # summation order). Ordinary examples (κ ≤ 1.3·n) get ~5·u·n relative: 2e-5 of a norm at n = 128
 # in float32, 4e-14 in float64 (inside the oracle tests' 1e-9).
@@ -1414,48 +1416,76 @@ def _eager_calls(calls: List[_Call], leaves: List[Tensor]) -> Dict[int, _Early]:
     return {i: _Early(calls[i]) for i in cand if reaches(calls[i].edge.node)}
 
 
-_CREATE_GRAPH = (
-    "the loss takes gradients inside itself (torch.autograd.grad or .backward with create_graph=True, e.g. a "
-    "gradient penalty or a score-matching loss): the book-keeping engine captures each layer's input and output "
-    "gradient, which misses the parameters' second-order terms, and vmap cannot run torch.autograd.grad. Write the "
-    "inner gradient with torch.func.grad and use method='vmap', or take per-example gradients with the naive loop "
-    "(pdpsgd.testing.naive_per_sample_grads)")
+_CREATE_GRAPH = ("the loss takes gradients inside itself (torch.autograd.grad / backward with create_graph=True, "
+                 "e.g. a gradient penalty, score matching, torch.func.grad): the capture cannot follow its "
+                 "parameters' second-order terms")
 
 
 class _Watched:
     def __init__(self):
         self.create_graph = False
-        self.hooked: Set[Tuple[Any, int]] = set()  # (grad_fn, output_nr) of non-leaf tensors given a hook
+        self.modified: Set[Tuple[Any, int]] = set()  # (grad_fn, output_nr) of non-leaf tensors whose hook changed g
+
+
+_WATCH: contextvars.ContextVar = contextvars.ContextVar("pdpsgd_watch_autograd", default=None)
+_WATCH_LOCK = threading.Lock()
+_WATCH_STATE: Dict[str, Any] = {"depth": 0, "orig": None}
+
+
+def _watch_register_hook(self, hook):
+    w = _WATCH.get()
+    if w is not None and self.grad_fn is not None:
+        key, inner = (self.grad_fn, self.output_nr), hook
+
+        def hook(g):  # noqa: F811 - the user's hook, observed: did it change the gradient?
+            r = inner(g)
+            if r is not None:
+                w.modified.add(key)
+            return r
+
+    return _WATCH_STATE["orig"][0](self, hook)
+
+
+def _watch_grad(*args, **kwargs):
+    w = _WATCH.get()
+    if w is not None and (kwargs.get("create_graph", False) or (len(args) > 4 and args[4])):
+        w.create_graph = True
+    return _WATCH_STATE["orig"][1](*args, **kwargs)
+
+
+def _watch_backward(*args, **kwargs):
+    w = _WATCH.get()
+    if w is not None and (kwargs.get("create_graph", False) or (len(args) > 3 and args[3])):
+        w.create_graph = True
+    return _WATCH_STATE["orig"][2](*args, **kwargs)
 
 
 @contextlib.contextmanager
 def _watch_autograd() -> Iterator[_Watched]:
-    """While the capture's forward runs: records the non-leaf tensors given a gradient hook
-    (``Tensor.register_hook``) and whether a gradient is taken with ``create_graph=True``
-    (``torch.autograd.grad`` / ``backward``), both of which the capture cannot follow (review,
-    round 33: a hook on a layer's output scaled g after the engine read it; a gradient penalty's
-    second-order terms were dropped; both silently). Restored after, also on error."""
+    """While the capture's forward runs (in this thread / context): records the non-leaf tensors
+    whose gradient hook (``Tensor.register_hook``) *changes* their gradient (when the backward runs
+    it) and whether a gradient is taken with ``create_graph=True``, which the capture cannot follow
+    (review, round 33: a hook on a layer's output scaled g after the engine read it; a gradient
+    penalty's second-order terms were dropped; both silently). The three torch functions are
+    wrapped while any capture runs (reference-counted, under a lock); the wrappers record only for
+    the capture of their own context, so other threads are unaffected."""
     w = _Watched()
-    reg, grad, back = torch.Tensor.register_hook, torch.autograd.grad, torch.autograd.backward
-
-    def register_hook(self, hook):
-        if self.grad_fn is not None:
-            w.hooked.add((self.grad_fn, self.output_nr))
-        return reg(self, hook)
-
-    def grad_(*args, **kwargs):
-        w.create_graph |= bool(kwargs.get("create_graph", False) or (len(args) > 4 and args[4]))
-        return grad(*args, **kwargs)
-
-    def backward_(*args, **kwargs):
-        w.create_graph |= bool(kwargs.get("create_graph", False) or (len(args) > 3 and args[3]))
-        return back(*args, **kwargs)
-
-    torch.Tensor.register_hook, torch.autograd.grad, torch.autograd.backward = register_hook, grad_, backward_
+    with _WATCH_LOCK:
+        if _WATCH_STATE["depth"] == 0:
+            _WATCH_STATE["orig"] = (torch.Tensor.register_hook, torch.autograd.grad, torch.autograd.backward)
+            torch.Tensor.register_hook = _watch_register_hook
+            torch.autograd.grad, torch.autograd.backward = _watch_grad, _watch_backward
+        _WATCH_STATE["depth"] += 1
+    token = _WATCH.set(w)
     try:
         yield w
     finally:
-        torch.Tensor.register_hook, torch.autograd.grad, torch.autograd.backward = reg, grad, back
+        _WATCH.reset(token)
+        with _WATCH_LOCK:
+            _WATCH_STATE["depth"] -= 1
+            if _WATCH_STATE["depth"] == 0:
+                torch.Tensor.register_hook, torch.autograd.grad, torch.autograd.backward = _WATCH_STATE["orig"]
+                _WATCH_STATE["orig"] = None
 
 
 def _edge_key(c: "_Call") -> Optional[Tuple[Any, int]]:
@@ -1775,6 +1805,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     # checkpoint recomputation (torch.utils.checkpoint, use_reentrant=False; HF's default), which
     # must see the same parameters and produce the same graph as in the forward, and is not recorded.
     replay = [False]
+    watch: List[Optional[_Watched]] = [None]  # the forward's (``_watch_autograd``), read after the backward
     flat: Dict[Tuple[Any, int], _Flat] = {}  # row-wise outputs of flattened calls (``_flat_rows``)
     swapped: Dict[nn.Module, List[Dict[str, Tensor]]] = {}
     real_dims: Dict[str, List[Optional[int]]] = {}  # module name -> first dim of each call's input
@@ -1956,8 +1987,11 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     def forward_backward():
         with torch.enable_grad(), _watch_autograd() as watched:
             losses = loss_module(batch)
-        if watched.create_graph:
-            raise ValueError(_CREATE_GRAPH)
+        watch[0] = watched
+        if watched.create_graph:  # every ruled parameter to the exact fallback (vmap follows torch.func.grad)
+            for _, _, local in ruled.values():
+                for c in local.values():
+                    fallback.setdefault(c, _CREATE_GRAPH)
         replay[0] = True
         flat.clear()  # (the forward's nodes are not held beyond it)
         if not isinstance(losses, Tensor) or losses.shape != (B,):
@@ -1966,12 +2000,6 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                 f"loss_fn must return one loss per example, shape [{B}]; got {shape}. Use reduction='none' "
                 "(and sum per-token losses per example)."
             )
-        # a gradient hook on a captured output (Tensor.register_hook) changes g after the engine reads it
-        for c in calls:
-            if watched.hooked and _edge_key(c) in watched.hooked:
-                for c2 in ruled[c.module][2].values():
-                    fallback.setdefault(c2, f"{type(c.module).__name__} ({c.mname}): a gradient hook on its output "
-                                            "(Tensor.register_hook)")
         # in-place edits of a captured input/output after the layer ran would make a or g stale
         for c in calls:
             now = (() if c.output is None else (c.output._version,)) + tuple(
@@ -2053,6 +2081,13 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     for n, g in zip(leaf_names, grads[n_call:]):
         if g is not None:
             fallback.setdefault(n, "also used outside its layer's forward")
+    if watch[0] is not None and watch[0].modified:
+        # a gradient hook on a captured output (Tensor.register_hook) changed g after the engine read it
+        for c in calls:
+            if _edge_key(c) in watch[0].modified:
+                for c2 in ruled[c.module][2].values():
+                    fallback.setdefault(c2, f"{type(c.module).__name__} ({c.mname}): a gradient hook on its output "
+                                            "(Tensor.register_hook) changes its gradient")
     uses: Dict[str, List[Use]] = {}
     verified: Set[int] = set()  # calls whose rule returned uses (checked the call, where it checks)
     k = 0

@@ -214,7 +214,10 @@ def _explain_vmap_error(err: Exception) -> Exception:
             "(model.gradient_checkpointing_enable(), torch.utils.checkpoint). Fixes: turn it off for the DP "
             "step (model.gradient_checkpointing_disable()), or use method='bk' / 'auto', which run the model "
             "batched and work with checkpointing, with every trained parameter covered by a rule (see "
-            f"dp_step.plan(...): no 'vmap' routes). Original error: {msg}"
+            "dp_step.plan(...): no 'vmap' routes). A loss that takes gradients inside itself "
+            "(torch.autograd.grad(..., create_graph=True): a gradient penalty, score matching) needs "
+            "torch.func.grad there instead, under every method (book-keeping sends its parameters to this "
+            f"fallback). Original error: {msg}"
         )
     if "data-dependent control flow" in msg or ".item()" in msg:
         return RuntimeError(

@@ -349,13 +349,22 @@ class DPTrainer:
         is re-seeded from fresh OS entropy (no noise or sample is ever reused); returns a warning
         message in that case, else None.
 
-        Without a ledger (``ledger=None``) a private trainer cannot tell whether updates after this
+        ``ledger=None`` reads the trainer's own ``ledger_path`` if that file exists. Without any ledger a
+        private trainer cannot tell whether updates after this
         checkpoint were released (an older checkpoint, or a second run from the same one): restoring
         the noise stream would repeat their noise, and on changed data two releases would then differ
         by the changed example's clipped gradient alone (review, round 33). So every random stream is
         re-seeded from fresh entropy and a warning is returned (ε counts this checkpoint's steps only).
         Pass the ledger to continue the streams exactly.
         """
+        if ledger is None and self.ledger_path is not None and self.ledger_path.exists():
+            # its own ledger file (review, round 33: not read, it was then rewritten from the checkpoint's
+            # smaller count at the next step, dropping releases already on it)
+            try:
+                ledger = json.loads(self.ledger_path.read_text())
+            except (OSError, ValueError) as err:
+                raise ValueError(f"the privacy ledger {self.ledger_path} is unreadable ({err}); refusing to "
+                                 "resume (it may hold releases this state does not count)") from None
         saved = state.get("privacy")
         if saved is not None and dict(saved) != self._privacy_key():
             diff = ", ".join(f"{k}: {saved.get(k)!r} in the state vs {v!r} here"

@@ -4110,17 +4110,79 @@ def test_hooks_on_outputs_and_substituted_weights_stay_exact(make, B, method):
 
 
 @pytest.mark.parametrize("method", ["bk", "auto"])
-def test_a_loss_taking_gradients_inside_itself_is_refused(method):
-    """Review, round 33: a gradient penalty (torch.autograd.grad with create_graph=True in the loss)
-    lost the parameters' second-order terms on the rules (0.30 off), silently."""
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+def test_a_loss_taking_gradients_inside_itself_takes_the_exact_fallback(method):
+    """Review, round 33: a gradient penalty (create_graph=True in the loss) lost the parameters'
+    second-order terms on the rules (0.30 off), silently. Now every ruled parameter takes the exact
+    fallback: exact with torch.func.grad; torch.autograd.grad, which vmap cannot run, is an error
+    that names the fix."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    b = {"x": torch.randn(4, 6, dtype=torch.float64), "y": torch.randint(0, 3, (4,))}
 
-    def loss(mm, bb):
+    def penalty(mm, bb):  # ce + ½‖∂ce/∂x‖² per example, the inner gradient by torch.func
+        def ce(x, y):
+            return F.cross_entropy(mm(x.unsqueeze(0)), y.unsqueeze(0))
+
+        gx = torch.vmap(torch.func.grad(ce))(bb["x"], bb["y"])
+        return F.cross_entropy(mm(bb["x"]), bb["y"], reduction="none") + 0.5 * gx.pow(2).sum(1)
+
+    r = assert_exact(model, penalty, b, method=method, max_grad_norm=1e3)
+    assert set(r.routes.values()) == {"vmap"}, r.routes
+
+    def autograd_penalty(mm, bb):
         x = bb["x"].requires_grad_(True)
         ce = F.cross_entropy(mm(x), bb["y"], reduction="none")
         (gx,) = torch.autograd.grad(ce.sum(), x, create_graph=True)
         return ce + 0.5 * gx.pow(2).sum(1)
 
-    step = make_dp_step(model, loss, max_grad_norm=1.0, noise_multiplier=0.0, method=method)
-    with pytest.raises(ValueError, match="takes gradients inside itself.*create_graph=True.*torch.func.grad"):
-        step.clipped_sum(trainable_params(model), {"x": torch.randn(4, 6), "y": torch.randint(0, 3, (4,))})
+    step = make_dp_step(model, autograd_penalty, max_grad_norm=1.0, noise_multiplier=0.0, method=method)
+    with pytest.raises(RuntimeError, match="takes gradients inside itself.*torch.func.grad"):
+        step.clipped_sum(trainable_params(model), b)
+
+
+def test_watching_autograd_is_per_thread_and_restored():
+    """Review, round 33: the capture's wrappers of torch.autograd.grad / Tensor.register_hook were
+    process-wide: another thread's create_graph call made a capture refuse, and overlapping
+    captures left them installed. Now they are reference-counted and record per context."""
+    import threading as th
+
+    import pdpsgd.bookkeeping as bk
+
+    orig = (torch.Tensor.register_hook, torch.autograd.grad, torch.autograd.backward)
+    seen = []
+
+    def other():
+        x = torch.randn(3, requires_grad=True)
+        torch.autograd.grad((x ** 3).sum(), x, create_graph=True)  # not the capture's
+
+    with bk._watch_autograd() as w1:
+        t = th.Thread(target=other)
+        t.start()
+        t.join()
+        with bk._watch_autograd() as w2:
+            seen.append(torch.autograd.grad is not orig[1])
+        y = torch.randn(2, requires_grad=True) * 2
+        y.register_hook(lambda g: None)  # observes only
+        z = torch.randn(2, requires_grad=True) * 3
+        z.register_hook(lambda g: 2 * g)  # changes the gradient
+        (y.sum() + z.sum()).backward()
+    assert seen == [True] and not w1.create_graph and not w2.create_graph
+    assert w1.modified == {(z.grad_fn, 0)}
+    assert (torch.Tensor.register_hook, torch.autograd.grad, torch.autograd.backward) == orig
+
+
+def test_observing_gradient_hooks_keep_the_rules():
+    """Review, round 33: hooks that only observe (torch.utils.module_tracker, FlopCounterMode) sent
+    every layer to the fallback; only a hook that changes a captured gradient does now."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    b = {"x": torch.randn(4, 6, dtype=torch.float64), "y": torch.randint(0, 3, (4,))}
+
+    def loss(mm, bb):
+        return F.cross_entropy(mm(bb["x"]), bb["y"], reduction="none")
+
+    step = make_dp_step(model, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    with FlopCounterMode(display=False):
+        out = step.clipped_sum(trainable_params(model), b)
+    assert "vmap" not in out.routes.values(), out.routes

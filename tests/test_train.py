@@ -320,3 +320,21 @@ def test_a_state_from_other_privacy_settings_is_refused():
     other, *_ = _mlp_setup(seed=1, sigma=3.0)
     with pytest.raises(ValueError, match="noise_multiplier"):
         other.load_state_dict(_mlp_setup(seed=1)[0].state_dict())
+
+
+def test_resume_reads_the_trainers_own_ledger_file(tmp_path):
+    """Review, round 33: load_state_dict(state) without ledger= ignored the trainer's own ledger_path,
+    and the next step rewrote that file with the checkpoint's smaller count (8 released -> 6)."""
+    L = tmp_path / "ledger.json"
+    tr, *_ = _mlp_setup(seed=1, epochs=2, ledger=L)
+    for _ in range(5):
+        tr.step()
+    state = tr.state_dict()
+    for _ in range(3):
+        tr.step()
+    assert json.loads(L.read_text())["steps_released"] == 8
+    tr2, *_ = _mlp_setup(seed=1, epochs=2, ledger=L)
+    msg = tr2.load_state_dict(state)
+    assert "3 step(s) were released after the last checkpoint" in msg
+    tr2.step()
+    assert json.loads(L.read_text())["steps_released"] == 9 and tr2.accountant.num_steps == 9
