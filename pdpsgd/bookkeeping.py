@@ -1425,16 +1425,29 @@ class _Watched:
     def __init__(self):
         self.create_graph = False
         self.modified: Set[Tuple[Any, int]] = set()  # (grad_fn, output_nr) of non-leaf tensors whose hook changed g
+        self.leaf_hooks: Set[int] = set()  # ids of leaf tensors given a hook (a ruled parameter's leaf: fallback)
 
 
 _WATCH: contextvars.ContextVar = contextvars.ContextVar("pdpsgd_watch_autograd", default=None)
 _WATCH_LOCK = threading.Lock()
-_WATCH_STATE: Dict[str, Any] = {"depth": 0, "orig": None}
+_WATCH_STATE: Dict[str, Any] = {"depth": 0, "orig": None, "active": []}
+
+
+def _watcher() -> Optional[_Watched]:
+    """This context's capture; in a thread of the model's own (a pool its forward uses, which does not
+    inherit the context) the one capture running, if only one is (review, round 33)."""
+    w = _WATCH.get()
+    if w is None:
+        active = _WATCH_STATE["active"]
+        w = active[0] if len(active) == 1 else None
+    return w
 
 
 def _watch_register_hook(self, hook):
-    w = _WATCH.get()
-    if w is not None and self.grad_fn is not None:
+    w = _watcher()
+    if w is not None and self.grad_fn is None:
+        w.leaf_hooks.add(id(self))
+    elif w is not None:
         key, inner = (self.grad_fn, self.output_nr), hook
 
         def hook(g):  # noqa: F811 - the user's hook, observed: did it change the gradient?
@@ -1447,14 +1460,14 @@ def _watch_register_hook(self, hook):
 
 
 def _watch_grad(*args, **kwargs):
-    w = _WATCH.get()
+    w = _watcher()
     if w is not None and (kwargs.get("create_graph", False) or (len(args) > 4 and args[4])):
         w.create_graph = True
     return _WATCH_STATE["orig"][1](*args, **kwargs)
 
 
 def _watch_backward(*args, **kwargs):
-    w = _WATCH.get()
+    w = _watcher()
     if w is not None and (kwargs.get("create_graph", False) or (len(args) > 3 and args[3])):
         w.create_graph = True
     return _WATCH_STATE["orig"][2](*args, **kwargs)
@@ -1476,12 +1489,17 @@ def _watch_autograd() -> Iterator[_Watched]:
             torch.Tensor.register_hook = _watch_register_hook
             torch.autograd.grad, torch.autograd.backward = _watch_grad, _watch_backward
         _WATCH_STATE["depth"] += 1
+        _WATCH_STATE["active"].append(w)
     token = _WATCH.set(w)
     try:
         yield w
     finally:
-        _WATCH.reset(token)
+        try:
+            _WATCH.reset(token)
+        except ValueError:  # (reset from another context: the value is this context's to drop)
+            _WATCH.set(None)
         with _WATCH_LOCK:
+            _WATCH_STATE["active"].remove(w)
             _WATCH_STATE["depth"] -= 1
             if _WATCH_STATE["depth"] == 0:
                 torch.Tensor.register_hook, torch.autograd.grad, torch.autograd.backward = _WATCH_STATE["orig"]
@@ -2081,6 +2099,11 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     for n, g in zip(leaf_names, grads[n_call:]):
         if g is not None:
             fallback.setdefault(n, "also used outside its layer's forward")
+    if watch[0] is not None and watch[0].leaf_hooks:
+        # a hook on a ruled parameter itself (its gradient here comes from the rules, not through the leaf)
+        for n in ruled_names:
+            if id(leaves[n]) in watch[0].leaf_hooks:
+                fallback.setdefault(n, "a gradient hook on the parameter itself (Tensor.register_hook in the forward)")
     if watch[0] is not None and watch[0].modified:
         # a gradient hook on a captured output (Tensor.register_hook) changed g after the engine read it
         for c in calls:

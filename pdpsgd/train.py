@@ -365,6 +365,14 @@ class DPTrainer:
             except (OSError, ValueError) as err:
                 raise ValueError(f"the privacy ledger {self.ledger_path} is unreadable ({err}); refusing to "
                                  "resume (it may hold releases this state does not count)") from None
+        if ledger is not None and self.dp:  # another run's ledger would lend its history (review, round 33)
+            plan = {"noise_multiplier": self.plan.noise_multiplier, "sample_rate": self.plan.sample_rate,
+                    "delta": self.plan.delta}
+            off = [f"{k}: {ledger.get(k)!r} in the ledger vs {v!r} here" for k, v in plan.items()
+                   if k in ledger and not math.isclose(float(ledger[k]), float(v), rel_tol=1e-12)]
+            if off:
+                raise ValueError(f"the privacy ledger is another run's ({', '.join(off)}): refusing to resume "
+                                 "with it. Point ledger_path at this run's ledger")
         saved = state.get("privacy")
         if saved is not None and dict(saved) != self._privacy_key():
             diff = ", ".join(f"{k}: {saved.get(k)!r} in the state vs {v!r} here"
@@ -405,10 +413,16 @@ class DPTrainer:
             return (f"{lost} step(s) were released after the last checkpoint and are lost; they stay on the "
                     f"privacy ledger (ε will exceed the plan slightly) and all random streams were re-seeded "
                     "from fresh entropy")
-        if ledger is None and self.dp and self.plan.noise_multiplier > 0:
+        stale = ledger is not None and int(ledger.get("steps_released", 0)) < self.released
+        if (ledger is None or stale) and self.dp and self.plan.noise_multiplier > 0:
             self.sample_generator.manual_seed(secrets.randbits(63))
             self.noise_generator.manual_seed(secrets.randbits(63))
             torch.manual_seed(secrets.randbits(63))
+            if stale:
+                return (f"the privacy ledger shows {int(ledger.get('steps_released', 0))} released step(s), fewer than "
+                        f"this checkpoint's {self.released}: it is stale or another run's, so updates released after "
+                        "the checkpoint cannot be seen; every random stream was re-seeded from fresh entropy (their "
+                        "noise is never repeated) and ε counts this checkpoint's steps only")
             return ("no privacy ledger was given: updates released after this checkpoint, if any, cannot be seen, "
                     "so every random stream was re-seeded from fresh entropy (their noise is never repeated) and ε "
                     "counts this checkpoint's steps only; pass ledger= (the content of the file that "

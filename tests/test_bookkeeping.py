@@ -4140,10 +4140,11 @@ def test_a_loss_taking_gradients_inside_itself_takes_the_exact_fallback(method):
         step.clipped_sum(trainable_params(model), b)
 
 
-def test_watching_autograd_is_per_thread_and_restored():
+def test_watching_autograd_is_per_context_and_restored():
     """Review, round 33: the capture's wrappers of torch.autograd.grad / Tensor.register_hook were
-    process-wide: another thread's create_graph call made a capture refuse, and overlapping
-    captures left them installed. Now they are reference-counted and record per context."""
+    process-wide and overlapping captures left them installed. Now they are reference-counted and
+    record per context; a thread without one (a pool the model's forward uses) records into the
+    capture only while a single one runs (with two, into neither)."""
     import threading as th
 
     import pdpsgd.bookkeeping as bk
@@ -4153,13 +4154,13 @@ def test_watching_autograd_is_per_thread_and_restored():
 
     def other():
         x = torch.randn(3, requires_grad=True)
-        torch.autograd.grad((x ** 3).sum(), x, create_graph=True)  # not the capture's
+        torch.autograd.grad((x ** 3).sum(), x, create_graph=True)
 
     with bk._watch_autograd() as w1:
-        t = th.Thread(target=other)
-        t.start()
-        t.join()
         with bk._watch_autograd() as w2:
+            t = th.Thread(target=other)  # two captures run: neither is this thread's
+            t.start()
+            t.join()
             seen.append(torch.autograd.grad is not orig[1])
         y = torch.randn(2, requires_grad=True) * 2
         y.register_hook(lambda g: None)  # observes only
@@ -4186,3 +4187,38 @@ def test_observing_gradient_hooks_keep_the_rules():
     with FlopCounterMode(display=False):
         out = step.clipped_sum(trainable_params(model), b)
     assert "vmap" not in out.routes.values(), out.routes
+
+
+class _PoolHooked(nn.Module):
+    """Registers its output hook from a worker thread (which does not inherit the capture's context)."""
+
+    def __init__(self, leaf=False):
+        super().__init__()
+        self.a, self.m, self.b = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.leaf = leaf
+
+    def forward(self, x):
+        import concurrent.futures as cf
+
+        if self.leaf and self.m.weight.requires_grad:
+            self.m.weight.register_hook(lambda g: 3.0 * g)  # on the parameter itself
+        h = self.m(torch.tanh(self.a(x)))
+        if not self.leaf and h.requires_grad:
+            with cf.ThreadPoolExecutor(1) as pool:
+                pool.submit(h.register_hook, lambda g: 3.0 * g).result()
+        return self.b(torch.tanh(h))
+
+
+@pytest.mark.parametrize("leaf", [False, True])
+def test_hooks_from_a_worker_thread_or_on_the_parameter_stay_exact(leaf):
+    """Review, round 33: a hook registered from the model's own worker thread was not seen by the
+    per-context watch, and a hook on the parameter itself was skipped (m.weight 0.667 off, silently)."""
+    torch.manual_seed(0)
+    model = _PoolHooked(leaf).double()
+    b = {"x": torch.randn(1, 6, dtype=torch.float64), "y": torch.randint(0, 3, (1,))}
+
+    def loss(mm, bb):
+        return F.cross_entropy(mm(bb["x"]), bb["y"], reduction="none")
+
+    r = assert_exact(model, loss, b, method="bk", max_grad_norm=1e3)
+    assert r.routes["m.weight"] == "vmap" and r.routes["b.weight"] != "vmap", r.routes

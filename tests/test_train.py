@@ -338,3 +338,23 @@ def test_resume_reads_the_trainers_own_ledger_file(tmp_path):
     assert "3 step(s) were released after the last checkpoint" in msg
     tr2.step()
     assert json.loads(L.read_text())["steps_released"] == 9 and tr2.accountant.num_steps == 9
+
+
+def test_a_stale_or_foreign_ledger_is_not_trusted(tmp_path):
+    """Review, round 33: a ledger with fewer releases than the checkpoint was accepted (the noise of
+    released steps replayed), and another run's ledger lent its accountant (ε 0.84 for a true 1.82)."""
+    L = tmp_path / "ledger.json"
+    tr, *_ = _mlp_setup(seed=1, epochs=2, ledger=L)
+    tr.step()
+    stale = json.loads(L.read_text())
+    for _ in range(3):
+        tr.step()
+    state = tr.state_dict()
+    tr2, *_ = _mlp_setup(seed=1, epochs=2)
+    msg = tr2.load_state_dict(state, ledger=stale)
+    assert "fewer than this checkpoint's 4" in msg and not torch.equal(
+        tr2.noise_generator.get_state(), state["rng"]["noise"])
+    foreign = dict(stale, noise_multiplier=3.0)
+    tr3, *_ = _mlp_setup(seed=1, epochs=2)
+    with pytest.raises(ValueError, match="another run's .*noise_multiplier: 3.0 in the ledger"):
+        tr3.load_state_dict(state, ledger=foreign)
