@@ -1452,7 +1452,7 @@ def _watch_register_hook(self, hook):
 
         def hook(g):  # noqa: F811 - the user's hook, observed: did it change the gradient?
             r = inner(g)
-            if r is not None:
+            if r is not None and r is not g:  # (returning g itself changes nothing)
                 w.modified.add(key)
             return r
 

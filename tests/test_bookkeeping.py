@@ -4164,6 +4164,7 @@ def test_watching_autograd_is_per_context_and_restored():
             seen.append(torch.autograd.grad is not orig[1])
         y = torch.randn(2, requires_grad=True) * 2
         y.register_hook(lambda g: None)  # observes only
+        y.register_hook(lambda g: g)  # returns the very gradient: no change
         z = torch.randn(2, requires_grad=True) * 3
         z.register_hook(lambda g: 2 * g)  # changes the gradient
         (y.sum() + z.sum()).backward()
