@@ -688,7 +688,7 @@ def _bound(u: Use, terms: Tensor, bounds: Dict[int, Tensor], tokens: Optional[Di
 # with Σ_ts|A_ts| ≤ (Σ_t ‖L_t‖)². That much (in float64, from the Gram diagonals, each row's norm²
 # taken + p·tiny for what it may have lost) is added to the squared norm: an upper bound whatever
 # underflowed, and ~1e-35 relative for ordinary activations.
-def _underflow_slack(dl: Tensor, dr: Tensor, p0: int, p1: int, acc: torch.dtype) -> Optional[Tensor]:
+def _underflow_slack(dl: Tensor, dr: Tensor, p0: int, p1: int, acc: torch.dtype) -> Tensor:
     """The bound above (..., B) from the diagonals dl = ‖L_t‖², dr = ‖R_t‖² (..., B, T). Float64 too
     (round 33): activations of 1e-163 (squares 0) with output gradients of 5e153 had a norm of 0 and
     contributed 80 C at C = 1e-10; the products below are taken left to right (p·tiny first), so
@@ -861,7 +861,7 @@ def _ghost_groups(items: Sequence[Tuple[str, Dense, Tuple]], rows: Optional[Dict
             d = d.clone() if check else None  # (the diagonals alone: the Grams are freed before the next group)
             del G, terms
             for j, (n, u) in enumerate(part):
-                out[n] = (sq[j], bound[j], None if slack is None else slack[j])
+                out[n] = (sq[j], bound[j], slack[j])
                 if cnt is not None:
                     tokens[id(u)] = cnt[j]
                 if check:
@@ -3489,10 +3489,7 @@ def _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registr
             del G, uses
         elif n in grouped:
             tot, b, slack = grouped.pop(n)
-            gb: Dict[Any, Tensor] = {id(uses[0]): b}
-            if slack is not None:
-                gb[("slack", id(uses[0]))] = slack
-            guard.add(n, tot, uses, gb, acc, tokens)
+            guard.add(n, tot, uses, {id(uses[0]): b, ("slack", id(uses[0])): slack}, acc, tokens)
         else:
             tot = None
             bounds: Dict[int, Tensor] = {}

@@ -311,6 +311,12 @@ class DPTrainer:
         return {"dp": bool(self.dp), "noise_multiplier": float(p.noise_multiplier), "sample_rate": float(p.sample_rate),
                 "steps": int(p.steps), "num_examples": int(p.num_examples), "max_grad_norm": float(self.max_grad_norm)}
 
+    def _reseed(self) -> None:
+        """Every random stream (sampling, noise, dropout) from fresh OS entropy: none is ever replayed."""
+        self.sample_generator.manual_seed(secrets.randbits(63))
+        self.noise_generator.manual_seed(secrets.randbits(63))
+        torch.manual_seed(secrets.randbits(63))
+
     def _ledger(self) -> Dict[str, Any]:
         return {"steps_released": self.released, "noise_multiplier": self.plan.noise_multiplier,
                 "sample_rate": self.plan.sample_rate, "delta": self.plan.delta,
@@ -366,10 +372,9 @@ class DPTrainer:
                 raise ValueError(f"the privacy ledger {self.ledger_path} is unreadable ({err}); refusing to "
                                  "resume (it may hold releases this state does not count)") from None
         if ledger is not None and self.dp:  # another run's ledger would lend its history (review, round 33)
-            plan = {"noise_multiplier": self.plan.noise_multiplier, "sample_rate": self.plan.sample_rate,
-                    "delta": self.plan.delta}
-            off = [f"{k}: {ledger.get(k)!r} in the ledger vs {v!r} here" for k, v in plan.items()
-                   if k in ledger and not math.isclose(float(ledger[k]), float(v), rel_tol=1e-12)]
+            mine = self._ledger()
+            off = [f"{k}: {ledger[k]!r} in the ledger vs {mine[k]!r} here" for k in ("noise_multiplier", "sample_rate", "delta")
+                   if k in ledger and not math.isclose(float(ledger[k]), float(mine[k]), rel_tol=1e-12)]
             if off:
                 raise ValueError(f"the privacy ledger is another run's ({', '.join(off)}): refusing to resume "
                                  "with it. Point ledger_path at this run's ledger")
@@ -407,17 +412,13 @@ class DPTrainer:
             lost = int(ledger["steps_released"]) - self.released
             self.accountant.load_state_dict(ledger["accountant"])
             self.released = int(ledger["steps_released"])
-            self.sample_generator.manual_seed(secrets.randbits(63))
-            self.noise_generator.manual_seed(secrets.randbits(63))
-            torch.manual_seed(secrets.randbits(63))
+            self._reseed()
             return (f"{lost} step(s) were released after the last checkpoint and are lost; they stay on the "
                     f"privacy ledger (ε will exceed the plan slightly) and all random streams were re-seeded "
                     "from fresh entropy")
         stale = ledger is not None and int(ledger.get("steps_released", 0)) < self.released
         if (ledger is None or stale) and self.dp and self.plan.noise_multiplier > 0:
-            self.sample_generator.manual_seed(secrets.randbits(63))
-            self.noise_generator.manual_seed(secrets.randbits(63))
-            torch.manual_seed(secrets.randbits(63))
+            self._reseed()
             if stale:
                 return (f"the privacy ledger shows {int(ledger.get('steps_released', 0))} released step(s), fewer than "
                         f"this checkpoint's {self.released}: it is stale or another run's, so updates released after "

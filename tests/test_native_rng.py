@@ -548,3 +548,22 @@ def test_threaded_draws_equal_the_documented_stream():
         assert np.abs(x.double().numpy() - ref[at * 64: at * 64 + x.numel()]).max() <= 0.5e-6
         at += nb
     assert s.counter == sum(blocks) * 16
+
+
+@pytest.mark.parametrize("region", ["all", "tail"])
+def test_radius_follows_the_gaussian_law_in_the_bulk_and_beyond_5_77_sigma(region):
+    """Against scipy as the independent reference: for a standard 2-d Gaussian r²/2 ~ Exp(1), and
+    beyond r0 = √(48 ln 2) = 5.77 (the pairs whose top 24 radius bits are 0, 1 in 2^24) r²/2 − r0²/2 ~
+    Exp(1) too (memoryless). Words from numpy's generator, 200 k pairs per region; the tail's pairs
+    take the 64-bit uniform with its tail word (round 33: before, no radius went past 5.77)."""
+    rng = np.random.default_rng(7)
+    n = 200_000
+    y = rng.integers(0, 2 ** 32, n, dtype=np.int64)
+    x = rng.integers(0, 2 ** 32, n, dtype=np.int64) if region == "all" else rng.integers(0, 256, n, dtype=np.int64)
+    e = rng.integers(0, 2 ** 32, n, dtype=np.int64)
+    c, s = native_rng.box_muller_f32(torch.from_numpy(x), torch.from_numpy(y), e=torch.from_numpy(e))
+    half_r2 = (c.double() ** 2 + s.double() ** 2).numpy() / 2
+    if region == "tail":
+        half_r2 = half_r2 - 24 * math.log(2)
+        assert half_r2.min() > -1e-4 and half_r2.max() > 5  # (radii past 6.6σ occur: 1 in e^5 of the tail)
+    assert stats.kstest(half_r2, "expon").pvalue > 1e-3
