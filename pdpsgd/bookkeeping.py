@@ -1421,6 +1421,10 @@ _CREATE_GRAPH = ("the loss takes gradients inside itself (torch.autograd.grad / 
                  "parameters' second-order terms")
 
 
+_FORWARD_AD = ("it ran under forward-mode AD (a torch.autograd.forward_ad dual level, torch.func.jvp): a "
+               "tangent's path to its weight (W·v) is no term of the captured aᵀg")
+
+
 class _Watched:
     def __init__(self):
         self.create_graph = False
@@ -1459,18 +1463,55 @@ def _watch_register_hook(self, hook):
     return _WATCH_STATE["orig"][0](self, hook)
 
 
-def _watch_grad(*args, **kwargs):
+def _watch_engine(t_outputs, *args, **kwargs):
+    """torch's one Python entry to the autograd engine (``torch.autograd.grad`` / ``backward`` /
+    ``Tensor.backward`` however imported: ``from torch.autograd import grad`` binds the function, not
+    this name, which it looks up when called). ``create_graph`` is its fourth argument."""
+    w = _watcher()
+    if w is not None and (kwargs.get("create_graph", False) or (len(args) > 2 and args[2])):
+        w.create_graph = True
+    return _WATCH_STATE["orig"][1](t_outputs, *args, **kwargs)
+
+
+def _watch_grad(*args, **kwargs):  # (torch without ``_engine_run_backward``)
     w = _watcher()
     if w is not None and (kwargs.get("create_graph", False) or (len(args) > 4 and args[4])):
         w.create_graph = True
     return _WATCH_STATE["orig"][1](*args, **kwargs)
 
 
-def _watch_backward(*args, **kwargs):
+def _watch_backward(*args, **kwargs):  # (torch without ``_engine_run_backward``)
     w = _watcher()
     if w is not None and (kwargs.get("create_graph", False) or (len(args) > 3 and args[3])):
         w.create_graph = True
     return _WATCH_STATE["orig"][2](*args, **kwargs)
+
+
+def _dual_level_active() -> bool:
+    fwad = getattr(torch.autograd, "forward_ad", None)
+    return getattr(fwad, "_current_level", -1) >= 0
+
+
+_ENGINE = hasattr(torch.autograd, "_engine_run_backward") and hasattr(torch.autograd.graph, "_engine_run_backward")
+
+
+def _install_watch() -> Tuple[Any, ...]:
+    if _ENGINE:
+        orig = (torch.Tensor.register_hook, torch.autograd._engine_run_backward, None)
+        torch.autograd._engine_run_backward = torch.autograd.graph._engine_run_backward = _watch_engine
+    else:
+        orig = (torch.Tensor.register_hook, torch.autograd.grad, torch.autograd.backward)
+        torch.autograd.grad, torch.autograd.backward = _watch_grad, _watch_backward
+    torch.Tensor.register_hook = _watch_register_hook
+    return orig
+
+
+def _uninstall_watch(orig: Tuple[Any, ...]) -> None:
+    torch.Tensor.register_hook = orig[0]
+    if _ENGINE:
+        torch.autograd._engine_run_backward = torch.autograd.graph._engine_run_backward = orig[1]
+    else:
+        torch.autograd.grad, torch.autograd.backward = orig[1], orig[2]
 
 
 @contextlib.contextmanager
@@ -1479,15 +1520,14 @@ def _watch_autograd() -> Iterator[_Watched]:
     whose gradient hook (``Tensor.register_hook``) *changes* their gradient (when the backward runs
     it) and whether a gradient is taken with ``create_graph=True``, which the capture cannot follow
     (review, round 33: a hook on a layer's output scaled g after the engine read it; a gradient
-    penalty's second-order terms were dropped; both silently). The three torch functions are
+    penalty's second-order terms were dropped; both silently. Round 34: the engine's one Python
+    entry is watched, so ``from torch.autograd import grad`` is seen too). The functions are
     wrapped while any capture runs (reference-counted, under a lock); the wrappers record only for
     the capture of their own context, so other threads are unaffected."""
     w = _Watched()
     with _WATCH_LOCK:
         if _WATCH_STATE["depth"] == 0:
-            _WATCH_STATE["orig"] = (torch.Tensor.register_hook, torch.autograd.grad, torch.autograd.backward)
-            torch.Tensor.register_hook = _watch_register_hook
-            torch.autograd.grad, torch.autograd.backward = _watch_grad, _watch_backward
+            _WATCH_STATE["orig"] = _install_watch()
         _WATCH_STATE["depth"] += 1
         _WATCH_STATE["active"].append(w)
     token = _WATCH.set(w)
@@ -1502,7 +1542,7 @@ def _watch_autograd() -> Iterator[_Watched]:
             _WATCH_STATE["active"].remove(w)
             _WATCH_STATE["depth"] -= 1
             if _WATCH_STATE["depth"] == 0:
-                torch.Tensor.register_hook, torch.autograd.grad, torch.autograd.backward = _WATCH_STATE["orig"]
+                _uninstall_watch(_WATCH_STATE["orig"])
                 _WATCH_STATE["orig"] = None
 
 
@@ -1831,7 +1871,10 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     def swap_in(module):
         mname, rule, local = ruled[module]
         prev = {}
+        dual = _dual_level_active()  # a JVP's tangent path to a weight (W·v) is no term of aᵀg (round 34)
         for pn, c in local.items():
+            if dual:
+                fallback.setdefault(c, f"{type(module).__name__} ({mname or '<root>'}): {_FORWARD_AD}")
             if c in detached:
                 now = module._parameters[pn]
                 if now is not leaves[c] and now is not own.get((id(module), pn)):
