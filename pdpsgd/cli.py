@@ -257,10 +257,6 @@ def _load_data(a: argparse.Namespace):
     return train, test
 
 
-def _fmt_eps(b) -> str:
-    return "-" if b is None else f"{b.estimate:.3f}"
-
-
 def run_train(a: argparse.Namespace) -> int:
     _check_args(a)
     t_start = time.perf_counter()
@@ -416,7 +412,7 @@ def run_train(a: argparse.Namespace) -> int:
                                     "args": json.dumps(vars(a))})
 
     # ---- header ---------------------------------------------------------------------------------
-    mode = "non-private baseline (--no-dp)" if a.no_dp else f"DP-SGD target ε={a.epsilon:g}, δ={delta:.3g}"
+    mode = ("non-private baseline (--no-dp)" if a.no_dp else f"DP-SGD {_target(a)}, δ={delta:.3g}")
     print(f"pdpsgd train: {mode}", file=sys.stderr)
     print(f"  model {model_dir} — training {trained_desc}: {n_trained:,} of {n_total:,} params", file=sys.stderr)
     print(f"  data  {train_ds.name}: {N} train / {len(test_ds)} test, {len(train_ds.label_names)} classes, "
@@ -451,7 +447,7 @@ def run_train(a: argparse.Namespace) -> int:
             post = {"loss": f"{rec.get('loss', float('nan')):.3f}"}
             if not a.no_dp:
                 post["clip"] = f"{rec.get('clip_fraction', float('nan')):.2f}"
-                post["ε"] = f"{rec.get('epsilon', float('nan')):.2f}"
+                post["ε(upper)"] = f"{rec.get('epsilon', float('nan')):.2f}"
             bar.set_postfix(post, refresh=False)
             bar.update(1)
             if trainer.step_count % eval_every == 0 and not trainer.done:
@@ -459,7 +455,7 @@ def run_train(a: argparse.Namespace) -> int:
                 telemetry.record_eval(trainer.step_count, accuracy=ev["accuracy"], loss=ev["loss"],
                                       epsilon=trainer.last_epsilon)
                 bar.write(f"step {trainer.step_count}: test accuracy {ev['accuracy']:.4f}"
-                          + ("" if a.no_dp else f", ε={trainer.last_epsilon:.3f}"), file=sys.stderr)
+                          + ("" if a.no_dp else f", ε ≤ {trainer.last_epsilon:.3f}"), file=sys.stderr)
             if a.interrupt_after is not None and trainer.step_count >= a.interrupt_after:
                 stop["flag"] = True
             if stop["flag"]:
@@ -533,12 +529,19 @@ def _version() -> str:
         return "?"
 
 
+def _target(a: argparse.Namespace) -> str:
+    """What set σ: the target ε it was calibrated to, or ``--noise-multiplier`` (then ε is what it gives)."""
+    if getattr(a, "noise_multiplier", None) is not None:
+        return f"σ fixed by --noise-multiplier {a.noise_multiplier:g}"
+    return f"target ε={a.epsilon:g}"
+
+
 def _table(r: Dict[str, Any], a: argparse.Namespace) -> str:
     e = r["epsilon"]
     rows = [("test accuracy", f"{r['accuracy']:.4f}  ({r['test_examples']} examples)")]
     if e is not None:
         rows += [("ε (lower / estimate / upper)", f"{e['lower']:.3f} / {e['estimate']:.3f} / {e['upper']:.3f}"
-                  f"  (target {a.epsilon:g}, {e['method']})"),
+                  f"  ({_target(a)}, {e['method']})"),
                  ("δ", f"{r['delta']:.3g}"),
                  ("σ (noise multiplier)", f"{r['noise_multiplier']:.4f}"),
                  ("clip C", f"{a.clip:g}")]
@@ -565,7 +568,7 @@ def _plot(telemetry, path: Path, *, dp: bool) -> None:
     if dp and steps:
         ax1.plot(steps, [r["epsilon"] for r in telemetry.history if r.get("epsilon") is not None], color="tab:red",
                  label="ε spent")
-        ax1.set_ylabel("ε (estimate)", color="tab:red")
+        ax1.set_ylabel("ε (upper bound)", color="tab:red")
     ax1.set_xlabel("step")
     ax2 = ax1.twinx()
     if telemetry.evals:

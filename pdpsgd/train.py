@@ -254,7 +254,7 @@ class DPTrainer:
         self.step_times.append(time.perf_counter() - t0)
         eps = None
         if self.dp and (self.step_count % self.epsilon_every == 0 or self.done):
-            self.last_epsilon = self.epsilon().estimate
+            self.last_epsilon = self.epsilon().upper  # (a bound: the estimate can be below the true ε)
             eps = self.last_epsilon
         return self.telemetry.record(self.step_count, out, epsilon=eps if eps is not None else self.last_epsilon,
                                      mask=mask, step_time=self.step_times[-1])

@@ -100,6 +100,8 @@ def test_train_tiny_end_to_end_table_report_plot(tiny, tmp_path, capsys):
     for k in ("loss", "clip_fraction", "epsilon", "norm_q10", "norm_q50", "norm_q90", "norm_max", "examples"):
         assert k in h
     assert rep["history"][0]["epsilon"] < rep["history"][-1]["epsilon"]
+    assert rep["history"][-1]["epsilon"] == e["upper"]  # the running ε is the bound (review, round 34)
+    assert "target ε=2" in stdout
     assert (out / "privacy_accuracy.png").stat().st_size > 1000
     from pdpsgd import malloc  # the CPU run tunes glibc's malloc by default, and says so
 
@@ -108,6 +110,14 @@ def test_train_tiny_end_to_end_table_report_plot(tiny, tmp_path, capsys):
     assert rep["machine"]["noise_source"] in ("native", "torch")
     ledger = json.loads((out / "ledger.json").read_text())
     assert ledger["steps_released"] == 4 and ledger["accountant"]["history"][0][2] == 4
+
+
+def test_a_fixed_noise_multiplier_is_not_reported_as_a_target(tiny, tmp_path, capsys):
+    """Review, round 34: with --noise-multiplier the header and table said "target ε=3" (the
+    --epsilon default, unused) next to an ε far above it."""
+    rc, stdout, err = run_cli(tiny_args(tiny, tmp_path / "run", "--noise-multiplier", "0.5"), capsys)
+    assert rc == 0, err
+    assert "target" not in stdout + err and "σ fixed by --noise-multiplier 0.5" in stdout + err
 
 
 def test_no_dp_baseline(tiny, tmp_path, capsys):

@@ -59,6 +59,7 @@ def test_trainer_ledger_written_before_update(tmp_path):
     assert tr.dp_step.noise_multiplier == plan.noise_multiplier
     e = tr.epsilon()
     assert e.lower <= e.estimate <= e.upper <= 2.0 * 1.001
+    assert tr.last_epsilon == e.upper  # the running ε is a bound, not the estimate (review, round 34)
 
 
 def test_trainer_matches_manual_recipe():
