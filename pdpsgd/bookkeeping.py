@@ -678,6 +678,24 @@ def _bound(u: Use, terms: Tensor, bounds: Dict[int, Tensor], tokens: Optional[Di
         tokens[id(u)] = torch.count_nonzero(terms, dim=-1)  # one kernel (a GPU step is launch-bound)
 
 
+def _factor_bound(u: Use, shape: torch.Size, acc: torch.dtype, bounds: Dict[int, Tensor],
+                  tokens: Dict[int, Tensor]) -> None:
+    """``_bound`` of a use from its factors, Σ_t ‖L_t‖‖R_t‖ ≥ ‖G_u,i‖ (B,) and the counts of non-zero
+    terms, for an explicit-route parameter whose clipped sum is taken from the factors (its G not
+    kept): the cancellation guard then treats its norm as a ghost route's. (An ``Explicit`` use is
+    summed from its own G: its bound is its norm.)"""
+    if isinstance(u, Dense) and u.R is not None:
+        nl = torch.linalg.vector_norm(u.L, dim=-1, dtype=acc)  # ‖L_t‖ (B, T)
+        nr = torch.linalg.vector_norm(u.R, dim=-1, dtype=acc)  # ‖R_t‖ (B, T)
+        _bound(u, nl * nr, bounds, tokens, squared=False)
+    elif isinstance(u, Dense):
+        _bound(u, torch.linalg.vector_norm(u.L, dim=-1, dtype=acc), bounds, tokens, squared=False)  # ‖L_t‖
+    elif isinstance(u, Index):
+        _bound(u, torch.linalg.vector_norm(u.R, dim=-1, dtype=acc), bounds, tokens, squared=False)  # ‖R_t‖
+    else:
+        bounds[id(u)] = _sq_norm(_materialise(u, shape, acc)).sqrt()
+
+
 # The ghost norm of a weight is a product of two factors' Grams: an example whose activations are
 # tiny (2.5e-23: their squares underflow float32 to 0) and whose output gradients are huge (5e17)
 # has a Gram LLᵀ of 0 and so a norm of 0, while its gradient Lᵀ R (computed by the clipped sum's
@@ -3529,6 +3547,15 @@ def _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registr
                 kept_G[n] = G  # reused for Σ c_i G_i
                 kept += 0 if (small or frees) else G.numel()
                 col.uses[n] = []  # drop this parameter's references to its a and g
+            else:
+                # the sum is taken from the factors, not from G: guarded as a ghost route's (review,
+                # round 34: +M and -M on one row made an example's G exactly 0, norm 0, while in the
+                # batch's sum they wiped out the other examples' terms on that row: 109 C)
+                bnd: Dict[int, Tensor] = {}
+                cnt: Dict[int, Tensor] = {}
+                for u in uses:
+                    _factor_bound(u, p.shape, acc, bnd, cnt)
+                guard.add(n, sq[n], uses, bnd, acc, cnt)
             del G, uses
         elif n in grouped:
             tot, b, slack = grouped.pop(n)

@@ -69,8 +69,11 @@ def make_groups(
         w = [1.0] * len(groups)
     else:
         w = [float(x) for x in budget]
-        if len(w) != len(groups) or any(not (x > 0) for x in w):
-            raise ValueError(f"budget needs {len(groups)} positive weights, one per clipping group; got {budget}")
+        if len(w) != len(groups) or any(not (math.isfinite(x) and x > 0) for x in w):
+            raise ValueError(f"budget needs {len(groups)} positive finite weights, one per clipping group; got "
+                             f"{budget}")
+        top = max(w)
+        w = [x / top for x in w]  # (relative weights: their sum cannot overflow; review, round 34)
     total = sum(w)
     thresholds = [max_grad_norm * math.sqrt(x / total) for x in w]
     if min(thresholds) < MIN_THRESHOLD:
@@ -124,8 +127,8 @@ def make_weights_fn(groups: ClipGroups, *, clip_fn: str = "abadi", gamma: float 
     """
     if clip_fn not in ("abadi", "automatic"):
         raise ValueError(f"clip_fn={clip_fn!r} is unknown: use 'abadi' or 'automatic'")
-    if not gamma >= MIN_THRESHOLD and clip_fn == "automatic":
-        raise ValueError(f"gamma must be ≥ {MIN_THRESHOLD:g} for automatic clipping (smaller ones let an "
+    if not (gamma >= MIN_THRESHOLD and math.isfinite(gamma)) and clip_fn == "automatic":
+        raise ValueError(f"gamma must be finite and ≥ {MIN_THRESHOLD:g} for automatic clipping (smaller ones let an "
                          f"under-stated, underflowed norm exceed C), got {gamma!r}")
 
     single = len(groups.names) == 1  # flat clipping: the group's norm is the total

@@ -1072,6 +1072,62 @@ def test_float32_cancellation_cannot_escape_the_clip(route):
         assert float(part.per_sample_norms[0]) >= true * (1 - 1e-3)  # never an underestimate
 
 
+class _WeightedRows(nn.Module):
+    """Per-position weighted read-outs of an embedding ("e") or a linear ("lin"), so a test sets each
+    position's output gradient directly."""
+
+    def __init__(self, kind, V=50, d=4):
+        super().__init__()
+        self.kind = kind
+        self.layer = nn.Embedding(V, d) if kind == "e" else nn.Linear(16, 16, bias=False)
+
+    def forward(self, b):
+        out = self.layer(b["x"])  # (B, T, d) or (B, 2, 16)
+        return (out * b["w"]).flatten(1).sum(1)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(kind=st.sampled_from(["e", "lin"]), method=st.sampled_from(["bk", "auto"]), log_m=st.integers(6, 10),
+       B=st.integers(4, 16), who=st.integers(0, 15))
+def test_explicit_route_summed_from_its_factors_keeps_the_cancellation_guard(kind, method, log_m, B, who):
+    """Review, round 34: an explicit-route parameter whose per-example gradients are not kept (over
+    ``explicit_keep_elems``, e.g. a big embedding at long T under ``bk``) takes its clipped sum from
+    the factors. One example with +M and -M on the same row has G exactly 0 (norm 0, weight 1), but
+    in the batch's sum the two wipe out the other examples' terms on that row (109 C found, 11 C
+    here); its norm is now guarded as a ghost route's. Removing it moves the sum by at most C."""
+    torch.manual_seed(B)
+    who = who % B
+    M = 10.0 ** log_m
+    model = _WeightedRows(kind)
+    if kind == "e":
+        x = torch.randint(0, 50, (B, 6))
+        w = torch.randn(B, 6, 4) * 1e-3
+        x[:, 0] = 7
+        w[:, 0] = 1.0
+        x[who, 1] = 7
+        w[who] = 0
+        w[who, 0], w[who, 1] = M, -M
+    else:
+        x = torch.randn(B, 2, 16)
+        w = torch.randn(B, 2, 16)
+        x[who, 1] = x[who, 0]
+        w[who, 0], w[who, 1] = M, -M
+    batch = {"x": x, "w": w}
+    C = 1.0
+    step = make_dp_step(model, lambda m, b: m(b), max_grad_norm=C, noise_multiplier=0.0, method=method,
+                        expected_batch_size=B, bk_options={"routes": {"layer": "explicit"}, "explicit_keep_elems": 1,
+                                                           "check_order": False})
+    params = trainable_params(model)
+    everyone = torch.ones(B, dtype=torch.bool)
+    full = step.clipped_sum(params, batch, everyone)
+    assert full.routes["layer.weight"] == "explicit"
+    others = everyone.clone()
+    others[who] = False
+    rest = step.clipped_sum(params, batch, others)
+    moved = float((full.sums["layer.weight"].double() - rest.sums["layer.weight"].double()).norm())
+    assert moved <= C * (1 + 1e-4), moved
+
+
 class _TwoHeads(nn.Module):
     """Two equal-shaped linears on different inputs: their ghost norms are taken as a group."""
 

@@ -1,4 +1,6 @@
 """Bad input gets a clear error that names the problem and the fix."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -440,11 +442,36 @@ def test_a_clipping_bound_where_float32_norms_underflow_is_refused():
         step = pdpsgd.make_dp_step(lin, loss, max_grad_norm=1e-9, noise_multiplier=1.0, clipping="per_layer",
                                    clip_budget=[1e-4, 1.0])
         step(pdpsgd.trainable_params(lin), {"x": torch.randn(2, 3)})
-    with pytest.raises(ValueError, match="gamma must be ≥ 1e-10"):
+    with pytest.raises(ValueError, match="gamma must be finite and ≥ 1e-10"):
         step = pdpsgd.make_dp_step(lin, loss, max_grad_norm=1.0, noise_multiplier=1.0, clip_fn="automatic",
                                    gamma=1e-20)
         step(pdpsgd.trainable_params(lin), {"x": torch.randn(2, 3)})
     pdpsgd.make_dp_step(lin, loss, max_grad_norm=1e-10, noise_multiplier=1.0)  # the floor itself is fine
+
+
+def test_infinite_clip_budgets_or_gamma_are_refused_and_huge_ones_work():
+    """Review, round 34: clip_budget=[inf, inf] made every threshold NaN and every gradient NaN, with
+    no error; [1e308, 1e308] overflowed their sum (a misleading 'threshold 0' error); automatic
+    clipping with gamma=inf weighted every example 0."""
+    lin = nn.Linear(3, 2)
+
+    def loss(m, b):
+        return m(b["x"]).sum(1)
+
+    b = {"x": torch.randn(4, 3)}
+    for budget in ([math.inf, math.inf], [1.0, math.nan]):
+        with pytest.raises(ValueError, match="positive finite weights"):
+            step = pdpsgd.make_dp_step(lin, loss, max_grad_norm=1.0, noise_multiplier=1.0, clipping="per_layer",
+                                       clip_budget=budget)
+            step(pdpsgd.trainable_params(lin), b)
+    with pytest.raises(ValueError, match="gamma must be finite"):
+        step = pdpsgd.make_dp_step(lin, loss, max_grad_norm=1.0, noise_multiplier=1.0, clip_fn="automatic",
+                                   gamma=math.inf)
+        step(pdpsgd.trainable_params(lin), b)
+    step = pdpsgd.make_dp_step(lin, loss, max_grad_norm=1.0, noise_multiplier=1.0, clipping="per_layer",
+                               clip_budget=[1e308, 1e308])
+    assert step(pdpsgd.trainable_params(lin), b).grads["weight"].isfinite().all()
+    assert step.sensitivity == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("method", ["vmap", "bk"])

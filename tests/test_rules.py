@@ -80,6 +80,24 @@ def test_layernorm_and_rmsnorm():
     _check_rule(nn.RMSNorm(5, eps=1e-3), torch.randn(3, 4, 5))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_torch_rmsnorm_default_eps_is_that_of_its_compute_dtype(dtype):
+    """Review, round 34: nn.RMSNorm(eps=None) on bf16 / fp16 input adds float32's epsilon (torch
+    computes in float32); the rule took the input dtype's (bf16: 0.0078), and with small activations
+    its x̂, so its per-example gradient, was 17x too small (check_order=False kept it)."""
+    torch.manual_seed(0)
+    norm = nn.RMSNorm(8, eps=None).to(dtype)
+    x = (torch.randn(3, 4, 8) * 1e-2).to(dtype)
+    y = norm(x)
+    gy = torch.randn_like(y)
+    G = default_registry().lookup(norm).uses(norm, (x,), {}, y, gy, 3)["weight"].G.double()
+    comp = torch.promote_types(dtype, torch.float32)
+    xd = x.double()
+    xhat = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + torch.finfo(comp).eps)
+    want = (gy.double() * xhat).sum(1)
+    torch.testing.assert_close(G, want, rtol=1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-5, atol=0)
+
+
 class LlamaRMSNorm(nn.Module):
     def __init__(self, d, eps=1e-6):
         super().__init__()

@@ -35,7 +35,8 @@ class TorchRMSNormRule(Rule):
         k = len(module.normalized_shape)
         if x is None or x.dim() < k + 1 or x.shape[0] != batch_size:
             return None
-        eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+        # (eps None: torch takes the epsilon of the dtype it computes in, float32 for bf16 / fp16; review, round 34)
+        eps = module.eps if module.eps is not None else torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
         dims = tuple(range(x.dim() - k, x.dim()))
         xa = x.to(_acc(x.dtype))
         xhat = xa * torch.rsqrt(xa.pow(2).mean(dims, keepdim=True) + eps)
