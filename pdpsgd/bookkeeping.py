@@ -1267,6 +1267,7 @@ class _Collected:
     pending: Dict[str, Tuple[str, Tensor]] = field(default_factory=dict)
     passed: Set[str] = field(default_factory=set)
     reached: bool = True  # (whether the losses required grad: some ruled parameter reached them)
+    rng: Any = None  # the random streams as the capture's forward began (``_rng_now``; ``_rng_replay``)
 
 
 def _model_layout(model: nn.Module, params: Params, registry: RuleRegistry, overrides: Mapping[str, str]):
@@ -1646,6 +1647,35 @@ def _own_rng(params: Params, seed: Optional[int] = None) -> Iterator[None]:
         yield
 
 
+def _rng_devices(params: Params) -> List[int]:
+    return sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
+
+
+def _rng_now(params: Params) -> Tuple[Tensor, Dict[int, Tensor]]:
+    """The CPU and the parameters' CUDA random states (what the capture's forward draws from)."""
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in _rng_devices(params)}
+
+
+@contextlib.contextmanager
+def _rng_replay(params: Params, state: Optional[Tuple[Tensor, Dict[int, Tensor]]]) -> Iterator[None]:
+    """The exact fallback's forwards draw what the capture's forward drew (``state``: ``_rng_now``
+    as it began), in forked streams: in training mode its dropout masks are the capture's, so an
+    example's gradient is that of one network, its ruled and its fallback parameters alike (review,
+    round 34: the fallback drew new masks, 1.27 off the batch's gradient for MPNet's relative bias).
+    vmap's per-example draws ("different") are the batched op's, in order, while the fallback runs
+    the batch in one vmap chunk and its random ops are the forward's (``nn.Dropout``: yes; kernels
+    with their own sampling, e.g. fused attention dropout, may draw differently). The caller's
+    streams go on from where the capture left them."""
+    if state is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=_rng_devices(params)):
+        torch.set_rng_state(state[0])
+        for d, st in state[1].items():
+            torch.cuda.set_rng_state(st, d)
+        yield
+
+
 def _side_collect(loss_module, params, constants, batch, registry, overrides, probe_memo, weights: Tensor,
                   no_expand=None, seed: Optional[int] = None) -> "_Collected":
     """A check's capture: module flags in eval mode (dropout masks would differ between its runs),
@@ -1882,6 +1912,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     # must see the same parameters and produce the same graph as in the forward, and is not recorded.
     replay = [False]
     watch: List[Optional[_Watched]] = [None]  # the forward's (``_watch_autograd``), read after the backward
+    rng_at: List[Any] = [None]  # the random streams as the capture's forward began (``_rng_now``)
     flat: Dict[Tuple[Any, int], _Flat] = {}  # row-wise outputs of flattened calls (``_flat_rows``)
     swapped: Dict[nn.Module, List[Dict[str, Tensor]]] = {}
     real_dims: Dict[str, List[Optional[int]]] = {}  # module name -> first dim of each call's input
@@ -2064,6 +2095,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     leaf_names = [n for n in ruled_names]
 
     def forward_backward():
+        rng_at[0] = _rng_now(params)  # (the exact fallback replays it: the same dropout masks)
         with torch.enable_grad(), _watch_autograd() as watched:
             losses = loss_module(batch)
         watch[0] = watched
@@ -2252,6 +2284,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
             return _apply_order(col, order, batch, probe_memo, params, okey)
     col = _Collected(losses.detach(), uses, fallback, owner)
     col.reached = losses.requires_grad
+    col.rng = rng_at[0]
     return _apply_order(col, order, batch, probe_memo, params, okey)
 
 
@@ -3577,7 +3610,7 @@ def _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registr
     if fb:
         others = {n: v.detach() for n, v in params.items() if n not in fb}
         try:
-            with amp(state, True):
+            with amp(state, True), _rng_replay(params, col.rng):
                 # (no ruled parameter reached the losses: the fallback's must, or none does)
                 _, fb_grads = per_sample_grads(loss_module, {n: params[n] for n in fb}, {**constants, **others}, batch,
                                                require_grad=not col.reached)

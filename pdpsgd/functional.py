@@ -21,7 +21,7 @@ from ._types import Batch, LossFn, Params
 from ._warn import warn
 
 __all__ = ["trainable_params", "ParamIndex", "LossModule", "check_no_batch_mixing", "model_structure", "preserve_module_state",
-           "model_constants", "no_writes_to", "no_rope_mixing"]
+           "model_constants", "no_writes_to", "no_rope_mixing", "spectral_norms_held", "advance_spectral_norms"]
 
 
 def trainable_params(model: nn.Module) -> Params:
@@ -127,8 +127,15 @@ def model_constants(model: nn.Module, trainable: Iterable[str]) -> Dict[str, Ten
     trained (detached, canonical names) and its buffers. Not a construction-time snapshot: after
     ``model.to(dtype)`` or a rebound buffer (e.g. a recomputed RoPE cache) they are new tensors."""
     keep = set(trainable)
-    out = {n: p.detach() for n, p in model.named_parameters() if n not in keep}
-    out.update(dict(model.named_buffers()))
+    out, trained = {}, set()
+    for n, p in model.named_parameters():
+        if n in keep:
+            trained.add(id(p))
+        else:
+            out[n] = p.detach()
+    # (a buffer that is a trained parameter's very tensor is tied to it: functional_call swaps it with
+    # the parameter, and a value of its own would be refused as a second value for tied names)
+    out.update((n, b) for n, b in model.named_buffers() if id(b) not in trained)
     return out
 
 
@@ -224,6 +231,64 @@ def _not_watched(m: nn.Module) -> Set[str]:
         if isinstance(hook, SpectralNorm):
             out.update((f"{hook.name}_u", f"{hook.name}_v"))
     return out
+
+
+def _spectral_norms(model: nn.Module):
+    """(object, is-parametrization) for each spectral normalisation in the model: the new-style
+    ``parametrizations.spectral_norm`` modules and the old-style ``spectral_norm`` forward pre-hooks
+    (with the module they are on)."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, _SpectralNorm):
+            out.append((m, None))
+        hooks = getattr(m, "_forward_pre_hooks", None)
+        if isinstance(hooks, dict):
+            out.extend((h, m) for h in hooks.values() if isinstance(h, SpectralNorm))
+    return out
+
+
+@contextlib.contextmanager
+def spectral_norms_held(model: nn.Module) -> Iterator[None]:
+    """While a step's forwards run: spectral normalisation's power iteration is held (its u and v
+    used, not advanced). In training mode torch advances them in every forward, and a step runs a
+    number of forwards that follows the private batch size (one per vmap chunk, per physical batch,
+    per first-step check), so how far they had moved, kept in the model without noise and read by
+    the next step, depended on it (review, round 34: neighbouring batch sizes moved the next step's
+    clipped sum by 1e-5 C); and chunks of one step saw different u. :func:`advance_spectral_norms`
+    advances them once per step instead (``DPStep.finalize``), from the public weights."""
+    found = _spectral_norms(model)
+    saved = [(sn, sn.n_power_iterations) for sn, _ in found]
+    try:
+        for sn, _ in saved:
+            sn.n_power_iterations = 0
+        yield
+    finally:
+        for sn, n in saved:
+            sn.n_power_iterations = n
+
+
+def advance_spectral_norms(model: nn.Module) -> None:
+    """One power iteration step of each spectral normalisation in training mode (as one forward
+    of ordinary training does), from the model's own (public) weights: once per DP step, whatever
+    the batch size (see :func:`spectral_norms_held`)."""
+    with torch.no_grad():
+        for sn, host in _spectral_norms(model):
+            if host is None:
+                if sn.training:
+                    # the parametrization's input: its original through the parametrizations before it
+                    for m in model.modules():
+                        plists = getattr(m, "parametrizations", None)
+                        for plist in (plists.values() if isinstance(plists, nn.ModuleDict) else ()):
+                            if any(q is sn for q in plist):
+                                x = plist.original
+                                for q in plist:
+                                    if q is sn:
+                                        if x.ndim > 1:  # (a vector is normalised: no u, v)
+                                            sn._power_method(sn._reshape_weight_to_matrix(x), sn.n_power_iterations)
+                                        break
+                                    x = q(x)
+            elif host.training:
+                sn.compute_weight(host, do_power_iteration=True)
 
 
 def _put_back_quietly(m: nn.Module) -> Set[str]:

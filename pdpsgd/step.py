@@ -18,8 +18,8 @@ from torch.utils._pytree import tree_flatten
 from ._types import Batch, LossFn, Params, StepOutput
 from ._warn import warn
 from .clipping import MIN_THRESHOLD, Clipping, make_groups, make_weights_fn, sum_sq_norms
-from .functional import (LossModule, ParamIndex, check_no_batch_mixing, model_constants, model_structure, no_rope_mixing,
-                         no_writes_to, trainable_params)
+from .functional import (LossModule, ParamIndex, advance_spectral_norms, check_no_batch_mixing, model_constants,
+                         model_structure, no_rope_mixing, no_writes_to, spectral_norms_held, trainable_params)
 from .fused import RNGS, noise_and_scale, resolve_rng
 from .noise import entropy_generator
 from .per_sample import acc_dtype, batch_chunks, batch_size, vmap_engine
@@ -116,8 +116,9 @@ def _is_compiled(model: nn.Module) -> bool:
 def _guards(model: nn.Module, trained: Mapping[str, Tensor], seen: Optional[dict] = None):
     """What runs around every forward of a step on a batch: no write to the model
     (``no_writes_to``), no rotary table chosen by one example for the others (``no_rope_mixing``;
-    ``seen``: the step's record of the tables taken with shared positions)."""
-    with no_writes_to(model, trained), no_rope_mixing(model, seen=seen):
+    ``seen``: the step's record of the tables taken with shared positions), spectral normalisation's
+    power iteration held (``spectral_norms_held``: it advances once per step, in ``finalize``)."""
+    with no_writes_to(model, trained), no_rope_mixing(model, seen=seen), spectral_norms_held(model):
         yield
 
 
@@ -483,6 +484,7 @@ class DPStep:
         gen = self._generator(first.device) if self.noise_std > 0 else None
         grads = noise_and_scale(sums, self.noise_std, gen, denom, dtypes, compile=self.fused, consume=consume,
                                 rng=self.noise_rng)
+        advance_spectral_norms(self.model)  # once per step, whatever the batch size (held during its forwards)
         kept = partial.kept
         n_kept = kept.sum()
         losses = torch.where(kept, partial.losses, torch.zeros_like(partial.losses))

@@ -369,6 +369,50 @@ def test_spectral_norm_power_iteration_is_not_a_write_from_the_batch(style, meth
     assert not torch.equal(u, u0)  # (it did run its power iteration)
 
 
+@pytest.mark.parametrize("style", ["hook", "parametrization"])
+@pytest.mark.parametrize("method", ["bk", "vmap"])
+def test_spectral_norm_advances_once_per_step_whatever_the_batch_size(style, method):
+    """Review, round 34: torch advances u / v in every training-mode forward, and a step runs as
+    many forwards as the private batch size gives (one per vmap chunk): kept in the model, they
+    moved the next step's clipped sum by 1e-5 C between neighbouring batch sizes (and
+    check_sensitivity failed on this stock layer). Now they are held during the step's forwards and
+    advanced once per step (finalize), from the public weights, as one ordinary forward does."""
+    import copy
+
+    from torch.nn.utils import spectral_norm
+    from torch.nn.utils.parametrizations import spectral_norm as spectral_norm_p
+
+    from pdpsgd.testing import check_sensitivity
+
+    def u_of(m):
+        return m[0].weight_u if style == "hook" else m[0].parametrizations.weight[0]._u
+
+    torch.manual_seed(0)
+    base = nn.Sequential((spectral_norm if style == "hook" else spectral_norm_p)(nn.Linear(5, 3))).train()
+    with torch.no_grad():
+        u_of(base).copy_(F.normalize(torch.randn(u_of(base).shape), dim=0))
+    x, y = torch.randn(5, 5), torch.randint(0, 3, (5,))
+    probe = {"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}
+    after = {}
+    for B in (4, 5):  # neighbouring Poisson draws: 2 or 3 chunks of 2
+        m = copy.deepcopy(base)
+        step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0, chunk_size=2,
+                                   expected_batch_size=4, method=method)
+        params = pdpsgd.trainable_params(m)
+        step(params, {"x": x[:B], "y": y[:B]})
+        after[B] = (u_of(m).clone(), step.clipped_sum(params, probe).sums)
+    assert torch.equal(after[4][0], after[5][0])
+    assert all(torch.equal(after[4][1][n], after[5][1][n]) for n in after[4][1])
+    once = copy.deepcopy(base)
+    with torch.no_grad():
+        once(x[:1])  # one ordinary training forward: one power iteration
+    torch.testing.assert_close(after[4][0], u_of(once), rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(u_of(base), u_of(once))  # (it does move)
+    m = copy.deepcopy(base)
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.2, noise_multiplier=0.0, method=method)
+    assert check_sensitivity(step, pdpsgd.trainable_params(m), {"x": x * 3, "y": y}).max_ratio <= 1 + 1e-5
+
+
 class _Exotic(nn.Module):
     """Buffers the write check cannot copy byte by byte, unused by the forward."""
 

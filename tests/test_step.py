@@ -248,6 +248,34 @@ def test_alias_name_of_tied_weight_is_accepted():
     assert_exact(m, lm_loss_fn, b, params={"emb.weight": m.emb.weight})
 
 
+class _ShadowBuffer(nn.Module):
+    """A trained weight also registered as a buffer (and, with ``alias``, under a second name)."""
+
+    def __init__(self, alias):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("shadow", self.lin.weight)
+        if alias:
+            self.w2 = self.lin.weight
+
+    def forward(self, x):
+        return self.lin(x) + 0.5 * (x @ self.shadow.t())
+
+
+@pytest.mark.parametrize("alias", [False, True])
+@pytest.mark.parametrize("method", ["vmap", "bk"])
+def test_a_buffer_that_is_a_trained_weight_is_swapped_with_it(alias, method):
+    """Review, round 34: the buffer went into the pure function's constants beside the parameter it
+    is, and torch refused ("multiple values for keys ... which are tied") or raised a bare KeyError."""
+    m = _ShadowBuffer(alias).double()
+    b = {"x": torch.randn(5, 4, dtype=torch.float64), "y": torch.randint(0, 4, (5,))}
+
+    def loss(mm, bb):
+        return F.cross_entropy(mm(bb["x"]), bb["y"], reduction="none")
+
+    assert_exact(m, loss, b, method=method, max_grad_norm=0.5)
+
+
 @given(seed=st.integers(0, 1000), B=st.integers(1, 6), chunk=st.integers(1, 6))
 def test_shared_layer_buffers_and_raw_parameter_exact(seed, B, chunk):
     torch.manual_seed(seed)
