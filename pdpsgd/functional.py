@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.parametrize import ParametrizationList
 from torch.nn.utils.spectral_norm import SpectralNorm
 
 from ._types import Batch, LossFn, Params
@@ -234,13 +235,13 @@ def _not_watched(m: nn.Module) -> Set[str]:
 
 
 def _spectral_norms(model: nn.Module):
-    """(object, is-parametrization) for each spectral normalisation in the model: the new-style
-    ``parametrizations.spectral_norm`` modules and the old-style ``spectral_norm`` forward pre-hooks
-    (with the module they are on)."""
+    """(spectral normalisation, where it lives) for each in the model: a new-style
+    ``parametrizations.spectral_norm`` module with its ``ParametrizationList``, an old-style
+    ``spectral_norm`` forward pre-hook with the module it is on."""
     out = []
     for m in model.modules():
-        if isinstance(m, _SpectralNorm):
-            out.append((m, None))
+        if isinstance(m, ParametrizationList):
+            out.extend((q, m) for q in m if isinstance(q, _SpectralNorm))
         hooks = getattr(m, "_forward_pre_hooks", None)
         if isinstance(hooks, dict):
             out.extend((h, m) for h in hooks.values() if isinstance(h, SpectralNorm))
@@ -256,8 +257,7 @@ def spectral_norms_held(model: nn.Module) -> Iterator[None]:
     the next step, depended on it (review, round 34: neighbouring batch sizes moved the next step's
     clipped sum by 1e-5 C); and chunks of one step saw different u. :func:`advance_spectral_norms`
     advances them once per step instead (``DPStep.finalize``), from the public weights."""
-    found = _spectral_norms(model)
-    saved = [(sn, sn.n_power_iterations) for sn, _ in found]
+    saved = [(sn, sn.n_power_iterations) for sn, _ in _spectral_norms(model)]
     try:
         for sn, _ in saved:
             sn.n_power_iterations = 0
@@ -268,27 +268,24 @@ def spectral_norms_held(model: nn.Module) -> Iterator[None]:
 
 
 def advance_spectral_norms(model: nn.Module) -> None:
-    """One power iteration step of each spectral normalisation in training mode (as one forward
+    """One power-iteration update of each spectral normalisation in training mode (what one forward
     of ordinary training does), from the model's own (public) weights: once per DP step, whatever
     the batch size (see :func:`spectral_norms_held`)."""
     with torch.no_grad():
         for sn, host in _spectral_norms(model):
-            if host is None:
-                if sn.training:
-                    # the parametrization's input: its original through the parametrizations before it
-                    for m in model.modules():
-                        plists = getattr(m, "parametrizations", None)
-                        for plist in (plists.values() if isinstance(plists, nn.ModuleDict) else ()):
-                            if any(q is sn for q in plist):
-                                x = plist.original
-                                for q in plist:
-                                    if q is sn:
-                                        if x.ndim > 1:  # (a vector is normalised: no u, v)
-                                            sn._power_method(sn._reshape_weight_to_matrix(x), sn.n_power_iterations)
-                                        break
-                                    x = q(x)
-            elif host.training:
-                sn.compute_weight(host, do_power_iteration=True)
+            if isinstance(sn, SpectralNorm):  # (old style: a pre-hook on ``host``)
+                if host.training:
+                    sn.compute_weight(host, do_power_iteration=True)
+                continue
+            x = getattr(host, "original", None)  # its input: the original through the parametrizations before it
+            if not sn.training or x is None:  # (None: a parametrization with several originals before it)
+                continue
+            for q in host:
+                if q is sn:
+                    break
+                x = q(x)
+            if x.ndim > 1:  # (a vector is normalised: no u, v)
+                sn._power_method(sn._reshape_weight_to_matrix(x), sn.n_power_iterations)
 
 
 def _put_back_quietly(m: nn.Module) -> Set[str]:
