@@ -1789,8 +1789,13 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
     probed = [m for m, (_, rule, _) in ruled.items()
               if getattr(rule, "custom_forward", False) and getattr(rule, "probe_forward", False)
               and "forward" not in m.__dict__]
+    def custom(rule, module, *args, **kwargs):  # (the axis a custom-forward rule reads as the batch)
+        if getattr(rule, "batch_axis", None) is not None:
+            seen.setdefault(ruled[module][0], []).append((_rule_batch_dim(rule, module, args, kwargs), None, None))
+        return _probe_custom_forward(rule, module, *args, **kwargs)
+
     for m in probed:
-        m.__dict__["forward"] = _Wrapped(functools.partial(_probe_custom_forward, ruled[m][1], m), m, ruled[m][1])
+        m.__dict__["forward"] = _Wrapped(functools.partial(custom, ruled[m][1], m), m, ruled[m][1])
     try:
         with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params), \
                 _adapted(loss_module.model, registry, Bp):
@@ -1803,6 +1808,16 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
         for m in probed:
             m.__dict__.pop("forward", None)
     return Bp, seen
+
+
+def _rule_batch_dim(rule: Rule, module: nn.Module, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[int]:
+    """The size of the axis the rule reads as the batch: ``Rule.batch_axis`` of its first input where
+    the rule has one (custom-forward rules), else the first input's first dimension."""
+    axis = rule.batch_axis(module, args, kwargs) if getattr(rule, "batch_axis", None) is not None else None
+    if axis is None:
+        return _first_dim(args, kwargs)
+    x = _first_tensor(args, kwargs)
+    return int(x.shape[axis]) if x is not None and x.dim() > axis else None
 
 
 def _probe_custom_forward(rule: Rule, module: nn.Module, *args, **kwargs):
@@ -1978,7 +1993,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         mname, rule, local = ruled[module]
         if not replay[0]:
             real_dims.setdefault(mname, []).append(
-                _out_dim(output) if getattr(rule, "batch_dim_of_output", False) else _first_dim(args, kwargs))
+                _out_dim(output) if getattr(rule, "batch_dim_of_output", False) else _rule_batch_dim(rule, module, args, kwargs))
         # a rule that checks each call against its output does it now, with this step's parameter
         # values still in place and before the model may edit the output in place
         ok = True
@@ -1991,7 +2006,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
             if capture is not None and not replay[0] and torch.is_grad_enabled():
                 vers = tuple(x._version for x in args if isinstance(x, Tensor))
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, capture, ok=ok,
-                                   amp=_amp_of(output, args)))
+                                   amp=_amp_of(output, args), k=len(real_dims[mname]) - 1))
             return None
         if not isinstance(output, Tensor) or not output.is_floating_point():
             for c in local.values():
@@ -3180,7 +3195,7 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
     whose second dimension did not. Returns {(module name, kind)} to run again read otherwise instead
     (``_Call.retry``; every call of the module one whose first dim stayed B in the probe, and for
     "time" whose second dim followed it)."""
-    todo = [c for c in calls if c.capture is None
+    todo = [c for c in calls if (c.capture is None or getattr(c.rule, "batch_axis", None) is not None)
             and (real_dims[c.mname][c.k] == B or (c.rows and B > 1) or c.bcast and c.lift or c.bdim or c.retry)
             and not all(n in fallback for n in ruled[c.module][2].values())]
     if not todo:
@@ -3235,7 +3250,8 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
                     or (c.lift and dims[c.k] == c.lift)):
                 continue  # the first dimension is the batch (or, B == 1, a broadcast one, e.g. positions;
                 # or batch-free ids, expanded: it stayed T with fewer examples)
-            reason = (f"input's first dimension equals the batch size {B} but is not the batch dimension "
+            what = "the axis its rule reads as the batch" if c.capture is not None else "input's first dimension"
+            reason = (f"{what} equals the batch size {B} but is not the batch dimension "
                       f"(a probe with {Bp} examples gave {dims[c.k] if c.k < len(dims) else 'no such call'})")
         for n in ruled[c.module][2].values():
             fallback.setdefault(n, f"{type(c.module).__name__} ({c.mname}): {reason}")

@@ -236,3 +236,44 @@ def test_the_dispatcher_stays_callable_and_the_fast_path_flag_is_restored_across
     for t in ts:
         t.join()
     assert torch.backends.mha.get_fastpath_enabled() == was
+
+
+class _AttentionAcrossExamples(nn.Module):
+    """(B, T, d) handed to a MultiheadAttention as its (L, N, E) (or, batch-first, (T, B, d) as its
+    (N, L, E)): the attention runs along the examples, each masked to itself, so no example mixes
+    with another, but the layer's batch axis holds positions."""
+
+    def __init__(self, batch_first, d=8):
+        super().__init__()
+        self.batch_first = batch_first
+        self.mha = nn.MultiheadAttention(d, 2, batch_first=batch_first)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        B = x.shape[0]
+        x = x.transpose(0, 1) if self.batch_first else x
+        a, _ = self.mha(x, x, x, attn_mask=~torch.eye(B, dtype=torch.bool), need_weights=False)
+        a = a.transpose(0, 1) if self.batch_first else a
+        return self.head(a.mean(1))
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("BT", [(4, 4), (3, 5), (2, 2)])
+def test_a_batch_axis_that_equals_b_by_coincidence_is_probed(batch_first, BT):
+    """Review, round 34: with T = B the rule read the positions on its batch axis as examples (the
+    batch-dimension probe skipped custom-forward rules): with the order check off, norms 5 % and
+    sums 65 % off, and removing one example moved the clipped sum by 1.11 C. The probe now checks
+    the axis the rule reads (``Rule.batch_axis``)."""
+    B, T = BT
+    torch.manual_seed(B * 10 + T)
+    model = _AttentionAcrossExamples(batch_first).double()
+    b = {"x": torch.randn(B, T, 8, dtype=torch.float64), "y": torch.randint(0, 3, (B,))}
+
+    def loss(m, bb):
+        return F.cross_entropy(m(bb["x"]), bb["y"], reduction="none")
+
+    opts = {"check_order": False}
+    r = assert_exact(model, loss, b, method="bk", max_grad_norm=0.5, bk_options=opts)
+    assert r.routes["mha.in_proj_weight"] == "vmap"
+    step = pdpsgd.make_dp_step(model, loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk", bk_options=opts)
+    assert check_sensitivity(step, pdpsgd.trainable_params(model), b).max_ratio <= 1 + 1e-9

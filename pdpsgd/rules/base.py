@@ -141,6 +141,11 @@ class Rule:
     # the step trains) as a keyword argument of ``uses``, and may leave the others out (e.g. skip a
     # frozen weight's per-example gradient when only the bias is trained).
     wants_names = False
+    # A custom-forward rule that takes one axis of the layer's first input as the batch (torch's
+    # MultiheadAttention: dim 0 or 1 by ``batch_first``) sets ``batch_axis(module, args, kwargs) ->
+    # Optional[int]``: the batch-dimension probe then checks that this axis follows the batch size
+    # (a size equal to B by coincidence, T = B, sends the layer to the fallback).
+    batch_axis = None
 
     def supports(self, module: nn.Module) -> Optional[str]:
         """None if the layer's configuration is covered, else a short reason (-> vmap fallback)."""

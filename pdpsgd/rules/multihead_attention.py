@@ -114,6 +114,14 @@ class MultiheadAttentionRule(Rule):
             return "no nn.Linear out_proj"
         return None
 
+    def batch_axis(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[int]:
+        """The query's batch axis, as ``forward`` reads it (checked by the batch-dimension probe: a
+        (B, T, E) input given as (L, N, E) with T = B reads positions as examples; review, round 34)."""
+        query = args[0] if args else kwargs.get("query")
+        if not isinstance(query, Tensor) or query.dim() != 3:
+            return None
+        return 0 if module.batch_first else 1
+
     def forward(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
         query = args[0] if args else kwargs.get("query")
         if not isinstance(query, Tensor) or query.dim() != 3:
