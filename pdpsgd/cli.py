@@ -69,9 +69,9 @@ def _resume_notes(state: Any, args: argparse.Namespace) -> List[str]:
         return []
     now = vars(args)
     notes = []
-    if now.get("seed") is not None and now.get("seed") != saved.get("seed"):
-        notes.append(f"--seed {now['seed']!r} is ignored on resume: every random stream continues from the "
-                     f"checkpoint (its run had --seed {saved.get('seed')!r})")
+    if now.get("seed") != saved.get("seed"):  # (either way: the report records the checkpoint's; review, round 34)
+        notes.append(f"--seed {now.get('seed')!r} is ignored on resume: every random stream continues from the "
+                     f"checkpoint (its run had --seed {saved.get('seed')!r}, which the report records)")
     changed = [f"{flag} {now.get(key)!r} (the checkpoint's run had {saved[key]!r})"
                for key, flag in _RESUME_NOTED if key in saved and now.get(key) != saved[key]]
     if changed:
@@ -196,10 +196,16 @@ def _check_args(a: argparse.Namespace) -> None:
         raise UserError(f"--epsilon must be > 0, got {a.epsilon}")
     if a.delta is not None and not 0 < a.delta < 1:
         raise UserError(f"--delta must be in (0, 1), got {a.delta}")
-    if not (a.clip > 0 and math.isfinite(a.clip)):
-        raise UserError(f"--clip must be > 0, got {a.clip}")
-    if a.noise_multiplier is not None and not a.noise_multiplier > 0:
-        raise UserError(f"--noise-multiplier must be > 0, got {a.noise_multiplier}")
+    from .clipping import MIN_THRESHOLD
+
+    if not (a.clip >= MIN_THRESHOLD and math.isfinite(a.clip)):
+        raise UserError(f"--clip must be a finite number ≥ {MIN_THRESHOLD:g} (smaller bounds underflow float32 "
+                        f"norms: scale the loss up instead), got {a.clip}")
+    if a.noise_multiplier is not None and not (a.noise_multiplier > 0 and math.isfinite(a.noise_multiplier)):
+        raise UserError(f"--noise-multiplier must be a finite number > 0, got {a.noise_multiplier}")
+    wd = getattr(a, "weight_decay", 0.0)
+    if not (wd >= 0 and math.isfinite(wd)):
+        raise UserError(f"--weight-decay must be a finite number ≥ 0, got {wd}")
     if not (a.epochs > 0 and math.isfinite(a.epochs)):
         raise UserError(f"--epochs must be a finite number > 0, got {a.epochs}")
     for name in ("batch_size", "max_physical_batch", "seq_len", "checkpoint_every"):
@@ -402,7 +408,15 @@ def run_train(a: argparse.Namespace) -> int:
             raise UserError(f"{ckpt_path} has no privacy ledger beside it ({ledger_path.name} is missing): updates "
                             "released after the checkpoint could be neither counted nor told apart, and resuming "
                             "would repeat their noise. Put ledger.json back, or start again in another --output-dir")
-        msg = trainer.load_state_dict(state["trainer"], ledger=ledger)
+        try:
+            resumed_seed = json.loads(state["args"]).get("seed")
+        except (KeyError, TypeError, ValueError, AttributeError):
+            resumed_seed = None
+        a.seed = resumed_seed  # (the streams continue from it: the report says so, not this command line's)
+        try:
+            msg = trainer.load_state_dict(state["trainer"], ledger=ledger)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise UserError(f"cannot resume from {ckpt_path}: {e}") from None
         if msg:
             print(f"pdpsgd: warning: {msg}", file=sys.stderr)
         print(f"resumed from {ckpt_path} at step {trainer.step_count}/{plan.steps}", file=sys.stderr)
@@ -467,7 +481,11 @@ def run_train(a: argparse.Namespace) -> int:
         bar.close()
         if old_handler is not None:
             signal.signal(signal.SIGINT, old_handler)
-    save()
+    save()  # (a finished run's checkpoint leaves the random streams out: train.DPTrainer.state_dict)
+    if not interrupted:
+        # what a run may release: the trained parameters alone (checkpoint.pt also holds the private data's
+        # noise-free telemetry, and, before the run ends, its random streams; review, round 34)
+        save_checkpoint(out_dir / "trained_params.pt", {n: p.detach() for n, p in trainer.params.items()})
     if interrupted:
         print(f"interrupted at step {trainer.step_count}/{plan.steps}; checkpoint saved to {ckpt_path}. "
               f"Continue with: pdpsgd train --resume --output-dir {out_dir} (and the same options)", file=sys.stderr)
@@ -507,6 +525,7 @@ def run_train(a: argparse.Namespace) -> int:
     atomic_write_json(report_path, report)
     print(_table(results, a), file=sys.stdout)
     print(f"report: {report_path}", file=sys.stdout)
+    print(f"params: {out_dir / 'trained_params.pt'}  (what to release; checkpoint.pt is not)", file=sys.stdout)
     if a.plot:
         png = out_dir / "privacy_accuracy.png"
         _plot(telemetry, png, dp=not a.no_dp)
@@ -547,7 +566,12 @@ def _table(r: Dict[str, Any], a: argparse.Namespace) -> str:
                  ("clip C", f"{a.clip:g}")]
     else:
         rows += [("privacy", "none (--no-dp)")]
-    rows += [("steps", f"{r['steps']}  (q={r['sample_rate']:.4g}, E[batch]={r['expected_batch_size']:.1f})"),
+    released = r.get("steps_on_ledger", r["steps"]) if e is not None else r["steps"]
+    more = f"; {released} released, on the ledger: ε counts them all" if released != r["steps"] else ""
+    if e is not None and getattr(a, "noise_multiplier", None) is None and e["upper"] > a.epsilon:
+        rows.append(("note", f"ε upper {e['upper']:.3f} is above the target {a.epsilon:g} (steps lost to a crash "
+                             "stay counted)"))
+    rows += [("steps", f"{r['steps']}  (q={r['sample_rate']:.4g}, E[batch]={r['expected_batch_size']:.1f}{more})"),
              ("wall time", f"{r['wall_time_s']:.1f} s  (training {r['train_time_s']:.1f} s)"),
              ("time per step", f"{r['time_per_step_s']:.3f} s"
               + (f"  vs {r['nonprivate_step_s']:.3f} s non-private ({r['slowdown_vs_nonprivate']:.2f}×)"

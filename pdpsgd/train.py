@@ -186,6 +186,7 @@ class DPTrainer:
         if not self.params:
             raise ValueError("the model has no trainable parameter (requires_grad=True)")
         self.ledger_path = Path(ledger_path) if ledger_path is not None else None
+        self._ledger_checked = False  # (the file's count read once before the first write, or by load_state_dict)
         self.epsilon_every = max(1, int(epsilon_every))
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         if accountant is None:
@@ -326,14 +327,34 @@ class DPTrainer:
         if self.ledger_path is not None:
             from .checkpoint import atomic_write_json
 
+            if not self._ledger_checked and self.ledger_path.exists():
+                # a fresh trainer on a ledger that already counts releases would rewrite it from its own
+                # smaller count, dropping them (review, round 34): resume that run, or use another path
+                try:
+                    before = int(json.loads(self.ledger_path.read_text()).get("steps_released", 0))
+                except (OSError, ValueError, TypeError, AttributeError):
+                    before = -1
+                if before < 0 or before >= self.released:
+                    what = "is unreadable" if before < 0 else f"already counts {before} released step(s)"
+                    raise ValueError(f"the privacy ledger {self.ledger_path} {what}, which this trainer does "
+                                     "not: rewriting it would drop them. Resume that run (load_state_dict) or "
+                                     "give this one another ledger_path")
+            self._ledger_checked = True
             atomic_write_json(self.ledger_path, self._ledger())
 
     def state_dict(self) -> Dict[str, Any]:
-        """Everything needed to continue: params, optimizer, accountant, sampler, RNG states."""
-        rng = {"sample": self.sample_generator.get_state(), "noise": self.noise_generator.get_state(),
-               "torch": torch.get_rng_state()}
-        if torch.cuda.is_available() and self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        """Everything needed to continue: params, optimizer, accountant, sampler, RNG states.
+
+        The random states (noise, sampling, dropout) are secret like a seed: with them every step's
+        noise and batch can be recomputed (review, round 34: the 624-word generator state held
+        every step's Philox key). A finished trainer's state leaves them out (``rng`` None): it has
+        no step left to take."""
+        rng: Optional[Dict[str, Any]] = None
+        if not self.done:
+            rng = {"sample": self.sample_generator.get_state(), "noise": self.noise_generator.get_state(),
+                   "torch": torch.get_rng_state()}
+            if torch.cuda.is_available() and self.device.type == "cuda":
+                rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {
             "step": self.step_count,
             "released": self.released,
@@ -363,6 +384,7 @@ class DPTrainer:
         re-seeded from fresh entropy and a warning is returned (ε counts this checkpoint's steps only).
         Pass the ledger to continue the streams exactly.
         """
+        self._ledger_checked = True  # (this resume reconciles the state with the ledger, below)
         if ledger is None and self.ledger_path is not None and self.ledger_path.exists():
             # its own ledger file (review, round 33: not read, it was then rewritten from the checkpoint's
             # smaller count at the next step, dropping releases already on it)
@@ -402,12 +424,15 @@ class DPTrainer:
         if hasattr(self.telemetry, "load_state_dict") and state.get("telemetry"):
             self.telemetry.load_state_dict(state["telemetry"])
         self.step_times = [float(x) for x in state.get("step_times", torch.zeros(0)).tolist()]
-        rng = state["rng"]
-        self.sample_generator.set_state(rng["sample"])
-        self.noise_generator.set_state(rng["noise"])
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available() and self.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], self.device)
+        rng = state.get("rng")
+        if rng is None and not self.done:
+            raise ValueError("the state has no random streams (a finished trainer's) but steps are left to take")
+        if rng is not None:
+            self.sample_generator.set_state(rng["sample"])
+            self.noise_generator.set_state(rng["noise"])
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available() and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"], self.device)
         if ledger is not None and int(ledger.get("steps_released", 0)) > self.released:
             lost = int(ledger["steps_released"]) - self.released
             self.accountant.load_state_dict(ledger["accountant"])

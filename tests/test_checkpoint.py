@@ -64,6 +64,26 @@ def test_interrupt_and_resume_is_identical(rng, tiny, tmp_path, capsys):
     for n in pa:
         assert torch.equal(pa[n], pb[n]), n  # bit-identical parameters
     assert ra["accuracy"] == rb["accuracy"]
+    # a finished run's checkpoint holds no random stream (they recompute every step's noise; review,
+    # round 34), and what it may release, the trained parameters, is a file of its own
+    assert load_checkpoint(b / "checkpoint.pt")["trainer"]["rng"] is None
+    released = load_checkpoint(b / "trained_params.pt")
+    assert all(torch.equal(released[n], pb[n]) for n in pb)
+
+
+def test_resuming_without_the_seed_reports_the_checkpoints(tiny, tmp_path, capsys):
+    """Review, round 34: resuming a --seed 7 run without --seed recorded seed None in the report
+    ("fresh entropy") while its streams, recomputable from seed 7, went on."""
+    out = tmp_path / "r"
+    assert main(_args(tiny, out, "--interrupt-after", "2")) == 130
+    args = [x for x in _args(tiny, out, "--resume")]
+    i = args.index("--seed")
+    del args[i:i + 2]
+    capsys.readouterr()
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "--seed None is ignored on resume" in err and "--seed 7" in err
+    assert json.loads((out / "report.json").read_text())["settings"]["seed"] == 7
 
 
 def test_real_sigint_saves_checkpoint_and_resumes(tiny, tmp_path):

@@ -220,7 +220,11 @@ def test_missing_columns_and_one_class_and_empty(tiny, tmp_path, capsys):
                                              ("--epsilon", "-1", "--epsilon must be > 0"),
                                              ("--batch-size", "1000", "larger than the training set"),
                                              ("--delta", "1.5", "--delta must be in (0, 1)"),
-                                             ("--clip", "0", "--clip must be > 0"),
+                                             ("--clip", "0", "--clip must be a finite number ≥ 1e-10"),
+                                             ("--clip", "1e-30", "--clip must be a finite number ≥ 1e-10"),
+                                             ("--noise-multiplier", "inf", "--noise-multiplier must be a finite"),
+                                             ("--weight-decay", "-1", "--weight-decay must be a finite number ≥ 0"),
+                                             ("--weight-decay", "nan", "--weight-decay must be a finite number ≥ 0"),
                                              ("--epochs", "inf", "--epochs must be a finite number > 0"),
                                              ("--train-params", "middle", "--train-params 'middle'")])
 def test_bad_settings(tiny, tmp_path, capsys, opt, val, needle):
