@@ -13,6 +13,7 @@ from typing import Dict, Iterable, Iterator, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.nn.parameter import is_lazy
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.parametrize import ParametrizationList
@@ -128,15 +129,14 @@ def model_constants(model: nn.Module, trainable: Iterable[str]) -> Dict[str, Ten
     trained (detached, canonical names) and its buffers. Not a construction-time snapshot: after
     ``model.to(dtype)`` or a rebound buffer (e.g. a recomputed RoPE cache) they are new tensors."""
     keep = set(trainable)
-    out, trained = {}, set()
+    out, every = {}, set()
     for n, p in model.named_parameters():
-        if n in keep:
-            trained.add(id(p))
-        else:
+        every.add(id(p))
+        if n not in keep:
             out[n] = p.detach()
-    # (a buffer that is a trained parameter's very tensor is tied to it: functional_call swaps it with
-    # the parameter, and a value of its own would be refused as a second value for tied names)
-    out.update((n, b) for n, b in model.named_buffers() if id(b) not in trained)
+    # (a buffer that is a parameter's very tensor is tied to it: functional_call fills it from the
+    # parameter, and a value of its own would be refused as a second value for tied names)
+    out.update((n, b) for n, b in model.named_buffers() if id(b) not in every)
     return out
 
 
@@ -249,15 +249,20 @@ def _spectral_norms(model: nn.Module):
 
 
 @contextlib.contextmanager
-def spectral_norms_held(model: nn.Module) -> Iterator[None]:
+def spectral_norms_held(model: nn.Module, found: Optional[list] = None) -> Iterator[None]:
     """While a step's forwards run: spectral normalisation's power iteration is held (its u and v
     used, not advanced). In training mode torch advances them in every forward, and a step runs a
     number of forwards that follows the private batch size (one per vmap chunk, per physical batch,
     per first-step check), so how far they had moved, kept in the model without noise and read by
     the next step, depended on it (review, round 34: neighbouring batch sizes moved the next step's
     clipped sum by 1e-5 C); and chunks of one step saw different u. :func:`advance_spectral_norms`
-    advances them once per step instead (``DPStep.finalize``), from the public weights."""
-    saved = [(sn, sn.n_power_iterations) for sn, _ in _spectral_norms(model)]
+    advances them once per step instead (``DPStep.finalize``), from the public weights.
+    ``found``: ``_spectral_norms(model)`` if known (a step keeps it per model structure)."""
+    found = _spectral_norms(model) if found is None else found
+    if not found:
+        yield
+        return
+    saved = [(sn, sn.n_power_iterations) for sn, _ in found]
     try:
         for sn, _ in saved:
             sn.n_power_iterations = 0
@@ -267,23 +272,55 @@ def spectral_norms_held(model: nn.Module) -> Iterator[None]:
             sn.n_power_iterations = n
 
 
-def advance_spectral_norms(model: nn.Module) -> None:
+def advance_spectral_norms(model: nn.Module, params: Optional[Mapping[str, Tensor]] = None,
+                           found: Optional[list] = None) -> None:
     """One power-iteration update of each spectral normalisation in training mode (what one forward
-    of ordinary training does), from the model's own (public) weights: once per DP step, whatever
+    of ordinary training does) from the weights the step ran with: ``params`` (canonical or alias
+    names) where they hold the normalised weight, else the model's own: once per DP step, whatever
     the batch size (see :func:`spectral_norms_held`)."""
+    found = _spectral_norms(model) if found is None else found
+    if not found:
+        return
+    names: Dict[int, list] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+
+    def value(t: Tensor) -> Tensor:  # the step's value of this parameter, if it was given one
+        for n in names.get(id(t), ()) if params else ():
+            if n in params:
+                return params[n].detach()
+        return t.detach()
+
     with torch.no_grad():
-        for sn, host in _spectral_norms(model):
-            if isinstance(sn, SpectralNorm):  # (old style: a pre-hook on ``host``)
+        for sn, host in found:
+            if isinstance(sn, SpectralNorm):  # (old style: a pre-hook on ``host``; torch's own iteration)
                 if host.training:
-                    sn.compute_weight(host, do_power_iteration=True)
+                    W = sn.reshape_weight_to_matrix(value(getattr(host, sn.name + "_orig")))
+                    u, v = getattr(host, sn.name + "_u"), getattr(host, sn.name + "_v")
+                    for _ in range(sn.n_power_iterations):
+                        v = F.normalize(torch.mv(W.t(), u), dim=0, eps=sn.eps, out=v)
+                        u = F.normalize(torch.mv(W, v), dim=0, eps=sn.eps, out=u)
                 continue
-            x = getattr(host, "original", None)  # its input: the original through the parametrizations before it
-            if not sn.training or x is None:  # (None: a parametrization with several originals before it)
+            if not sn.training:
                 continue
-            for q in host:
-                if q is sn:
-                    break
-                x = q(x)
+            # its input: the original(s) through the parametrizations before it, their own power
+            # iterations held (each spectral norm advances once, by its own turn)
+            if host.is_tensor:
+                x = value(host.original)
+            else:
+                x = host[0](*(value(getattr(host, f"original{i}")) for i in range(host.ntensors)))
+            held = [(q, q.n_power_iterations) for q in host if isinstance(q, _SpectralNorm)]
+            try:
+                for q, _ in held:
+                    q.n_power_iterations = 0
+                for i, q in enumerate(host):
+                    if q is sn:
+                        break
+                    if i > 0 or host.is_tensor:
+                        x = q(x)
+            finally:
+                for q, n in held:
+                    q.n_power_iterations = n
             if x.ndim > 1:  # (a vector is normalised: no u, v)
                 sn._power_method(sn._reshape_weight_to_matrix(x), sn.n_power_iterations)
 

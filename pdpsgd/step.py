@@ -18,8 +18,9 @@ from torch.utils._pytree import tree_flatten
 from ._types import Batch, LossFn, Params, StepOutput
 from ._warn import warn
 from .clipping import MIN_THRESHOLD, Clipping, make_groups, make_weights_fn, sum_sq_norms
-from .functional import (LossModule, ParamIndex, advance_spectral_norms, check_no_batch_mixing, model_constants,
-                         model_structure, no_rope_mixing, no_writes_to, spectral_norms_held, trainable_params)
+from .functional import (LossModule, ParamIndex, _spectral_norms, advance_spectral_norms, check_no_batch_mixing,
+                         model_constants, model_structure, no_rope_mixing, no_writes_to, spectral_norms_held,
+                         trainable_params)
 from .fused import RNGS, noise_and_scale, resolve_rng
 from .noise import entropy_generator
 from .per_sample import acc_dtype, batch_chunks, batch_size, vmap_engine
@@ -113,12 +114,13 @@ def _is_compiled(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _guards(model: nn.Module, trained: Mapping[str, Tensor], seen: Optional[dict] = None):
+def _guards(model: nn.Module, trained: Mapping[str, Tensor], seen: Optional[dict] = None,
+            spectral: Optional[list] = None):
     """What runs around every forward of a step on a batch: no write to the model
     (``no_writes_to``), no rotary table chosen by one example for the others (``no_rope_mixing``;
     ``seen``: the step's record of the tables taken with shared positions), spectral normalisation's
     power iteration held (``spectral_norms_held``: it advances once per step, in ``finalize``)."""
-    with no_writes_to(model, trained), no_rope_mixing(model, seen=seen), spectral_norms_held(model):
+    with no_writes_to(model, trained), no_rope_mixing(model, seen=seen), spectral_norms_held(model, spectral):
         yield
 
 
@@ -267,6 +269,7 @@ class DPStep:
         self.noise_rng = noise_rng
         self._index = ParamIndex(model)
         self._structure = model_structure(model)
+        self._spectral = _spectral_norms(model)  # (per model structure: no walk per step)
         self._loss_module = LossModule(model, loss_fn)
         if clip_fn not in ("abadi", "automatic"):
             raise ValueError(f"clip_fn={clip_fn!r} is unknown: use 'abadi' or 'automatic'")
@@ -340,6 +343,7 @@ class DPStep:
         now = model_structure(self.model)
         if now[0] != self._structure[0]:
             self._index = ParamIndex(self.model)
+            self._spectral = _spectral_norms(self.model)
             if now[0][0] != self._structure[0][0]:  # not only new Parameter objects of the same layout
                 self._probe_memo.clear()
             self._structure = now
@@ -357,7 +361,7 @@ class DPStep:
         """What a step checks around running the forward on a batch (``plan`` and
         ``fallback_reasons`` run it too): no batch-mixing layer, no write to the model."""
         check_no_batch_mixing(self.model)
-        return _guards(self.model, {n: p.detach() for n, p in params.items()}, self._rope_seen)
+        return _guards(self.model, {n: p.detach() for n, p in params.items()}, self._rope_seen, self._spectral)
 
     def _chunks(self, batch: Batch):
         """The batch as the step splits it (``chunk_size`` examples per pass)."""
@@ -414,7 +418,7 @@ class DPStep:
         groups = make_groups(list(detached), self.clipping, self.max_grad_norm, budget=self.clip_budget)
         weights_fn = make_weights_fn(groups, clip_fn=self.clip_fn, gamma=self.gamma)
         _check_grad_mode(params, batch, tensors=self.method != "vmap")
-        with _guards(self.model, detached, self._rope_seen):
+        with _guards(self.model, detached, self._rope_seen, self._spectral):
             if self.method == "vmap":
                 res = _run_eagerly(vmap_engine, self._loss_module, detached, constants, batch, mask, weights_fn,
                                    chunk_size=self.chunk_size)
@@ -484,7 +488,8 @@ class DPStep:
         gen = self._generator(first.device) if self.noise_std > 0 else None
         grads = noise_and_scale(sums, self.noise_std, gen, denom, dtypes, compile=self.fused, consume=consume,
                                 rng=self.noise_rng)
-        advance_spectral_norms(self.model)  # once per step, whatever the batch size (held during its forwards)
+        if self._spectral:  # once per step, whatever the batch size (held during its forwards)
+            advance_spectral_norms(self.model, params, self._spectral)
         kept = partial.kept
         n_kept = kept.sum()
         losses = torch.where(kept, partial.losses, torch.zeros_like(partial.losses))

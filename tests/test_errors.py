@@ -387,10 +387,14 @@ def test_spectral_norm_advances_once_per_step_whatever_the_batch_size(style, met
     def u_of(m):
         return m[0].weight_u if style == "hook" else m[0].parametrizations.weight[0]._u
 
+    def v_of(m):
+        return m[0].weight_v if style == "hook" else m[0].parametrizations.weight[0]._v
+
     torch.manual_seed(0)
     base = nn.Sequential((spectral_norm if style == "hook" else spectral_norm_p)(nn.Linear(5, 3))).train()
-    with torch.no_grad():
+    with torch.no_grad():  # (both away from convergence: each iteration then moves them)
         u_of(base).copy_(F.normalize(torch.randn(u_of(base).shape), dim=0))
+        v_of(base).copy_(F.normalize(torch.randn(v_of(base).shape), dim=0))
     x, y = torch.randn(5, 5), torch.randint(0, 3, (5,))
     probe = {"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}
     after = {}
@@ -411,6 +415,82 @@ def test_spectral_norm_advances_once_per_step_whatever_the_batch_size(style, met
     m = copy.deepcopy(base)
     step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.2, noise_multiplier=0.0, method=method)
     assert check_sensitivity(step, pdpsgd.trainable_params(m), {"x": x * 3, "y": y}).max_ratio <= 1 + 1e-5
+
+
+def test_spectral_norm_advances_from_the_weights_the_step_ran_with():
+    """Review of round 34's fix: the once-per-step iteration ran on the model's own weight, not on
+    the parameters the step was given (a functional loop); it also skipped a spectral norm stacked
+    on a parametrization with several originals, and advanced the first of two stacked ones twice."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import spectral_norm as spectral_norm_p
+
+    def loss(mm, b):
+        return F.cross_entropy(mm(b["x"]), b["y"], reduction="none")
+
+    b = {"x": torch.randn(4, 6), "y": torch.randint(0, 4, (4,))}
+    torch.manual_seed(0)
+    m = nn.Sequential(spectral_norm_p(nn.Linear(6, 4))).train()
+    sn = m[0].parametrizations.weight[0]
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="vmap")
+    params = {n: p.detach().clone() for n, p in pdpsgd.trainable_params(m).items()}
+    w = next(n for n in params if n.endswith("original"))
+    params[w] = torch.randn_like(params[w]) * 3  # the weights this functional loop trains
+    for _ in range(30):
+        step(params, b)
+    top = torch.linalg.svd(params[w])[0][:, 0]
+    assert abs(float(sn._u @ top)) > 0.999
+
+    class LowRank(nn.Module):
+        def forward(self, A, B):
+            return A @ B
+
+        def right_inverse(self, W):
+            return W[:, :2].clone(), torch.eye(2, W.shape[1])
+
+    lin = nn.Linear(6, 4)
+    parametrize.register_parametrization(lin, "weight", LowRank())
+    spectral_norm_p(lin)
+    m2 = nn.Sequential(lin).train()
+    sn2 = lin.parametrizations.weight[1]
+    with torch.no_grad():
+        sn2._u.copy_(F.normalize(torch.randn(4), dim=0))
+    u0 = sn2._u.clone()
+    step2 = pdpsgd.make_dp_step(m2, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="vmap")
+    step2(pdpsgd.trainable_params(m2), b)
+    assert not torch.equal(sn2._u, u0)  # (it advanced: the originals through the low-rank product)
+
+    from pdpsgd.functional import advance_spectral_norms
+
+    two = spectral_norm_p(spectral_norm_p(nn.Linear(6, 4)))
+    first = two.parametrizations.weight[0]
+    with torch.no_grad():
+        first._v.copy_(F.normalize(torch.randn(6), dim=0))
+    W, v = two.parametrizations.weight.original.detach(), first._v.clone()
+    u1 = F.normalize(W @ v, dim=0)  # one power iteration from v
+    advance_spectral_norms(two)
+    torch.testing.assert_close(first._u, u1, rtol=0, atol=1e-6)
+
+
+class _FrozenShadow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.register_buffer("shadow", self.lin.weight)
+        self.lin.weight.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(self.lin(x) + 0.5 * (x @ self.shadow.t()))
+
+
+@pytest.mark.parametrize("method", ["vmap", "bk"])
+def test_a_buffer_that_is_a_frozen_weight_runs(method):
+    """Review of round 34's fix: a buffer that is a *frozen* parameter's tensor still went into the
+    constants beside it (torch's tied-keys error)."""
+    from pdpsgd.testing import assert_exact
+
+    m = _FrozenShadow().double()
+    b = {"x": torch.randn(5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (5,))}
+    assert_exact(m, mlp_loss, b, method=method, max_grad_norm=0.5)
 
 
 class _Exotic(nn.Module):
