@@ -70,8 +70,10 @@ def _resume_notes(state: Any, args: argparse.Namespace) -> List[str]:
     now = vars(args)
     notes = []
     if now.get("seed") != saved.get("seed"):  # (either way: the report records the checkpoint's; review, round 34)
-        notes.append(f"--seed {now.get('seed')!r} is ignored on resume: every random stream continues from the "
-                     f"checkpoint (its run had --seed {saved.get('seed')!r}, which the report records)")
+        given = "no --seed given" if now.get("seed") is None else f"--seed {now['seed']!r} is ignored on resume"
+        had = "no --seed" if saved.get("seed") is None else f"--seed {saved['seed']!r}"
+        notes.append(f"{given}: every random stream continues from the checkpoint (its run had {had}, which the "
+                     "report records)")
     changed = [f"{flag} {now.get(key)!r} (the checkpoint's run had {saved[key]!r})"
                for key, flag in _RESUME_NOTED if key in saved and now.get(key) != saved[key]]
     if changed:
@@ -417,6 +419,8 @@ def run_train(a: argparse.Namespace) -> int:
             msg = trainer.load_state_dict(state["trainer"], ledger=ledger)
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise UserError(f"cannot resume from {ckpt_path}: {e}") from None
+        if trainer.reseeded:
+            a.seed = None  # (the streams went on from fresh entropy: no seed reproduces the run)
         if msg:
             print(f"pdpsgd: warning: {msg}", file=sys.stderr)
         print(f"resumed from {ckpt_path} at step {trainer.step_count}/{plan.steps}", file=sys.stderr)

@@ -221,13 +221,18 @@ def split_dataset(ds: TextDataset, test_fraction: float = 0.2, *, seed: int = 0)
     private."""
     if not 0.0 < test_fraction < 1.0:
         raise DataError(f"test fraction must be in (0, 1), got {test_fraction}")
-    te, tr = [], []
-    for i, (text, label) in enumerate(zip(ds.texts, ds.labels)):
-        h = hashlib.sha256(f"{seed}\x00{ds.label_names[label]}\x00{text}".encode("utf-8", "surrogatepass")).digest()
-        (te if int.from_bytes(h[:8], "big") < test_fraction * 2.0 ** 64 else tr).append(i)
-    if len(ds) > 1 and (not te or not tr):
-        raise DataError(f"the split of {len(ds)} rows left the {'test' if not te else 'training'} side empty: "
-                        "pass a test file (--test-data)")
+    keys = [int.from_bytes(hashlib.sha256(f"{seed}\x00{ds.label_names[label]}\x00{text}".encode(
+        "utf-8", "surrogatepass")).digest()[:8], "big") for text, label in zip(ds.texts, ds.labels)]
+    te = [i for i, k in enumerate(keys) if k < test_fraction * 2.0 ** 64]
+    tr = [i for i, k in enumerate(keys) if k >= test_fraction * 2.0 ** 64]
+    # a side left empty (a small file) takes the row of the most extreme key from the other (one row
+    # alone stays for training); such a file and its neighbour can then split two rows apart
+    if len(ds) > 1 and not te:
+        te = [min(tr, key=lambda i: keys[i])]
+        tr.remove(te[0])
+    elif not tr and te:
+        tr = [max(te, key=lambda i: keys[i])]
+        te.remove(tr[0])
     mk = lambda idx, suffix: TextDataset([ds.texts[i] for i in idx], [ds.labels[i] for i in idx],
                                          list(ds.label_names), f"{ds.name}:{suffix}")
     return mk(tr, "train"), mk(te, "test")

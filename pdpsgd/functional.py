@@ -9,7 +9,8 @@ weight is *one* parameter whose per-example gradient is summed over every use.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterable, Iterator, Mapping, Optional, Set, Tuple
+import threading
+from typing import Any, Dict, Iterable, Iterator, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -248,6 +249,17 @@ def _spectral_norms(model: nn.Module):
     return out
 
 
+_SN_LOCK = threading.Lock()
+_SN_HELD: Dict[Any, list] = {}  # spectral norm -> [holds, its own n_power_iterations]
+
+
+def _power_iterations(sn: Any) -> int:
+    """A spectral norm's own iteration count, also while a step holds it."""
+    with _SN_LOCK:
+        held = _SN_HELD.get(sn)
+        return sn.n_power_iterations if held is None else held[1]
+
+
 @contextlib.contextmanager
 def spectral_norms_held(model: nn.Module, found: Optional[list] = None) -> Iterator[None]:
     """While a step's forwards run: spectral normalisation's power iteration is held (its u and v
@@ -262,14 +274,25 @@ def spectral_norms_held(model: nn.Module, found: Optional[list] = None) -> Itera
     if not found:
         yield
         return
-    saved = [(sn, sn.n_power_iterations) for sn, _ in found]
+    mods = [sn for sn, _ in found]
+    with _SN_LOCK:  # (holds counted per module: overlapping steps on one model restore the true count)
+        for sn in mods:
+            held = _SN_HELD.get(sn)
+            if held is None:
+                _SN_HELD[sn] = [1, sn.n_power_iterations]
+                sn.n_power_iterations = 0
+            else:
+                held[0] += 1
     try:
-        for sn, _ in saved:
-            sn.n_power_iterations = 0
         yield
     finally:
-        for sn, n in saved:
-            sn.n_power_iterations = n
+        with _SN_LOCK:
+            for sn in mods:
+                held = _SN_HELD[sn]
+                held[0] -= 1
+                if held[0] == 0:
+                    sn.n_power_iterations = held[1]
+                    del _SN_HELD[sn]
 
 
 def advance_spectral_norms(model: nn.Module, params: Optional[Mapping[str, Tensor]] = None,
@@ -297,7 +320,7 @@ def advance_spectral_norms(model: nn.Module, params: Optional[Mapping[str, Tenso
                 if host.training:
                     W = sn.reshape_weight_to_matrix(value(getattr(host, sn.name + "_orig")))
                     u, v = getattr(host, sn.name + "_u"), getattr(host, sn.name + "_v")
-                    for _ in range(sn.n_power_iterations):
+                    for _ in range(_power_iterations(sn)):
                         v = F.normalize(torch.mv(W.t(), u), dim=0, eps=sn.eps, out=v)
                         u = F.normalize(torch.mv(W, v), dim=0, eps=sn.eps, out=u)
                 continue
@@ -309,20 +332,14 @@ def advance_spectral_norms(model: nn.Module, params: Optional[Mapping[str, Tenso
                 x = value(host.original)
             else:
                 x = host[0](*(value(getattr(host, f"original{i}")) for i in range(host.ntensors)))
-            held = [(q, q.n_power_iterations) for q in host if isinstance(q, _SpectralNorm)]
-            try:
-                for q, _ in held:
-                    q.n_power_iterations = 0
+            with spectral_norms_held(model, [(q, host) for q in host if isinstance(q, _SpectralNorm)]):
                 for i, q in enumerate(host):
                     if q is sn:
                         break
                     if i > 0 or host.is_tensor:
                         x = q(x)
-            finally:
-                for q, n in held:
-                    q.n_power_iterations = n
             if x.ndim > 1:  # (a vector is normalised: no u, v)
-                sn._power_method(sn._reshape_weight_to_matrix(x), sn.n_power_iterations)
+                sn._power_method(sn._reshape_weight_to_matrix(x), _power_iterations(sn))
 
 
 def _put_back_quietly(m: nn.Module) -> Set[str]:

@@ -170,13 +170,15 @@ class PoissonSampler:
             yield to_physical_batches(indices, max_batch_size)
 
     def state_dict(self) -> Dict[str, Any]:
-        """Position and generator state (restore with :meth:`load_state_dict`)."""
+        """Position and generator state (restore with :meth:`load_state_dict`). The generator state
+        recomputes every batch (it holds the seed), so it is as secret as a seed: an exhausted
+        sampler's state leaves it out (None; review, round 34), having no draw left."""
         return {
             "num_examples": self.num_examples,
             "sample_rate": self.sample_rate,
             "steps": self.steps,
             "position": self.position,
-            "generator_state": self.generator.get_state(),
+            "generator_state": None if self.position >= self.steps else self.generator.get_state(),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -190,7 +192,12 @@ class PoissonSampler:
         position = _check_int(state["position"], "position", 0)
         if position > self.steps:
             raise ValueError(f"position {position} exceeds steps={self.steps}.")
-        gen_state = state["generator_state"]
+        gen_state = state.get("generator_state")
+        if gen_state is None:  # (an exhausted sampler's state: nothing left to draw)
+            if position < self.steps:
+                raise ValueError(f"the state has no generator state but {self.steps - position} step(s) left to draw")
+            self.position = position
+            return
         if not isinstance(gen_state, torch.Tensor):
             gen_state = torch.as_tensor(gen_state, dtype=torch.uint8)
         self.generator.set_state(gen_state.to(dtype=torch.uint8, device="cpu"))

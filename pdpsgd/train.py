@@ -187,6 +187,7 @@ class DPTrainer:
             raise ValueError("the model has no trainable parameter (requires_grad=True)")
         self.ledger_path = Path(ledger_path) if ledger_path is not None else None
         self._ledger_checked = False  # (the file's count read once before the first write, or by load_state_dict)
+        self.reseeded = False  # (set by _reseed: the streams went on from fresh entropy, not from any seed)
         self.epsilon_every = max(1, int(epsilon_every))
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         if accountant is None:
@@ -314,6 +315,7 @@ class DPTrainer:
 
     def _reseed(self) -> None:
         """Every random stream (sampling, noise, dropout) from fresh OS entropy: none is ever replayed."""
+        self.reseeded = True  # (no seed reproduces the run from here: the CLI's report says so)
         self.sample_generator.manual_seed(secrets.randbits(63))
         self.noise_generator.manual_seed(secrets.randbits(63))
         torch.manual_seed(secrets.randbits(63))
@@ -384,7 +386,13 @@ class DPTrainer:
         re-seeded from fresh entropy and a warning is returned (ε counts this checkpoint's steps only).
         Pass the ledger to continue the streams exactly.
         """
-        self._ledger_checked = True  # (this resume reconciles the state with the ledger, below)
+        out = self._load_state_dict(state, ledger)
+        # (only a load that went through reconciled the state with the ledger: after a failed one the
+        # guard of the first write stays on; review, round 34)
+        self._ledger_checked = True
+        return out
+
+    def _load_state_dict(self, state: Mapping[str, Any], ledger: Optional[Mapping[str, Any]]) -> Optional[str]:
         if ledger is None and self.ledger_path is not None and self.ledger_path.exists():
             # its own ledger file (review, round 33: not read, it was then rewritten from the checkpoint's
             # smaller count at the next step, dropping releases already on it)

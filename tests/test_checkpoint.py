@@ -82,7 +82,7 @@ def test_resuming_without_the_seed_reports_the_checkpoints(tiny, tmp_path, capsy
     capsys.readouterr()
     assert main(args) == 0
     err = capsys.readouterr().err
-    assert "--seed None is ignored on resume" in err and "--seed 7" in err
+    assert "no --seed given" in err and "--seed 7" in err
     assert json.loads((out / "report.json").read_text())["settings"]["seed"] == 7
 
 

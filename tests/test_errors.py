@@ -471,6 +471,32 @@ def test_spectral_norm_advances_from_the_weights_the_step_ran_with():
     torch.testing.assert_close(first._u, u1, rtol=0, atol=1e-6)
 
 
+def test_overlapping_steps_on_one_model_restore_the_spectral_iteration_count():
+    """Review of round 34: two threads stepping one model each saved the other's held 0 and put it
+    back last: the spectral norm never advanced again. Holds are counted per module now."""
+    import threading
+
+    from torch.nn.utils.parametrizations import spectral_norm as spectral_norm_p
+
+    torch.manual_seed(0)
+    m = nn.Sequential(spectral_norm_p(nn.Linear(5, 5)), nn.Tanh(), nn.Linear(5, 3)).train()
+    sn = m[0].parametrizations.weight[0]
+
+    def work(seed):
+        step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method="vmap")
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(40):
+            step(pdpsgd.trainable_params(m), {"x": torch.randn(4, 5, generator=g),
+                                              "y": torch.randint(0, 3, (4,), generator=g)})
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert sn.n_power_iterations == 1
+
+
 class _FrozenShadow(nn.Module):
     def __init__(self):
         super().__init__()

@@ -62,12 +62,22 @@ def test_a_fresh_trainer_refuses_a_ledger_that_counts_releases(tmp_path):
     while not again.done:
         again.step()
     final = again.state_dict()
-    assert final["rng"] is None
+    assert final["rng"] is None and final["sampler"]["generator_state"] is None  # (it holds the seed too)
+    behind, *_ = _mlp_setup(ledger=ledger)
+    assert not behind.reseeded
+    assert "re-seeded" in behind.load_state_dict(mid)  # (the ledger is ahead of this state)
+    assert behind.reseeded  # (the CLI then records no seed: none reproduces the run from here)
     done, *_ = _mlp_setup(ledger=ledger)
     done.load_state_dict(final)
     assert done.done and done.epsilon().upper == again.epsilon().upper
     with pytest.raises(ValueError, match="no random streams"):
         _mlp_setup(ledger=tmp_path / "other.json")[0].load_state_dict({**final, "step": 1})
+    # a failed load reconciled nothing: the guard of the first write stays on
+    wider, *_ = _mlp_setup(ledger=ledger, sigma=0.5)
+    with pytest.raises(ValueError):
+        wider.load_state_dict(mid)  # (other privacy settings)
+    with pytest.raises(ValueError, match="already counts"):
+        wider.step()
 
 
 def test_trainer_ledger_written_before_update(tmp_path):
