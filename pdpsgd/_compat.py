@@ -46,6 +46,14 @@ def mha_fastpath_off() -> Iterator[None]:
                 backend.set_fastpath_enabled(_FASTPATH[0])
 
 
+_TRACING_LOCK = threading.Lock()
+_TRACING: dict = {"depth": 0, "orig": None, "mod": None}
+
+
+def _always_tracing(tensor=None) -> bool:  # noqa: ANN001 - mirrors transformers' signature
+    return True
+
+
 @contextlib.contextmanager
 def transformers_vmap_compat() -> Iterator[None]:
     """Make Hugging Face ``transformers`` mask code vmap-safe for the duration of the block.
@@ -60,13 +68,18 @@ def transformers_vmap_compat() -> Iterator[None]:
     if mod is None or not hasattr(mod, "is_tracing"):
         yield
         return
-    original = mod.is_tracing
-
-    def is_tracing(tensor=None) -> bool:  # noqa: ANN001 - mirrors transformers' signature
-        return True
-
-    mod.is_tracing = is_tracing
+    # reference-counted under a lock: with two threads stepping at once, each had saved the other's
+    # replacement as "the original" and the last to leave put it back for good (round 34)
+    with _TRACING_LOCK:
+        if _TRACING["depth"] == 0:
+            _TRACING["orig"], _TRACING["mod"] = mod.is_tracing, mod
+            mod.is_tracing = _always_tracing
+        _TRACING["depth"] += 1
     try:
         yield
     finally:
-        mod.is_tracing = original
+        with _TRACING_LOCK:
+            _TRACING["depth"] -= 1
+            if _TRACING["depth"] == 0:
+                _TRACING["mod"].is_tracing = _TRACING["orig"]
+                _TRACING["orig"] = _TRACING["mod"] = None

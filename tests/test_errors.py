@@ -489,12 +489,17 @@ def test_overlapping_steps_on_one_model_restore_the_spectral_iteration_count():
             step(pdpsgd.trainable_params(m), {"x": torch.randn(4, 5, generator=g),
                                               "y": torch.randint(0, 3, (4,), generator=g)})
 
+    import transformers.masking_utils as mu
+
+    before = mu.is_tracing
     ts = [threading.Thread(target=work, args=(i,)) for i in range(2)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
     assert sn.n_power_iterations == 1
+    # (the vmap shim for transformers' masks, also held by both, is put back: it leaked before)
+    assert mu.is_tracing is before and not mu.is_tracing(torch.ones(1))
 
 
 class _FrozenShadow(nn.Module):
