@@ -192,6 +192,14 @@ def load_text_file(path: os.PathLike, *, text_column: str = "text", label_column
         t, y = r.get(text_column), r.get(label_column)
         if t is None or y is None or str(y).strip() == "":
             raise DataError(f"{path}: row {i + 1} has no value for {text_column!r} or {label_column!r}")
+        for col, v in ((text_column, t), (label_column, y)):
+            if isinstance(v, (list, dict, bool)):  # (JSON: not a text or a label; str() would invent one)
+                raise DataError(f"{path}: row {i + 1}: {col!r} is a JSON {type(v).__name__}, not a "
+                                f"{'text' if col == text_column else 'label'}")
+        if str(t).strip() == "":
+            raise DataError(f"{path}: row {i + 1} has an empty {text_column!r}")
+        if isinstance(y, float) and y.is_integer():
+            y = int(y)  # (a JSON label 1.0 is the label 1)
         texts.append(str(t))
         raw.append(str(y).strip())
     if label_names is None:

@@ -267,6 +267,22 @@ def test_the_split_moves_one_row_when_the_file_gains_one():
     assert tr3.texts != tr.texts  # (the seed picks another split)
 
 
+def test_json_values_that_are_no_text_or_label_are_refused(tmp_path):
+    """Review, round 34: a JSONL text given as a list became the string "['a', 'b']", an empty text
+    was taken (the docstring said refused), and labels 0 and 0.0 were two classes."""
+    bad = tmp_path / "list.jsonl"
+    bad.write_text('{"text": ["a", "b"], "label": 1}\n')
+    with pytest.raises(DataError, match="row 1: 'text' is a JSON list"):
+        load_text_file(bad)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": "ok", "label": 1}\n{"text": "  ", "label": 0}\n')
+    with pytest.raises(DataError, match="row 2 has an empty 'text'"):
+        load_text_file(empty)
+    nums = tmp_path / "nums.jsonl"
+    nums.write_text('{"text": "a", "label": 1}\n{"text": "b", "label": 1.0}\n{"text": "c", "label": 0}\n')
+    assert load_text_file(nums).label_names == ["0", "1"]
+
+
 def test_a_byte_order_mark_and_a_long_text_are_read(tmp_path):
     """Review, round 34: Excel's "CSV UTF-8" (a byte-order mark) gave "missing column 'text'", and a
     text over 131,072 characters "malformed CSV"."""
