@@ -3479,7 +3479,21 @@ def _ieee_matmuls() -> Iterator[List[Tuple[Any, Any]]]:
     AMX: 0.19 absolute error on a 512-long dot product here) made the ghost Grams and the clipped
     sums ~1e-3-1e-2 relative off: a norm under-stated by that lets the example exceed C by as much
     (and the cancellation guard's κ·ε budget assumed float32 rounding; review, round 32). The
-    capture (the model's own forward and backward) keeps the caller's setting."""
+    capture (the model's own forward and backward) keeps the caller's setting.
+
+    The settings are process-wide, so the block holds ``_PRECISION_LOCK`` (re-entrant): a step in
+    another thread waits instead of running its engine under this one's capture settings (or
+    putting the caller's back while this one's norms run; round 34)."""
+    with _PRECISION_LOCK:
+        with _ieee_matmuls_locked() as saved:
+            yield saved
+
+
+_PRECISION_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _ieee_matmuls_locked() -> Iterator[List[Tuple[Any, Any]]]:
     saved: List[Tuple[Any, Any]] = []
     try:
         knobs = _matmul_knobs()

@@ -4269,6 +4269,26 @@ def test_forward_mode_ad_in_the_loss_takes_the_exact_fallback(method):
         assert {n for n, v in r.routes.items() if v == "vmap"} == {"a.weight", "a.bias", "b.weight", "b.bias"}, r.routes
 
 
+def test_full_precision_matmul_blocks_are_one_thread_at_a_time():
+    """Round 34: the float32 matmul precision the engine sets (and the caller's, put back for the
+    capture) is process-wide; a step in another thread ran its norms under this one's capture
+    setting (TF32 / bf16: a norm ~1e-3 short) or put the caller's back under them. The blocks now
+    hold a re-entrant lock: another thread waits, the same thread may nest."""
+    import threading as th
+
+    import pdpsgd.bookkeeping as bk
+
+    got = []
+    with bk._ieee_matmuls():
+        with bk._ieee_matmuls():  # (re-entrant in one thread)
+            t = th.Thread(target=lambda: got.append(bk._PRECISION_LOCK.acquire(blocking=False)))
+            t.start()
+            t.join()
+    assert got == [False]
+    assert bk._PRECISION_LOCK.acquire(blocking=False)
+    bk._PRECISION_LOCK.release()
+
+
 def test_watching_autograd_is_per_context_and_restored():
     """Review, round 33: the capture's wrappers of torch.autograd.grad / Tensor.register_hook were
     process-wide and overlapping captures left them installed. Now they are reference-counted and
