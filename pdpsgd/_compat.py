@@ -8,13 +8,47 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from typing import Iterator
+from typing import Any, Callable, Dict, Iterable, Iterator, Tuple
 
 import torch
 
 
-_FASTPATH_LOCK = threading.Lock()
-_FASTPATH = [True, 0]  # (the flag before the first block, blocks open)
+_HOLD_LOCK = threading.Lock()
+_HOLDS: Dict[Any, list] = {}  # key -> [holders, the value before the first]
+
+
+@contextlib.contextmanager
+def held(settings: Iterable[Tuple[Any, Callable[[], Any], Callable[[Any], None], Any]]) -> Iterator[None]:
+    """Process-wide values set for the block: ``settings`` of (key, get, put, value). Counted per key
+    under one lock: the first holder saves ``get()`` and puts ``value``, the last one to leave puts the
+    saved value back, in whatever order threads enter and leave (each saving and restoring on its own
+    had one thread keep another's replacement as "the original", and put it back for good)."""
+    settings = list(settings)
+    with _HOLD_LOCK:
+        for key, get, put, value in settings:
+            h = _HOLDS.get(key)
+            if h is None:
+                _HOLDS[key] = [1, get()]
+                put(value)
+            else:
+                h[0] += 1
+    try:
+        yield
+    finally:
+        with _HOLD_LOCK:
+            for key, _, put, _ in settings:
+                h = _HOLDS[key]
+                h[0] -= 1
+                if h[0] == 0:
+                    del _HOLDS[key]
+                    put(h[1])
+
+
+def value_before_hold(key: Any, get: Callable[[], Any]) -> Any:
+    """The value ``key`` had before the holds now open on it (``get()`` when none is)."""
+    with _HOLD_LOCK:
+        h = _HOLDS.get(key)
+        return get() if h is None else h[1]
 
 
 @contextlib.contextmanager
@@ -30,24 +64,8 @@ def mha_fastpath_off() -> Iterator[None]:
     if backend is None or not hasattr(backend, "set_fastpath_enabled"):  # pragma: no cover - old torch
         yield
         return
-    # (a process-wide flag: counted under a lock, so that threads entering and leaving in any order
-    # put back the value from before the first of them)
-    with _FASTPATH_LOCK:
-        if _FASTPATH[1] == 0:
-            _FASTPATH[0] = backend.get_fastpath_enabled()
-            backend.set_fastpath_enabled(False)
-        _FASTPATH[1] += 1
-    try:
+    with held([("mha_fastpath", backend.get_fastpath_enabled, backend.set_fastpath_enabled, False)]):  # (process-wide)
         yield
-    finally:
-        with _FASTPATH_LOCK:
-            _FASTPATH[1] -= 1
-            if _FASTPATH[1] == 0:
-                backend.set_fastpath_enabled(_FASTPATH[0])
-
-
-_TRACING_LOCK = threading.Lock()
-_TRACING: dict = {"depth": 0, "orig": None, "mod": None}
 
 
 def _always_tracing(tensor=None) -> bool:  # noqa: ANN001 - mirrors transformers' signature
@@ -68,18 +86,8 @@ def transformers_vmap_compat() -> Iterator[None]:
     if mod is None or not hasattr(mod, "is_tracing"):
         yield
         return
-    # reference-counted under a lock: with two threads stepping at once, each had saved the other's
-    # replacement as "the original" and the last to leave put it back for good (round 34)
-    with _TRACING_LOCK:
-        if _TRACING["depth"] == 0:
-            _TRACING["orig"], _TRACING["mod"] = mod.is_tracing, mod
-            mod.is_tracing = _always_tracing
-        _TRACING["depth"] += 1
-    try:
+    # (held: with two threads stepping at once, each had saved the other's replacement as "the
+    # original", and the last to leave put it back for good; round 34)
+    with held([(("is_tracing", mod), lambda: mod.is_tracing, lambda v: setattr(mod, "is_tracing", v),
+                _always_tracing)]):
         yield
-    finally:
-        with _TRACING_LOCK:
-            _TRACING["depth"] -= 1
-            if _TRACING["depth"] == 0:
-                _TRACING["mod"].is_tracing = _TRACING["orig"]
-                _TRACING["orig"] = _TRACING["mod"] = None

@@ -3470,6 +3470,9 @@ def _matmul_knobs() -> List[Any]:
     return out
 
 
+_PRECISION_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def _ieee_matmuls() -> Iterator[List[Tuple[Any, Any]]]:
     """Float32 matmuls at full precision inside (restored after): the engine's norms and clipped sums.
@@ -3485,37 +3488,28 @@ def _ieee_matmuls() -> Iterator[List[Tuple[Any, Any]]]:
     another thread waits instead of running its engine under this one's capture settings (or
     putting the caller's back while this one's norms run; round 34)."""
     with _PRECISION_LOCK:
-        with _ieee_matmuls_locked() as saved:
+        saved: List[Tuple[Any, Any]] = []
+        try:
+            knobs = _matmul_knobs()
+            if knobs:
+                for k in knobs:
+                    v = k.fp32_precision
+                    if v != "ieee":
+                        saved.append((k, v))
+                        k.fp32_precision = "ieee"
+            elif torch.get_float32_matmul_precision() != "highest":
+                saved.append((None, torch.get_float32_matmul_precision()))
+                torch.set_float32_matmul_precision("highest")
+        except (AttributeError, RuntimeError, ValueError):
+            pass
+        try:
             yield saved
-
-
-_PRECISION_LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def _ieee_matmuls_locked() -> Iterator[List[Tuple[Any, Any]]]:
-    saved: List[Tuple[Any, Any]] = []
-    try:
-        knobs = _matmul_knobs()
-        if knobs:
-            for k in knobs:
-                v = k.fp32_precision
-                if v != "ieee":
-                    saved.append((k, v))
-                    k.fp32_precision = "ieee"
-        elif torch.get_float32_matmul_precision() != "highest":
-            saved.append((None, torch.get_float32_matmul_precision()))
-            torch.set_float32_matmul_precision("highest")
-    except (AttributeError, RuntimeError, ValueError):
-        pass
-    try:
-        yield saved
-    finally:
-        for k, v in reversed(saved):
-            if k is None:
-                torch.set_float32_matmul_precision(v)
-            else:
-                k.fp32_precision = v
+        finally:
+            for k, v in reversed(saved):
+                if k is None:
+                    torch.set_float32_matmul_precision(v)
+                else:
+                    k.fp32_precision = v
 
 
 @contextlib.contextmanager

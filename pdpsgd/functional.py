@@ -9,7 +9,7 @@ weight is *one* parameter whose per-example gradient is summed over every use.
 from __future__ import annotations
 
 import contextlib
-import threading
+import functools
 from typing import Any, Dict, Iterable, Iterator, Mapping, Optional, Set, Tuple
 
 import torch
@@ -20,6 +20,7 @@ from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.parametrize import ParametrizationList
 from torch.nn.utils.spectral_norm import SpectralNorm
 
+from ._compat import held, value_before_hold
 from ._types import Batch, LossFn, Params
 from ._warn import warn
 
@@ -249,15 +250,8 @@ def _spectral_norms(model: nn.Module):
     return out
 
 
-_SN_LOCK = threading.Lock()
-_SN_HELD: Dict[Any, list] = {}  # spectral norm -> [holds, its own n_power_iterations]
-
-
-def _power_iterations(sn: Any) -> int:
-    """A spectral norm's own iteration count, also while a step holds it."""
-    with _SN_LOCK:
-        held = _SN_HELD.get(sn)
-        return sn.n_power_iterations if held is None else held[1]
+def _iterations_key(sn: Any) -> Tuple[str, Any]:
+    return ("n_power_iterations", sn)
 
 
 @contextlib.contextmanager
@@ -269,30 +263,17 @@ def spectral_norms_held(model: nn.Module, found: Optional[list] = None) -> Itera
     the next step, depended on it (review, round 34: neighbouring batch sizes moved the next step's
     clipped sum by 1e-5 C); and chunks of one step saw different u. :func:`advance_spectral_norms`
     advances them once per step instead (``DPStep.finalize``), from the public weights.
-    ``found``: ``_spectral_norms(model)`` if known (a step keeps it per model structure)."""
+    ``found``: ``_spectral_norms(model)`` if known (a step keeps it per model structure). Counted
+    holds (``_compat.held``): overlapping steps on one model put the true count back."""
     found = _spectral_norms(model) if found is None else found
-    if not found:
+    with held([(_iterations_key(sn), functools.partial(getattr, sn, "n_power_iterations"),
+                functools.partial(setattr, sn, "n_power_iterations"), 0) for sn, _ in found]):
         yield
-        return
-    mods = [sn for sn, _ in found]
-    with _SN_LOCK:  # (holds counted per module: overlapping steps on one model restore the true count)
-        for sn in mods:
-            held = _SN_HELD.get(sn)
-            if held is None:
-                _SN_HELD[sn] = [1, sn.n_power_iterations]
-                sn.n_power_iterations = 0
-            else:
-                held[0] += 1
-    try:
-        yield
-    finally:
-        with _SN_LOCK:
-            for sn in mods:
-                held = _SN_HELD[sn]
-                held[0] -= 1
-                if held[0] == 0:
-                    sn.n_power_iterations = held[1]
-                    del _SN_HELD[sn]
+
+
+def _own_iterations(sn: Any) -> int:
+    """A spectral norm's own iteration count, also while a step holds it at 0."""
+    return value_before_hold(_iterations_key(sn), functools.partial(getattr, sn, "n_power_iterations"))
 
 
 def advance_spectral_norms(model: nn.Module, params: Optional[Mapping[str, Tensor]] = None,
@@ -320,7 +301,7 @@ def advance_spectral_norms(model: nn.Module, params: Optional[Mapping[str, Tenso
                 if host.training:
                     W = sn.reshape_weight_to_matrix(value(getattr(host, sn.name + "_orig")))
                     u, v = getattr(host, sn.name + "_u"), getattr(host, sn.name + "_v")
-                    for _ in range(_power_iterations(sn)):
+                    for _ in range(_own_iterations(sn)):
                         v = F.normalize(torch.mv(W.t(), u), dim=0, eps=sn.eps, out=v)
                         u = F.normalize(torch.mv(W, v), dim=0, eps=sn.eps, out=u)
                 continue
@@ -339,7 +320,7 @@ def advance_spectral_norms(model: nn.Module, params: Optional[Mapping[str, Tenso
                     if i > 0 or host.is_tensor:
                         x = q(x)
             if x.ndim > 1:  # (a vector is normalised: no u, v)
-                sn._power_method(sn._reshape_weight_to_matrix(x), _power_iterations(sn))
+                sn._power_method(sn._reshape_weight_to_matrix(x), _own_iterations(sn))
 
 
 def _put_back_quietly(m: nn.Module) -> Set[str]:
