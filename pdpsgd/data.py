@@ -8,6 +8,7 @@ checkpoint's fingerprint).
 from __future__ import annotations
 
 import csv
+import math
 import hashlib
 import json
 import os
@@ -166,6 +167,23 @@ def _read_rows(path: Path) -> List[dict]:
     raise DataError(f"{path}: unknown data format {suffix!r}; use .csv, .tsv, .jsonl or .json")
 
 
+def _label_key(y) -> str:
+    """One spelling per label: a number is its value (CSV "1", "1.0", " 01" and JSON 1, 1.0 are
+    all the label "1"; "0.50" is "0.5"), anything else its stripped text."""
+    s = str(y).strip()
+    try:
+        return str(int(s))  # (exact for any size; float() would merge large ids)
+    except ValueError:
+        pass
+    try:
+        v = float(s)
+    except ValueError:
+        return s
+    if not math.isfinite(v):
+        return s
+    return str(int(v)) if v.is_integer() else repr(v)
+
+
 def load_text_file(path: os.PathLike, *, text_column: str = "text", label_column: str = "label",
                    label_names: Optional[Sequence[str]] = None) -> TextDataset:
     """Read a CSV/TSV (header row) or JSONL file with a text and a label column.
@@ -198,19 +216,24 @@ def load_text_file(path: os.PathLike, *, text_column: str = "text", label_column
                                 f"{'text' if col == text_column else 'label'}")
         if str(t).strip() == "":
             raise DataError(f"{path}: row {i + 1} has an empty {text_column!r}")
-        if isinstance(y, float) and y.is_integer():
-            y = int(y)  # (a JSON label 1.0 is the label 1)
         texts.append(str(t))
-        raw.append(str(y).strip())
+        raw.append(_label_key(y))
     if label_names is None:
-        def key(s: str):
+        def key(s: str):  # numbers by value (exact for integers), then other labels
             try:
-                return (0, float(s), s)
+                return (0, int(s), s)
             except ValueError:
-                return (1, 0.0, s)
+                pass
+            try:
+                v = float(s)
+                if math.isfinite(v):
+                    return (0, v, s)
+            except ValueError:
+                pass
+            return (1, 0, s)
 
         label_names = sorted(set(raw), key=key)
-    index = {n: i for i, n in enumerate(label_names)}
+    index = {_label_key(n): i for i, n in enumerate(label_names)}
     unknown = sorted(set(raw) - set(index))
     if unknown:
         raise DataError(f"{path}: labels {unknown[:5]} do not occur in the training data")

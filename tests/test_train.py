@@ -283,6 +283,22 @@ def test_json_values_that_are_no_text_or_label_are_refused(tmp_path):
     assert load_text_file(nums).label_names == ["0", "1"]
 
 
+def test_one_label_has_one_spelling(tmp_path):
+    """Round 35: a CSV with labels "1" and "1.0" (a spreadsheet re-save) gave two classes; a test
+    file spelling a training label differently was refused. Numbers are labels by value; large
+    integer ids stay distinct (no float rounding)."""
+    p = tmp_path / "l.csv"
+    p.write_text("text,label\na,1\nb,1.0\nc, 01\nd,0\ne,0.50\nf,.5\ng,12345678901234567891\n"
+                 "h,12345678901234567890\ni,nan\n")
+    ds = load_text_file(p)
+    assert ds.label_names == ["0", "0.5", "1", "12345678901234567890", "12345678901234567891", "nan"]
+    assert ds.labels == [2, 2, 2, 0, 1, 1, 4, 3, 5]
+    t = tmp_path / "t.csv"
+    t.write_text("text,label\nx,1.00\ny,0\n")
+    assert load_text_file(t, label_names=ds.label_names).labels == [2, 0]
+    assert load_text_file(t, label_names=["0.0", "1.0"]).labels == [1, 0]  # (names saved by older runs)
+
+
 def test_a_byte_order_mark_and_a_long_text_are_read(tmp_path):
     """Review, round 34: Excel's "CSV UTF-8" (a byte-order mark) gave "missing column 'text'", and a
     text over 131,072 characters "malformed CSV"."""
