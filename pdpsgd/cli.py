@@ -17,7 +17,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 __all__ = ["main", "build_parser", "UserError"]
 
@@ -60,15 +60,20 @@ _RESUME_NOTED = (("method", "--method"), ("dropout", "--dropout"), ("noise_rng",
                  ("max_physical_batch", "--max-physical-batch"))
 
 
-def _resume_notes(state: Any, args: argparse.Namespace) -> List[str]:
+def _resume_notes(state: Any, args: argparse.Namespace, test_fingerprint: Optional[str] = None) -> List[str]:
     """Warnings for settings that differ from the checkpoint's run: --seed is ignored (every random
-    stream continues from the checkpoint); the others apply from the resumed step on."""
+    stream continues from the checkpoint); the others, and another test set, apply from the resumed
+    step on (no privacy effect: the guarantee is about the training data, which must match)."""
+    notes = []
+    saved_test = state.get("test_data") if isinstance(state, Mapping) else None
+    if test_fingerprint is not None and saved_test is not None and saved_test != test_fingerprint:
+        notes.append("the test set differs from the checkpoint's run: accuracies before this point were measured "
+                     "on the other one")
     try:
         saved = json.loads(state["args"])
     except (KeyError, TypeError, ValueError):
-        return []
+        return notes
     now = vars(args)
-    notes = []
     if now.get("seed") != saved.get("seed"):  # (either way: the report records the checkpoint's; review, round 34)
         given = "no --seed given" if now.get("seed") is None else f"--seed {now['seed']!r} is ignored on resume"
         had = "no --seed" if saved.get("seed") is None else f"--seed {saved['seed']!r}"
@@ -396,7 +401,7 @@ def run_train(a: argparse.Namespace) -> int:
         except CheckpointError as e:
             raise UserError(str(e)) from None
         _check_optimizer_settings(state, optimizer, ckpt_path)
-        for note in _resume_notes(state, a):
+        for note in _resume_notes(state, a, test_ds.fingerprint()):
             print(f"pdpsgd: warning: {note}", file=sys.stderr)
         ledger = None
         if ledger_path.exists():
@@ -427,7 +432,7 @@ def run_train(a: argparse.Namespace) -> int:
 
     def save() -> None:
         save_checkpoint(ckpt_path, {"fingerprint": fingerprint, "trainer": trainer.state_dict(),
-                                    "args": json.dumps(vars(a))})
+                                    "args": json.dumps(vars(a)), "test_data": test_ds.fingerprint()})
 
     # ---- header ---------------------------------------------------------------------------------
     mode = ("non-private baseline (--no-dp)" if a.no_dp else f"DP-SGD {_target(a)}, δ={delta:.3g}")

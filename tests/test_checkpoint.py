@@ -86,6 +86,20 @@ def test_resuming_without_the_seed_reports_the_checkpoints(tiny, tmp_path, capsy
     assert json.loads((out / "report.json").read_text())["settings"]["seed"] == 7
 
 
+def test_resuming_with_another_test_set_is_noted(tiny, tmp_path, capsys):
+    """Round 35: a resume with another --test-data was silent; the report's accuracy curve then
+    mixed two test sets. (No privacy effect: the training data must match, and is checked.)"""
+    one = str(make_tiny_data(tmp_path / "one.jsonl", n=20, seed=1))
+    other = str(make_tiny_data(tmp_path / "other.jsonl", n=20, seed=2))
+    for resumed_with, noted in ((one, False), (other, True)):
+        out = tmp_path / f"r{noted}"
+        assert main(_args(tiny, out, "--test-data", one, "--interrupt-after", "2")) == 130
+        capsys.readouterr()
+        assert main(_args(tiny, out, "--test-data", resumed_with, "--resume")) == 0
+        err = capsys.readouterr().err
+        assert ("the test set differs from the checkpoint's run" in err) == noted, err
+
+
 def test_real_sigint_saves_checkpoint_and_resumes(tiny, tmp_path):
     out, ref = tmp_path / "sig", tmp_path / "ref"
     args = _args(tiny, out, "--epochs", "6", "--checkpoint-every", "1000")  # 24 steps
