@@ -25,13 +25,10 @@ def main(argv=None):
                          "can recompute the noise (default: fresh OS entropy)")
     args = ap.parse_args(argv)
 
-    def generator(stream):  # sampling (0) and noise (1): seeded apart, or from OS entropy
-        g = torch.Generator()
-        if args.seed is None:
-            g.seed()
-        else:
-            g.manual_seed(2 * args.seed + stream)
-        return g
+    def generator(stream):  # sampling (0) and noise (1): seeded apart, or keyed from OS entropy
+        if args.seed is None:  # (all of the state: Generator.seed() would keep 32 bits of entropy)
+            return pdpsgd.noise.entropy_generator()
+        return torch.Generator().manual_seed(2 * args.seed + stream)
 
     torch.manual_seed(0)  # the synthetic data and the initial weights (public)
     N, d, classes = 512, 10, 3
@@ -69,12 +66,12 @@ def main(argv=None):
         opt.zero_grad()
         eps = acct.epsilon(delta=delta)
         print(f"step {step:3d}  loss {float(out.loss):.4f}  clip fraction {float(out.clip_fraction):.2f}  "
-              f"ε {eps.estimate:.3f}")
+              f"ε ≤ {eps.upper:.3f}")
 
     with torch.no_grad():
         acc = (model(data["x"]).argmax(1) == data["y"]).float().mean()  # on the private data: not private
     eps = acct.epsilon(delta=delta)
-    print(f"final ε = {eps.estimate:.3f} (upper {eps.upper:.3f}) at δ = {delta}; train accuracy {float(acc):.3f}")
+    print(f"final ε ≤ {eps.upper:.3f} (estimate {eps.estimate:.3f}) at δ = {delta}; train accuracy {float(acc):.3f}")
     return eps
 
 

@@ -8,18 +8,21 @@ keyed from it (``pdpsgd.native_rng``) for float32 noise where that kernel builds
 """
 from __future__ import annotations
 
-import secrets
 import torch
+
+from ._seeding import keyed_generator
 
 __all__ = ["entropy_generator"]
 
 
 def entropy_generator(device: torch.device | str = "cpu") -> torch.Generator:
-    """A ``torch.Generator`` seeded with 63 bits from the OS's entropy source (``secrets``).
+    """A ``torch.Generator`` keyed with 256 bits from the OS's entropy source (``secrets``),
+    expanded into its whole state (CPU: all 19,937 bits of the mt19937; accelerators: the Philox
+    seed's 64 bits). (Before round 35 this was ``manual_seed(secrets.randbits(63))``, of which
+    the CPU generator keeps 32 bits: 2^32 streams, few enough to try them all against a released
+    update and subtract the noise.)
 
     Each call gives a fresh, unpredictable stream, so restarted runs never repeat noise. (torch's
-    generators are not cryptographically secure PRNGs; the seed is.)
+    generators are not cryptographically secure PRNGs; the key is.)
     """
-    g = torch.Generator(device=device)
-    g.manual_seed(secrets.randbits(63))
-    return g
+    return keyed_generator(None, device)

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import math
 import numbers
-import secrets
 from typing import Any, Dict, Iterator, List, NamedTuple, Tuple, Union
 
 import torch
+
+from ._seeding import keyed_generator, seed_key
 
 __all__ = ["PoissonSampler", "PhysicalBatch", "to_physical_batches", "collate"]
 
@@ -74,18 +75,15 @@ def _check_rate(sample_rate: Any) -> float:
 
 
 def _make_generator(generator: Union[None, int, torch.Generator]) -> torch.Generator:
-    if generator is None:
-        g = torch.Generator(device="cpu")
-        g.manual_seed(secrets.randbits(63))  # OS entropy: not reproducible, not predictable
-        return g
+    if generator is None:  # OS entropy into the whole state: not reproducible, not predictable
+        return keyed_generator(None)
     if isinstance(generator, torch.Generator):
         if generator.device.type != "cpu":
             raise ValueError("PoissonSampler needs a CPU torch.Generator (draws are made on the CPU).")
         return generator
     if isinstance(generator, int) and not isinstance(generator, bool):
-        g = torch.Generator(device="cpu")
-        g.manual_seed(generator)
-        return g
+        # (the seed's every bit keys the whole state: manual_seed would keep its low 32 bits)
+        return keyed_generator(seed_key(generator, "PoissonSampler"))
     raise TypeError(f"generator must be None, an int seed or a torch.Generator, got {type(generator).__name__}.")
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._seeding import entropy_key, keyed_generator, rekey, seed_key
 from ._warn import warn
 from .functional import trainable_params
 
@@ -136,9 +137,9 @@ def _derive_seed(seed: int, what: str) -> int:
 
 
 def _fresh_generator(seed: Optional[int], what: str, device: Any = "cpu") -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed(_derive_seed(seed, what) if seed is not None else secrets.randbits(63))
-    return g
+    """``what``'s stream: keyed by ``seed`` (reproducible) or by fresh OS entropy, into the
+    generator's whole state (``pdpsgd._seeding``; manual_seed keeps 32 bits on the CPU)."""
+    return keyed_generator(None if seed is None else seed_key(seed, what), device)
 
 
 class DPTrainer:
@@ -316,9 +317,9 @@ class DPTrainer:
     def _reseed(self) -> None:
         """Every random stream (sampling, noise, dropout) from fresh OS entropy: none is ever replayed."""
         self.reseeded = True  # (no seed reproduces the run from here: the CLI's report says so)
-        self.sample_generator.manual_seed(secrets.randbits(63))
-        self.noise_generator.manual_seed(secrets.randbits(63))
-        torch.manual_seed(secrets.randbits(63))
+        rekey(self.sample_generator, entropy_key())
+        rekey(self.noise_generator, entropy_key())
+        torch.manual_seed(secrets.randbits(63))  # (dropout: its masks are not what the guarantee rests on)
 
     def _ledger(self) -> Dict[str, Any]:
         return {"steps_released": self.released, "noise_multiplier": self.plan.noise_multiplier,

@@ -128,9 +128,10 @@ def test_collate():
 def test_same_seed_same_draws_and_different_seed_different_draws():
     a = list(PoissonSampler(500, 0.1, 10, generator=123))
     b = list(PoissonSampler(500, 0.1, 10, generator=123))
-    g = torch.Generator().manual_seed(123)
-    c = list(PoissonSampler(500, 0.1, 10, generator=g))
-    d = list(PoissonSampler(500, 0.1, 10, generator=124))
+    from pdpsgd._seeding import keyed_generator, seed_key
+
+    c = list(PoissonSampler(500, 0.1, 10, generator=keyed_generator(seed_key(123, "PoissonSampler"))))
+    d = list(PoissonSampler(500, 0.1, 10, generator=123 + (1 << 32)))  # (every bit of the seed counts)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert all(torch.equal(x, y) for x, y in zip(a, c))
     assert not all(torch.equal(x, y) for x, y in zip(a, d))

@@ -105,7 +105,7 @@ def test_trainer_matches_manual_recipe():
     """DPTrainer == the documented loop: sampler -> physical batches -> clipped_sum -> finalize."""
     import pdpsgd
     from pdpsgd.sampling import PoissonSampler, collate, to_physical_batches
-    from pdpsgd.train import _derive_seed
+    from pdpsgd.train import _fresh_generator
 
     tr, model, data, plan = _mlp_setup(seed=3)
     ref = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
@@ -114,10 +114,10 @@ def test_trainer_matches_manual_recipe():
         tr.step()
     loss = lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none")
     sampler = PoissonSampler(plan.num_examples, plan.sample_rate, plan.steps,
-                             generator=torch.Generator().manual_seed(_derive_seed(3, "sample")))
+                             generator=_fresh_generator(3, "sample"))
     step = pdpsgd.make_dp_step(ref, loss, max_grad_norm=1.0, noise_multiplier=plan.noise_multiplier,
                                expected_batch_size=plan.expected_batch_size,
-                               generator=torch.Generator().manual_seed(_derive_seed(3, "noise")))
+                               generator=_fresh_generator(3, "noise"))
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     params = pdpsgd.trainable_params(ref)
     for idx in sampler:
@@ -160,6 +160,9 @@ def test_entropy_seeds_never_repeat_noise():
     assert not torch.equal(torch.randn(8, generator=g1), torch.randn(8, generator=g2))
     s1, s2 = _fresh_generator(5, "noise"), _fresh_generator(5, "sample")
     assert not torch.equal(torch.randn(8, generator=s1), torch.randn(8, generator=s2))
+    # a seed's every bit counts (review, round 35: manual_seed keeps the low 32 bits on the CPU)
+    h1, h2 = _fresh_generator(5, "noise"), _fresh_generator(5 + (1 << 32), "noise")
+    assert not torch.equal(torch.randn(8, generator=h1), torch.randn(8, generator=h2))
 
 
 def test_state_dict_roundtrip_continues_streams(tmp_path):
