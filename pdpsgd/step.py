@@ -435,8 +435,9 @@ class DPStep:
         if self.on_nonfinite == "raise" and bool((mask & ~kept).any()):
             bad = torch.nonzero(mask & ~kept).flatten().tolist()
             raise FloatingPointError(
-                f"examples {bad[:10]} have a non-finite loss or gradient; fix the data/model, or use "
-                "on_nonfinite='drop' to drop them from the step (they then contribute 0)"
+                f"examples {bad[:10]} have a non-finite loss or gradient (or a gradient whose squared norm "
+                f"overflows {str(total_sq.dtype).replace('torch.', '')}: a norm above ~1.8e19 in float32); fix "
+                "the data/model, or use on_nonfinite='drop' to drop them from the step (they then contribute 0)"
             )
         clipped = torch.zeros_like(mask)
         for names, thr in zip(groups.names, groups.thresholds):
