@@ -210,6 +210,12 @@ def _check_args(a: argparse.Namespace) -> None:
                         f"norms: scale the loss up instead), got {a.clip}")
     if a.noise_multiplier is not None and not (a.noise_multiplier > 0 and math.isfinite(a.noise_multiplier)):
         raise UserError(f"--noise-multiplier must be a finite number > 0, got {a.noise_multiplier}")
+    if a.noise_multiplier is not None:
+        from .accounting._common import MIN_NOISE_MULTIPLIER
+
+        if a.noise_multiplier < MIN_NOISE_MULTIPLIER:
+            raise UserError(f"--noise-multiplier {a.noise_multiplier:g} is below {MIN_NOISE_MULTIPLIER}: ε would be in "
+                            "the thousands (no meaningful guarantee); use a larger σ, or --no-dp")
     wd = getattr(a, "weight_decay", 0.0)
     if not (wd >= 0 and math.isfinite(wd)):
         raise UserError(f"--weight-decay must be a finite number ≥ 0, got {wd}")

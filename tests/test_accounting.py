@@ -662,6 +662,22 @@ def test_bad_noise_multiplier(sigma):
         RDPAccountant().step(noise_multiplier=sigma, sample_rate=0.1)
 
 
+@pytest.mark.parametrize("sigma", [1e-3, 0.0099])
+def test_a_tiny_noise_multiplier_is_refused_not_run_out_of_memory(sigma):
+    """Review, round 35: σ = 1e-3 passed the checks, then the RDP/PRV grids (∝ 1/σ²) took over 24 GB
+    and the OS killed the process with no Python error."""
+    from pdpsgd.accounting import rdp_poisson_subsampled_gaussian
+
+    for acct in (PRVAccountant(), RDPAccountant()):
+        with pytest.raises(ValueError, match="below 0.01: ε would be in the thousands"):
+            acct.step(noise_multiplier=sigma, sample_rate=0.01)
+    with pytest.raises(ValueError, match="below 0.01"):
+        rdp_poisson_subsampled_gaussian(noise_multiplier=sigma, sample_rate=0.01)
+    with pytest.raises(ValueError, match="below the smallest σ"):
+        calibrate_noise(target_epsilon=1.0, delta=1e-5, sample_rate=0.01, steps=10, sigma_range=(sigma, 10.0))
+    PRVAccountant().step(noise_multiplier=0.01, sample_rate=0.01)  # (the floor itself is taken)
+
+
 @pytest.mark.parametrize("delta", [0.0, 1.0, -1e-5, 2.0])
 def test_bad_delta(delta):
     a = prv(1.0, 0.1, 10)

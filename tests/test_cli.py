@@ -223,6 +223,7 @@ def test_missing_columns_and_one_class_and_empty(tiny, tmp_path, capsys):
                                              ("--clip", "0", "--clip must be a finite number ≥ 1e-10"),
                                              ("--clip", "1e-30", "--clip must be a finite number ≥ 1e-10"),
                                              ("--noise-multiplier", "inf", "--noise-multiplier must be a finite"),
+                                             ("--noise-multiplier", "0.001", "is below 0.01: ε would be in"),
                                              ("--weight-decay", "-1", "--weight-decay must be a finite number ≥ 0"),
                                              ("--weight-decay", "nan", "--weight-decay must be a finite number ≥ 0"),
                                              ("--epochs", "inf", "--epochs must be a finite number > 0"),

@@ -15,6 +15,7 @@ import numpy as np
 
 from .._warn import warn
 from ._common import (
+    MIN_NOISE_MULTIPLIER,
     EpsilonBounds,
     HistoryAccountant,
     _as_real,
@@ -67,6 +68,9 @@ def _check_sigma_range(sigma_range: Any) -> Tuple[float, float]:
         raise ValueError(f"sigma_range must be a pair (min, max), got {sigma_range!r}.") from None
     if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo < hi):
         raise ValueError(f"sigma_range must satisfy 0 < min < max < inf, got {sigma_range!r}.")
+    if lo < MIN_NOISE_MULTIPLIER:
+        raise ValueError(f"sigma_range starts at {lo:g}, below the smallest σ the accountants take "
+                         f"({MIN_NOISE_MULTIPLIER}: ε would be in the thousands there).")
     return lo, hi
 
 
