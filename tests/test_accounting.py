@@ -662,6 +662,19 @@ def test_bad_noise_multiplier(sigma):
         RDPAccountant().step(noise_multiplier=sigma, sample_rate=0.1)
 
 
+def test_changing_eps_error_after_a_query_takes_a_new_grid():
+    """Review, round 35: the grid cache's key left out eps_error, so after `a.eps_error = 1e-4` a
+    query reused the mesh built for eps_error=1 and reported bounds [1.8925, 1.8930] around a true
+    ε of 1.829."""
+    a = prv(1.0, 0.01, 1000)
+    a.eps_error = 1.0
+    a.epsilon(1e-5)
+    a.eps_error = 1e-3
+    got, ref = a.epsilon(1e-5), prv(1.0, 0.01, 1000, eps_error=1e-3).epsilon(1e-5)
+    assert got == ref
+    assert got.lower <= pld_epsilon([(1.0, 0.01, 1000)], 1e-5) <= got.upper + 2e-3
+
+
 @pytest.mark.parametrize("sigma", [1e-3, 0.0099])
 def test_a_tiny_noise_multiplier_is_refused_not_run_out_of_memory(sigma):
     """Review, round 35: σ = 1e-3 passed the checks, then the RDP/PRV grids (∝ 1/σ²) took over 24 GB

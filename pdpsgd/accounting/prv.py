@@ -611,7 +611,7 @@ class PRVAccountant(HistoryAccountant):
         total = sum(n for _, _, n in groups)
         capacity = _capacity(total)
         L = _ladder(self._required_L(groups, total, delta_error))
-        key = (capacity, L, delta_error)
+        key = (capacity, L, delta_error, self.eps_error)  # (the mesh depends on eps_error: review, round 35)
         state = self._grids.get(key)
         if state is not None:
             self._grids.move_to_end(key)
