@@ -737,11 +737,17 @@ def preserve_module_state(model: nn.Module) -> Iterator[None]:
     ``torch.func.functional_call`` restores them itself, except (torch 2.13 and earlier) when a
     module is registered under two names and one of its parameters is tied to another module: the
     substituted tensor is then left in the model and the tie is broken, so every later step would
-    train a different, untied model. This puts back whatever it left behind."""
+    train a different, untied model. This puts back whatever it left behind; and each
+    ``nn.RNNBase``'s cached ``_flat_weights`` list, which a forward with substituted weights leaves
+    holding them (review, round 35: vmap's functorch wrappers, or the capture's detached copies,
+    stayed there after the step, kept alive, and were what ``deepcopy``/``replicate`` saw)."""
+    rnns = []
     for name, m in model.named_modules():
         if isinstance(m, torch.jit.ScriptModule):
             raise TypeError(f"{name or 'the model'} is a TorchScript module ({type(m).__name__}), which the DP step "
                             "cannot run functionally; pass the eager nn.Module (before torch.jit.script)")
+        if isinstance(m, nn.RNNBase) and hasattr(m, "_init_flat_weights"):
+            rnns.append(m)
     saved = [(d, k, v) for m in model.modules() for d in (m._parameters, m._buffers) for k, v in d.items()]
     try:
         yield
@@ -749,3 +755,7 @@ def preserve_module_state(model: nn.Module) -> Iterator[None]:
         for d, k, v in saved:
             if d.get(k) is not v:
                 d[k] = v
+        if rnns:
+            with torch.no_grad():
+                for m in rnns:
+                    m._init_flat_weights()

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._compat import held, value_before_hold
+
 __all__ = [
     "lstm",
     "gru",
@@ -415,19 +417,27 @@ def exact_rnn_ops(model: Optional[nn.Module] = None) -> Iterator[None]:
     If ``model`` is given and contains no recurrent module (:func:`model_has_rnn`),
     nothing is patched.
 
-    The patch is process-wide while active (not thread-local), and TorchScript-compiled
-    RNN modules, which do not go through the Python ``_VF`` lookup, are unaffected.
+    The patch is process-wide while active (not thread-local), counted across threads
+    (``_compat.held``: the last user to leave restores the real ``_VF``, in whatever order they
+    leave; review, round 35: each restoring what it saw on entry left the proxy installed for
+    good when two threads left out of order), and TorchScript-compiled RNN modules, which do not
+    go through the Python ``_VF`` lookup, are unaffected.
     """
     if model is not None and not model_has_rnn(model):
         yield
         return
     rnn_module = _rnn_module()
-    previous = rnn_module._VF
-    rnn_module._VF = previous if isinstance(previous, _ExactVF) else _ExactVF(previous)
-    try:
+
+    def get():
+        return rnn_module._VF
+
+    def put(v):
+        rnn_module._VF = v
+
+    current = value_before_hold("rnn_VF", get)
+    proxy = current if isinstance(current, _ExactVF) else _ExactVF(current)
+    with held([("rnn_VF", get, put, proxy)]):
         yield
-    finally:
-        rnn_module._VF = previous
 
 
 def model_has_rnn(model: nn.Module) -> bool:

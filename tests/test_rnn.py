@@ -337,6 +337,44 @@ def test_context_manager_patches_restores_and_nests():
     assert rnn_module._VF is real
 
 
+def test_overlapping_uses_leaving_out_of_order_restore_the_real_kernels():
+    """Review, round 35: two threads' uses, the first leaving first, left the proxy installed for
+    good (each put back what it saw on entry), so every nn.LSTM in the process ran Python kernels."""
+    real = rnn_module._VF
+    a, b = exact_rnn_ops(), exact_rnn_ops()
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    assert rnn_module._VF is not real  # (b is still inside)
+    b.__exit__(None, None, None)
+    assert rnn_module._VF is real
+
+
+@pytest.mark.parametrize("method", ["vmap", "bk"])
+def test_a_step_leaves_the_rnn_flat_weights_its_parameters(method):
+    """Review, round 35: after a step nn.LSTM._flat_weights held vmap's functorch wrappers (or the
+    capture's detached copies): kept alive, and what deepcopy / DataParallel.replicate read."""
+    import copy
+
+    import pdpsgd
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.head = nn.LSTM(3, 4, batch_first=True), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.rnn(x)[0].mean(1))
+
+    net = Net()
+    batch = {"x": torch.randn(4, 5, 3), "y": torch.tensor([0, 1, 1, 0])}
+    step = pdpsgd.make_dp_step(net, lambda m, b: nn.functional.cross_entropy(m(b["x"]), b["y"], reduction="none"),
+                               max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4, method=method)
+    step(pdpsgd.trainable_params(net), batch)
+    assert all(w is getattr(net.rnn, n) for w, n in zip(net.rnn._flat_weights, net.rnn._flat_weights_names))
+    copy.deepcopy(net)
+
+
 def test_context_manager_restores_after_exception():
     real = rnn_module._VF
     with pytest.raises(ValueError, match="boom"):
