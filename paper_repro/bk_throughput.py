@@ -3,9 +3,11 @@
 Methods: non-private; pdpsgd bk / auto / vmap; Opacus hooks (per-sample gradients) and Opacus
 ghost clipping (optional dependency: rows skipped with a note when it is missing or fails).
 Throughput: examples/s of one full DP step (gradients + clipping + noise + optimizer step) at a
-fixed batch. Max batch: each (model, method, B) runs in a fresh subprocess; its peak RSS is
-measured at a few batch sizes, and the largest B under the memory cap follows from the measured
-points (a linear fit in B, checked against the largest probe).
+fixed batch, every method of a model timed in one process, interleaved (round-robin, a rotating
+start), so a noisy machine slows them alike. Max batch: each (model, method, B) runs in a fresh
+subprocess; its peak RSS is measured at a few batch sizes, and the largest B under the memory cap
+follows from the measured points (a linear fit in B). Not for vmap, whose memory is set by its
+chunk (512 MiB by default), not by B.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ SIZES = {  # GPT-2-shaped: (layers, width, heads)
 SETTINGS = {
     "smoke": dict(sizes=["gpt2-xs"], T=16, vocab=1000, B=4, reps=1, probes=[4, 8], cap_gib=2.0,
                   methods=["non-private", "pdpsgd auto", "opacus hooks"]),
-    "quick": dict(sizes=["gpt2-xs", "gpt2-s"], T=64, vocab=8192, B=8, reps=3, probes=[8, 32], cap_gib=4.0),
+    "quick": dict(sizes=["gpt2-xs", "gpt2-s"], T=64, vocab=8192, B=8, reps=5, probes=[8, 32], cap_gib=4.0),
     "full": dict(sizes=["gpt2-xs", "gpt2-s", "gpt2-m"], T=128, vocab=16384, B=16, reps=5, probes=[16, 32, 64], cap_gib=8.0),
 }
 METHODS = ["non-private", "pdpsgd bk", "pdpsgd auto", "pdpsgd vmap", "opacus hooks", "opacus ghost"]
@@ -78,11 +80,10 @@ def make_runner(method: str, size: str, vocab: int, T: int, B: int):
         import opacus  # noqa: F401
         from opacus.grad_sample import GradSampleModule
 
-        model = gpt2(size, vocab, T, linear=True)
         pos = torch.arange(T).repeat(B, 1)  # per-example position ids (Opacus needs batch-first inputs)
-        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # untie for Opacus
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        if method == "opacus hooks":
+        if method == "opacus hooks":  # the same model as the others: Conv1D and the tied head work with hooks
+            model = gpt2(size, vocab, T)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
             gsm = GradSampleModule(model, loss_reduction="sum")
 
             def run():
@@ -100,6 +101,10 @@ def make_runner(method: str, size: str, vocab: int, T: int, B: int):
                 opt.step()
             return run
         from opacus.grad_sample import GradSampleModuleFastGradientClipping
+
+        model = gpt2(size, vocab, T, linear=True)  # ghost clipping refuses Conv1D and tied weights
+        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         from opacus.optimizers import DPOptimizerFastGradientClipping
         from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
@@ -154,22 +159,45 @@ def _reset_hwm() -> bool:
         return False
 
 
-def probe(method, size, vocab, T, B, reps, mem_batches, emit=True):
-    """Child process: median step time at B, and peak RSS of (build + one step) at each of
-    ``mem_batches`` (ascending, high-water mark reset before each); prints one JSON line."""
+def _threads() -> None:
+    torch.set_num_threads(int(os.environ.get("REPRO_THREADS", max(1, min(2, os.cpu_count() or 1)))))
+
+
+def time_methods(methods, size, vocab, T, B, reps, emit=True):
+    """Child process: every method's runner built, run once, then timed ``reps`` rounds, one step of
+    each method per round (the order rotating); prints one JSON line {method: median s | error}."""
     if emit:
-        torch.set_num_threads(int(os.environ.get("REPRO_THREADS", max(1, min(2, os.cpu_count() or 1)))))
+        _threads()
+    runs, out = {}, {}
+    for m in methods:
+        try:
+            runs[m] = make_runner(m, size, vocab, T, B)
+            runs[m]()
+        except Exception as e:  # noqa: BLE001 - reported, not hidden
+            runs.pop(m, None)
+            out[m] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+    ts = {m: [] for m in runs}
+    order = list(runs)
+    for r in range(reps):
+        for m in order[r % len(order):] + order[:r % len(order)]:
+            t = time.perf_counter()
+            runs[m]()
+            ts[m].append(time.perf_counter() - t)
+    for m in runs:
+        out[m] = {"ok": True, "step_s": float(np.median(ts[m]))}
+    if emit:
+        print("TIMES " + json.dumps(out), flush=True)
+    return out
+
+
+def probe(method, size, vocab, T, B, reps, mem_batches, emit=True):
+    """Child process: peak RSS of (build + one step) at each of ``mem_batches`` (ascending,
+    high-water mark reset before each); prints one JSON line. (``B``, ``reps``: unused, kept for
+    the command line's shape.)"""
+    if emit:
+        _threads()
     out = {"ok": True, "peaks": {}}
     try:
-        run = make_runner(method, size, vocab, T, B)
-        run()
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            run()
-            ts.append(time.perf_counter() - t)
-        out["step_s"] = float(np.median(ts))
-        del run
         for b in sorted(mem_batches):
             if not _reset_hwm():
                 break
@@ -187,20 +215,35 @@ def probe(method, size, vocab, T, B, reps, mem_batches, emit=True):
     return out
 
 
+def _child(flag, args, tag):
+    cmd = [sys.executable, __file__, flag, json.dumps(args)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    line = next((l for l in p.stdout.splitlines() if l.startswith(tag + " ")), None)
+    if line is None:
+        return None, f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1][:200] if p.stderr.strip() else ''}"
+    return json.loads(line[len(tag) + 1:]), None
+
+
 def run_probe(method, size, vocab, T, B, reps, mem_batches, inproc=False):
     if inproc:  # smoke mode: no subprocess (memory figures then meaningless)
         return json.loads(json.dumps(probe(method, size, vocab, T, B, reps, mem_batches, emit=False)))
-    cmd = [sys.executable, __file__, "--probe", json.dumps([method, size, vocab, T, B, reps, list(mem_batches)])]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    line = next((l for l in p.stdout.splitlines() if l.startswith("PROBE ")), None)
-    if line is None:
-        return {"ok": False, "error": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1][:200] if p.stderr.strip() else ''}"}
-    return json.loads(line[6:])
+    out, err = _child("--probe", [method, size, vocab, T, B, reps, list(mem_batches)], "PROBE")
+    return out if out is not None else {"ok": False, "error": err}
+
+
+def run_timing(methods, size, vocab, T, B, reps, inproc=False):
+    if inproc:
+        return time_methods(methods, size, vocab, T, B, reps, emit=False)
+    out, err = _child("--time", [methods, size, vocab, T, B, reps], "TIMES")
+    return out if out is not None else {m: {"ok": False, "error": err} for m in methods}
 
 
 def main(argv=None):
     if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--probe":
         probe(*json.loads(sys.argv[2]))
+        return None
+    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--time":
+        time_methods(*json.loads(sys.argv[2]))
         return None
     a = parse_mode(__doc__.splitlines()[0], argv)
     cfg = SETTINGS[a.mode]
@@ -216,15 +259,27 @@ def main(argv=None):
     rows = []
     for size in cfg["sizes"]:
         n_params = sum(p.numel() for p in gpt2(size, cfg["vocab"], cfg["T"]).parameters())
+        skip = {}
+        for method in cfg.get("methods", METHODS):
+            if method in ("pdpsgd bk", "pdpsgd auto") and not have_bk:
+                skip[method] = "not run: pdpsgd.bookkeeping not importable"
+            if method.startswith("opacus") and opacus_version is None:
+                skip[method] = "skipped: opacus not installed"
+        timed = [m for m in cfg.get("methods", METHODS) if m not in skip]
+        times = run_timing(timed, size, cfg["vocab"], cfg["T"], cfg["B"], cfg["reps"], inproc=a.mode == "smoke")
         for method in cfg.get("methods", METHODS):
             row = {"model": size, "params_M": n_params / 1e6, "method": method, "B": cfg["B"]}
-            if method in ("pdpsgd bk", "pdpsgd auto") and not have_bk:
-                row["note"] = "not run: pdpsgd.bookkeeping not importable"
+            if method in skip or not times[method]["ok"]:
+                row["note"] = skip.get(method) or times[method]["error"]
                 rows.append(row)
+                print(row, flush=True)
                 continue
-            if method.startswith("opacus") and opacus_version is None:
-                row["note"] = "skipped: opacus not installed"
+            row["step_s"] = times[method]["step_s"]
+            row["throughput"] = cfg["B"] / row["step_s"]
+            if method == "pdpsgd vmap":
+                row["note"] = "max batch: none (vmap's memory is set by its chunk, not by B)"
                 rows.append(row)
+                print(row, flush=True)
                 continue
             r = run_probe(method, size, cfg["vocab"], cfg["T"], cfg["B"], cfg["reps"], cfg["probes"], inproc=a.mode == "smoke")
             if not r["ok"]:
@@ -232,8 +287,6 @@ def main(argv=None):
                 rows.append(row)
                 print(row, flush=True)
                 continue
-            row["step_s"] = r["step_s"]
-            row["throughput"] = cfg["B"] / r["step_s"]
             pts = sorted((int(b), v) for b, v in r["peaks"].items())
             if len(pts) >= 2:
                 bs, mem = map(np.array, zip(*pts))
@@ -276,11 +329,13 @@ def main(argv=None):
     notes = [
         f"GPT-2 from transformers' GPT2Config (random init), vocab {cfg['vocab']}, T = {cfg['T']}, tied wte/lm_head, "
         "sizes (layers, width, heads): " + ", ".join(f"{s} {SIZES[s]}" for s in sizes) + ".",
-        "Each measurement runs in a fresh subprocess (no allocator reuse across methods); throughput = B / median step time.",
+        f"Throughput = B / median step time, every method of a model in one process, interleaved ({cfg['reps']} rounds, "
+        "a rotating order); each memory measurement in a fresh subprocess.",
         f"Max batch: peak RSS (VmHWM, reset before each) of building the model + one step at B ∈ {cfg['probes']}, line fitted, largest B with fitted peak ≤ cap. A model, not a search: "
         "CPU RSS includes the Python/torch runtime (the fit's intercept).",
-        "Opacus rows use a copy of the model whose HF Conv1D layers are replaced by equal nn.Linear and whose lm_head is untied "
-        f"(Opacus has no Conv1D/tied-weight support); opacus {opacus_version or 'not installed'}.",
+        "Opacus hooks runs the same model (its functorch fallback handles HF Conv1D; the tied head's grad_sample is the "
+        "sum over both uses). Opacus ghost clipping refuses both, so its rows use a copy whose Conv1D layers are equal "
+        f"nn.Linear and whose lm_head is untied (more parameters: its work is not the same); opacus {opacus_version or 'not installed'}.",
     ]
     write_results(a.out, "bk_throughput", title="Throughput and max batch on GPT-2-shaped models (Bu et al. 2022, Fig. 4 shape)",
                   mode=a.mode, sections=[("", table)], data={"settings": cfg, "rows": rows}, started=t0, notes=notes)

@@ -76,13 +76,15 @@ def values(res: Path) -> dict:
                     v.setdefault(f"T3_{key}_POOL", _num(r["pool_accuracy"]))
             else:
                 v.setdefault(f"T3_{key}_{e}_LTPR01", _num(r["tpr_01"], 3))
+                v.setdefault(f"T3_{key}_{e}_LTPR1", _num(r["tpr_1"], 3))
                 if key == "LSTM":
                     v[f"T3_{key}_{e}_AUC"] = _num(r["auc"])  # the BiLSTM sentence quotes the loss attack
     au = load("audit")
     if au:
         good, broken = au["rows"]
         v.update(AUD_ACC=_num(good["epsilon_accountant"]), AUD_GOOD=_num(good["epsilon_audit"]),
-                 AUD_BROKEN=_num(broken["epsilon_audit"]), AUD_BR_R=str(broken["guesses"]))
+                 AUD_BROKEN=_num(broken["epsilon_audit"]), AUD_BR_R=str(broken["guesses"]),
+                 AUD_CAP=_num(broken["epsilon_audit_cap"]) if "epsilon_audit_cap" in broken else "?")
     bc = load("bk_complexity")
     if bc and bc.get("crossover"):
         v["BKC_CROSS"] = "; ".join((f"d = {c['width']}: T = {c['measured']}" if c['measured'] is not None else f"d = {c['width']}: T > {max(r['T'] for r in bc['rows'])}")
@@ -104,10 +106,13 @@ def values(res: Path) -> dict:
         for s in sizes:
             bk = next((r for r in bt["rows"] if r["model"] == s and r["method"] == "pdpsgd bk"), {})
             op = next((r for r in bt["rows"] if r["model"] == s and r["method"] == "opacus ghost"), {})
+            oh = next((r for r in bt["rows"] if r["model"] == s and r["method"] == "opacus hooks"), {})
             if bk.get("rel_throughput"):
                 t = f"{s}: BK runs at {bk['rel_throughput']:.2f}× non-private throughput, {_num(bk.get('rel_mem_per_example'))}× its memory per example"
+                if oh.get("throughput"):
+                    t += f"; BK is {bk['throughput'] / oh['throughput']:.2f}× as fast as Opacus hooks"
                 if op.get("throughput"):
-                    t += f"; Opacus ghost clipping reaches {op['throughput'] / bk['throughput']:.2f}× BK's throughput (paper: GhostClip 209/274 = 0.76×)"
+                    t += f"; Opacus ghost clipping (on an untied copy) reaches {op['throughput'] / bk['throughput']:.2f}× BK's throughput (paper: GhostClip 209/274 = 0.76×)"
                 summ.append(t)
         v["BKT_SUMMARY"] = "; ".join(summ) + "." if summ else "n/a"
     bu = load("bk_utility")

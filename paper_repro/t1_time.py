@@ -94,15 +94,22 @@ def main(argv=None):
             task.loss_fn(model, batch).mean().backward()
             opt.step()
 
+        def then_step(grads):  # every variant ends with the same optimizer step (review, round 35)
+            for n, p in params.items():
+                p.grad = grads[n]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
         gen = torch.Generator().manual_seed(0)
         runs = [("non-private", nonpriv, None)]
-        runs.append(("naive per-example loop", lambda: naive_step(model, task.loss_fn, params, batch, 1.0, 1.0, gen), None))
+        runs.append(("naive per-example loop",
+                     lambda: then_step(naive_step(model, task.loss_fn, params, batch, 1.0, 1.0, gen)), None))
         methods = ["vmap"] + (["bk", "auto"] if have_bk else [])
         for meth in methods:
             step = make_dp_step(model, task.loss_fn, max_grad_norm=1.0, noise_multiplier=1.0, method=meth,
                                 generator=torch.Generator().manual_seed(0))
             routes = step.plan(batch, params) if meth != "vmap" else {}
-            runs.append((f"pdpsgd {meth}", (lambda s=step: s(params, batch)), routes))
+            runs.append((f"pdpsgd {meth}", (lambda s=step: then_step(s(params, batch).grads)), routes))
         times, errors = time_runs(runs, cfg["reps"])
         base = times["non-private"]
         for label, fn, routes in runs:
