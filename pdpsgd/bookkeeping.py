@@ -3269,7 +3269,47 @@ def _check_order(opts: Mapping[str, Any]) -> Union[bool, str]:
                      "batch) or False (not checked)")
 
 
-def _options(method: str, opts: Mapping[str, Any]):
+def _resolve_routes(model: nn.Module, overrides: Mapping[str, str]) -> Dict[str, str]:
+    """``routes`` keyed as the engine looks them up: a tied parameter's or a twice-registered
+    module's other names by its first (canonical) one (review, round 35: ``{"head.weight": ...}``
+    for GPT-2's head, tied to ``transformer.wte.weight``, was ignored). A dotted key naming no
+    parameter or module of the model is an error (a misspelling was ignored silently); another
+    key naming nothing in it (e.g. a layer type it lacks, in a dict shared by several models) is
+    warned about and ignored; two names of one parameter or module asking different routes are
+    an error."""
+    if not overrides:
+        return {}
+    pnames: Dict[str, str] = {}
+    first: Dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        pnames[n] = first.setdefault(id(p), n)
+    mnames: Dict[str, str] = {}
+    firstm: Dict[int, str] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        mnames[n] = firstm.setdefault(id(m), n)
+    types = {type(m).__name__ for m in model.modules()}
+    out: Dict[str, str] = {}
+    said: Dict[str, str] = {}
+    for k, v in overrides.items():
+        key = pnames.get(k) or mnames.get(k) or (k if k in types else None)
+        if key is None:
+            import difflib
+
+            near = difflib.get_close_matches(k, list(pnames) + list(mnames) + sorted(types), n=3)
+            msg = (f"bk_options['routes'] key {k!r} names no parameter, module or layer type of the model"
+                   + (f" (did you mean {', '.join(map(repr, near))}?)" if near else ""))
+            if "." in k:
+                raise ValueError(msg)
+            warn(msg + "; it is ignored")
+            continue
+        if key in out and out[key] != v:
+            raise ValueError(f"bk_options['routes']: {said[key]!r} and {k!r} name the same "
+                             f"{'parameter' if key in pnames else 'module'} ({key}) but ask {out[key]!r} and {v!r}")
+        out[key], said[key] = v, k
+    return out
+
+
+def _options(method: str, opts: Mapping[str, Any], model: Optional[nn.Module] = None):
     unknown = set(opts) - set(BK_OPTIONS)
     if unknown:
         raise ValueError(f"unknown bk_options {sorted(unknown)}; known: {list(BK_OPTIONS)}")
@@ -3284,6 +3324,8 @@ def _options(method: str, opts: Mapping[str, Any]):
     cm = opts.get("cost_model") or ("fastdp" if method == "bk" else "time")
     if cm not in COST_MODELS:
         raise ValueError(f"cost_model={cm!r} is unknown: use one of {COST_MODELS}")
+    if model is not None:
+        overrides = _resolve_routes(model, overrides)
     return registry, overrides, cm
 
 
@@ -3291,8 +3333,16 @@ def _forced(n: str, overrides: Mapping[str, str], col: _Collected) -> Optional[s
     """The route the user forced for parameter n (by its name, or its module's name or type)."""
     forced = overrides.get(n)
     if forced is None:
+        asked = {}
         for mname, m in col.owner.get(n, []):
-            forced = forced or _override(overrides, mname, m)
+            o = _override(overrides, mname, m)
+            if o is not None:
+                asked.setdefault(o, mname or type(m).__name__)
+        if len(asked) > 1:  # (review, round 35: the first owner's won, silently)
+            raise ValueError(f"bk_options['routes']: {n} is shared by modules whose routes disagree "
+                             f"({', '.join(f'{w}: {o!r}' for o, w in asked.items())}); name the parameter "
+                             f"itself: routes[{n!r}] = ...")
+        forced = next(iter(asked), None)
     return forced
 
 
@@ -3391,7 +3441,7 @@ def plan(model: nn.Module, loss_fn, params: Mapping[str, Tensor], batch: Batch, 
     whether a parameter with a negligible gradient may stay on its rule (``_settle_pending``);
     without them it is reported "vmap".
     """
-    registry, overrides, cm = _options(method, bk_options)
+    registry, overrides, cm = _options(method, bk_options, model)
     params = {n: p.detach() for n, p in params.items()}
     constants = model_constants(model, params)
     col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides, probe_memo,
@@ -3407,7 +3457,7 @@ def fallback_reasons(model: nn.Module, loss_fn, params: Mapping[str, Tensor], ba
     """Why each trained parameter that takes the exact vmap fallback (route "vmap") takes it:
     {name: reason}, e.g. "no rule for MultiheadAttention (attn)", "also used outside its layer's
     forward". Runs the forward, backward and checks, as ``plan``."""
-    registry, overrides, _ = _options(method, bk_options)
+    registry, overrides, _ = _options(method, bk_options, model)
     params = {n: p.detach() for n, p in params.items()}
     constants = model_constants(model, params)
     col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides, probe_memo,
@@ -3724,7 +3774,7 @@ def bk_engine(
     Formal guarantee: as in the module docstring; identical in exact arithmetic to
     ``per_sample.vmap_engine`` whatever the routes.
     """
-    registry, overrides, cm = _options(method, bk_options)
+    registry, overrides, cm = _options(method, bk_options, loss_module.model)
     B = batch_size(batch)
     chunk = chunk_size or B
     device = _device_of(params, mask)

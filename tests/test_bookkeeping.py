@@ -234,6 +234,44 @@ def test_custom_registry_and_route_overrides():
         assert_exact(models.mlp(), models.mlp_loss, b, method="bk", bk_options={"rout": {}})
 
 
+def test_route_overrides_by_any_name_and_misspellings_are_errors():
+    """Review, round 35: {"head.weight": "explicit"} for a weight tied to e.weight was ignored (only
+    the first name was looked up), a misspelt key was accepted silently, and two tied owners asking
+    different routes had the first one win."""
+    import warnings
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e, self.mid, self.head = nn.Embedding(50, 8), nn.Linear(8, 8), nn.Linear(8, 50, bias=False)
+            self.head.weight = self.e.weight
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.mid(self.e(ids))))
+
+    loss = lambda m, b: F.cross_entropy(m(b["ids"]).flatten(0, 1), b["ids"].flatten(), reduction="none").view(
+        b["ids"].shape).sum(1)
+    torch.manual_seed(0)
+    b = {"ids": torch.randint(0, 50, (3, 4))}
+    model = Tied()
+    for route in ("explicit", "ghost"):
+        r = pdpsgd.make_dp_step(model, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="auto",
+                                bk_options={"routes": {"head.weight": route}}).plan(b)
+        assert r["e.weight"] == route
+    step = lambda routes: pdpsgd.make_dp_step(model, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="auto",
+                                              bk_options={"routes": routes}).plan(b)
+    with pytest.raises(ValueError, match=r"'mid\.wieght' names no parameter.*did you mean 'mid\.weight'"):
+        step({"mid.wieght": "explicit"})
+    with pytest.raises(ValueError, match="name the same parameter"):
+        step({"e.weight": "ghost", "head.weight": "explicit"})
+    with pytest.raises(ValueError, match="shared by modules whose routes disagree"):
+        step({"e": "ghost", "head": "explicit"})
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert step({"Conv1D": "explicit", "Linear": "explicit"})["mid.weight"] == "explicit"
+    assert any("'Conv1D' names no parameter, module or layer type" in str(x.message) for x in w)
+
+
 def test_plan_matches_routes():
     model = models.tiny_gpt2()
     b = _gpt2_batch()

@@ -94,6 +94,18 @@ def module_attr(module: nn.Module, name: str, default: Any = None) -> Any:
     return default
 
 
+def transformers_own_class(cls: type) -> bool:
+    """Whether ``cls`` is the class a ``transformers`` module defines under its name (not a user's
+    class of the same name, nor a subclass that overrides its forward elsewhere). Rules matched by
+    class name take only these: their check on each call compares *values*, which cannot see a
+    forward that stops or reroutes the gradient without changing the value (review, round 35: a
+    user's ``*ScaledWordEmbedding`` with ``torch.where(ids == k, out.detach(), out)`` was taken)."""
+    import sys
+
+    mod = getattr(cls, "__module__", "") or ""
+    return mod.startswith("transformers.") and getattr(sys.modules.get(mod), cls.__name__, None) is cls
+
+
 def first_input(args: Tuple[Any, ...], kwargs: Mapping[str, Any], name: str = "input") -> Optional[Tensor]:
     """The layer's tensor input: first positional argument, or keyword ``name``."""
     x = args[0] if args else kwargs.get(name)

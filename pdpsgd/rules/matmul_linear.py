@@ -11,13 +11,12 @@ its per-example gradients are the Linear rule's.
 """
 from __future__ import annotations
 
-import sys
 from typing import Dict, Optional
 
 import torch
 from torch import Tensor, nn
 
-from .base import Rule, Use, first_input
+from .base import Rule, Use, first_input, transformers_own_class
 from .linear import LinearRule
 
 MATMUL_LINEAR_NAMES = ("FalconLinear",)
@@ -28,11 +27,9 @@ def is_matmul_linear(module: nn.Module) -> bool:
     ``MATMUL_LINEAR_NAMES``, its ``forward`` not overridden by a subclass), an ``nn.Linear`` whose
     own parameters are weight (and bias) and which has no submodules."""
     cls = type(module)
-    if not isinstance(module, nn.Linear) or cls.__name__ not in MATMUL_LINEAR_NAMES \
-            or not cls.__module__.startswith("transformers."):
+    if not isinstance(module, nn.Linear) or cls.__name__ not in MATMUL_LINEAR_NAMES or not transformers_own_class(cls):
         return False
-    known = getattr(sys.modules.get(cls.__module__), cls.__name__, None)
-    return (known is cls and {n for n, _ in module.named_parameters(recurse=False)} <= {"weight", "bias"}
+    return ({n for n, _ in module.named_parameters(recurse=False)} <= {"weight", "bias"}
             and not any(True for _ in module.children()))
 
 

@@ -2,7 +2,10 @@
 ``nn.Embedding`` subclass whose forward computes position ids (from the input's shape, the
 attention mask or ``position_ids``, plus an offset) and gathers them with ``super().forward``.
 
-Matched by class name ending in "PositionalEmbedding" with a forward of its own. The rule finds
+Matched by class name ending in "PositionalEmbedding" with a forward of its own, on the class
+``transformers`` defines (a user's class is not taken: the checks compare values, which a forward
+that detaches part of its output passes; register the rule for your class if its forward is a plain
+gather). The rule finds
 the ids the forward gathered by running that forward (the class's, without hooks) twice more on the
 same arguments, with the weight replaced by index tables (row v holds v, then −(v+1); exact in
 float64), and *verifies* them: both runs must give the same integer ids in [0, V) (the second
@@ -22,14 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Rule, Use
+from .base import Rule, Use, transformers_own_class
 from .embedding import EmbeddingRule
 
 
 def is_positional_embedding(module: nn.Module) -> bool:
-    """An ``nn.Embedding`` subclass named ``*PositionalEmbedding`` that overrides ``forward``."""
+    """transformers' ``nn.Embedding`` subclass named ``*PositionalEmbedding`` that overrides ``forward``."""
     return (isinstance(module, nn.Embedding) and type(module).__name__.endswith("PositionalEmbedding")
-            and type(module).forward is not nn.Embedding.forward)
+            and type(module).forward is not nn.Embedding.forward and transformers_own_class(type(module)))
 
 
 def _run_with_weight(module: nn.Module, weight: Tensor, args, kwargs):

@@ -1,8 +1,11 @@
 """Scaled word embeddings of Hugging Face models (Gemma 1–4, VaultGemma, BART, mBART, BioGPT, ...):
 an ``nn.Embedding`` subclass whose forward is ``super().forward(ids) * embed_scale``.
 
-Matched by class name ending in "ScaledWordEmbedding" with an ``embed_scale`` attribute, and
-*verified on every call*: the rule recomputes ``F.embedding(ids, W, padding_idx) * embed_scale``
+Matched by class name ending in "ScaledWordEmbedding" with an ``embed_scale`` attribute, on the
+class ``transformers`` defines (a user's class of such a name is not taken: the check compares
+values, and a forward can stop the gradient without changing them; register the rule for your
+class, ``registry.register(MyEmbedding, ScaledEmbeddingRule())``, if its forward is exactly
+s·W[ids]), and *verified on every call*: the rule recomputes ``F.embedding(ids, W, padding_idx) * embed_scale``
 and requires it to equal the module's output exactly; otherwise it returns None and the engine
 falls back to exact vmap for that layer. Then out = s·W[ids], so G_W,i = s · (the embedding rule's
 G_W,i of g), which is the embedding rule applied to s·g.
@@ -15,14 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Rule, Use, first_input
+from .base import Rule, Use, first_input, transformers_own_class
 from .embedding import EmbeddingRule
 
 
 def is_scaled_embedding(module: nn.Module) -> bool:
-    """An ``nn.Embedding`` subclass named ``*ScaledWordEmbedding`` with an ``embed_scale`` (number or 0-d tensor)."""
+    """transformers' ``nn.Embedding`` subclass named ``*ScaledWordEmbedding`` with an ``embed_scale``
+    (number or 0-d tensor)."""
     s = getattr(module, "embed_scale", None)
     return (isinstance(module, nn.Embedding) and type(module).__name__.endswith("ScaledWordEmbedding")
+            and transformers_own_class(type(module))
             and (isinstance(s, (int, float)) and not isinstance(s, bool) or isinstance(s, Tensor) and s.dim() == 0))
 
 
