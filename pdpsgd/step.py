@@ -485,7 +485,10 @@ class DPStep:
         denom = float(self.expected_batch_size) if self.expected_batch_size is not None else float(partial.mask.numel())
         if self.expected_batch_size is None and self.noise_std > 0:
             self._divisor_seen(int(partial.mask.numel()))
-        dtypes = {n: (params[n].dtype if params is not None and n in params else s.dtype) for n, s in sums.items()}
+        own = self._index.params  # (without params=: the model's own dtypes; review, round 35: float32 grads
+        #  for a bf16 model, which p.grad refuses)
+        dtypes = {n: (params[n].dtype if params is not None and n in params
+                      else own[n].dtype if n in own and own[n].is_floating_point() else s.dtype) for n, s in sums.items()}
         gen = self._generator(first.device) if self.noise_std > 0 else None
         grads = noise_and_scale(sums, self.noise_std, gen, denom, dtypes, compile=self.fused, consume=consume,
                                 rng=self.noise_rng)

@@ -897,3 +897,18 @@ def test_eval_batch_norm_under_bf16_vmap_and_bk_agree(where, norm):
     for n in params:
         torch.testing.assert_close(got["vmap"].sums[n].double(), got["bk"].sums[n].double(), rtol=0.05,
                                    atol=0.02 * scale)
+
+
+def test_finalize_without_params_returns_the_models_dtypes():
+    """Review, round 35: ``finalize(part)`` without ``params=`` gave a bf16 model float32 gradients
+    (the sums' dtype), which ``p.grad = ...`` refuses."""
+    m = nn.Linear(3, 2).to(torch.bfloat16)
+    loss = lambda mm, b: F.mse_loss(mm(b["x"]).float(), b["y"], reduction="none").sum(1)  # noqa: E731
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    params = pdpsgd.trainable_params(m)
+    part = step.clipped_sum(params, {"x": torch.randn(4, 3, dtype=torch.bfloat16), "y": torch.randn(4, 2)})
+    assert part.sums["weight"].dtype == torch.float32  # (sums stay float32 at least)
+    out = step.finalize(part)
+    assert {g.dtype for g in out.grads.values()} == {torch.bfloat16}
+    for n, p in m.named_parameters():
+        p.grad = out.grads[n]
