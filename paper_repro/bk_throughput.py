@@ -190,10 +190,9 @@ def time_methods(methods, size, vocab, T, B, reps, emit=True):
     return out
 
 
-def probe(method, size, vocab, T, B, reps, mem_batches, emit=True):
+def probe(method, size, vocab, T, mem_batches, emit=True):
     """Child process: peak RSS of (build + one step) at each of ``mem_batches`` (ascending,
-    high-water mark reset before each); prints one JSON line. (``B``, ``reps``: unused, kept for
-    the command line's shape.)"""
+    high-water mark reset before each); prints one JSON line."""
     if emit:
         _threads()
     out = {"ok": True, "peaks": {}}
@@ -224,10 +223,10 @@ def _child(flag, args, tag):
     return json.loads(line[len(tag) + 1:]), None
 
 
-def run_probe(method, size, vocab, T, B, reps, mem_batches, inproc=False):
+def run_probe(method, size, vocab, T, mem_batches, inproc=False):
     if inproc:  # smoke mode: no subprocess (memory figures then meaningless)
-        return json.loads(json.dumps(probe(method, size, vocab, T, B, reps, mem_batches, emit=False)))
-    out, err = _child("--probe", [method, size, vocab, T, B, reps, list(mem_batches)], "PROBE")
+        return json.loads(json.dumps(probe(method, size, vocab, T, mem_batches, emit=False)))
+    out, err = _child("--probe", [method, size, vocab, T, list(mem_batches)], "PROBE")
     return out if out is not None else {"ok": False, "error": err}
 
 
@@ -281,7 +280,7 @@ def main(argv=None):
                 rows.append(row)
                 print(row, flush=True)
                 continue
-            r = run_probe(method, size, cfg["vocab"], cfg["T"], cfg["B"], cfg["reps"], cfg["probes"], inproc=a.mode == "smoke")
+            r = run_probe(method, size, cfg["vocab"], cfg["T"], cfg["probes"], inproc=a.mode == "smoke")
             if not r["ok"]:
                 row["note"] = r["error"]
                 rows.append(row)

@@ -71,12 +71,11 @@ def rekey(g: torch.Generator, key: bytes) -> torch.Generator:
     state = g.get_state()
     words = _state_words_view(state)
     raw = stream.digest(4 * _MT_N)
-    packed = bytearray(8 * _MT_N)
-    for i in range(_MT_N):  # each 32-bit word in the low half of its little-endian u64 slot
-        packed[8 * i:8 * i + 4] = raw[4 * i:4 * i + 4]
     if not any(raw):
         raise RuntimeError("rekey: an all-zero mt19937 state")  # (probability 2^-19968)
-    words.copy_(torch.frombuffer(packed, dtype=torch.uint8))
+    slots = words.view(_MT_N, 8)  # each 32-bit word in the low half of its little-endian u64 slot
+    slots[:, :4] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(_MT_N, 4)
+    slots[:, 4:] = 0
     g.set_state(state)
     return g
 

@@ -83,7 +83,7 @@ from ._types import Batch, EngineResult, Params, WeightsFn
 from ._warn import warn
 from .batch_order import ReorderWatch
 from .clipping import MIN_THRESHOLD, sum_sq_norms
-from .functional import LossModule, model_constants, preserve_module_state
+from .functional import LossModule, ParamIndex, model_constants, preserve_module_state
 from .per_sample import (_LOW, DETACHED_LOSS, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks,
                          per_sample_grads, slice_batch, sq_norm_per_example, stray_parameter_error, trainable_parameters, weighted_dot, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
@@ -3279,10 +3279,7 @@ def _resolve_routes(model: nn.Module, overrides: Mapping[str, str]) -> Dict[str,
     an error."""
     if not overrides:
         return {}
-    pnames: Dict[str, str] = {}
-    first: Dict[int, str] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        pnames[n] = first.setdefault(id(p), n)
+    pnames = ParamIndex(model).canonical  # any alias -> first name
     mnames: Dict[str, str] = {}
     firstm: Dict[int, str] = {}
     for n, m in model.named_modules(remove_duplicate=False):

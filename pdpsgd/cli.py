@@ -211,7 +211,7 @@ def _check_args(a: argparse.Namespace) -> None:
     if a.noise_multiplier is not None and not (a.noise_multiplier > 0 and math.isfinite(a.noise_multiplier)):
         raise UserError(f"--noise-multiplier must be a finite number > 0, got {a.noise_multiplier}")
     if a.noise_multiplier is not None:
-        from .accounting._common import MIN_NOISE_MULTIPLIER
+        from .accounting import MIN_NOISE_MULTIPLIER
 
         if a.noise_multiplier < MIN_NOISE_MULTIPLIER:
             raise UserError(f"--noise-multiplier {a.noise_multiplier:g} is below {MIN_NOISE_MULTIPLIER}: ε would be in "

@@ -167,21 +167,28 @@ def _read_rows(path: Path) -> List[dict]:
     raise DataError(f"{path}: unknown data format {suffix!r}; use .csv, .tsv, .jsonl or .json")
 
 
-def _label_key(y) -> str:
-    """One spelling per label: a number is its value (CSV "1", "1.0", " 01" and JSON 1, 1.0 are
-    all the label "1"; "0.50" is "0.5"), anything else its stripped text."""
-    s = str(y).strip()
+def _number(s: str):
+    """The number ``s`` spells: an int (exact for any size; float() would merge large ids), else a
+    finite float, else None."""
     try:
-        return str(int(s))  # (exact for any size; float() would merge large ids)
+        return int(s)
     except ValueError:
         pass
     try:
         v = float(s)
     except ValueError:
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _label_key(y) -> str:
+    """One spelling per label: a number is its value (CSV "1", "1.0", " 01" and JSON 1, 1.0 are
+    all the label "1"; "0.50" is "0.5"), anything else its stripped text."""
+    s = str(y).strip()
+    v = _number(s)
+    if v is None:
         return s
-    if not math.isfinite(v):
-        return s
-    return str(int(v)) if v.is_integer() else repr(v)
+    return str(int(v)) if isinstance(v, int) or v.is_integer() else repr(v)
 
 
 def load_text_file(path: os.PathLike, *, text_column: str = "text", label_column: str = "label",
@@ -220,17 +227,8 @@ def load_text_file(path: os.PathLike, *, text_column: str = "text", label_column
         raw.append(_label_key(y))
     if label_names is None:
         def key(s: str):  # numbers by value (exact for integers), then other labels
-            try:
-                return (0, int(s), s)
-            except ValueError:
-                pass
-            try:
-                v = float(s)
-                if math.isfinite(v):
-                    return (0, v, s)
-            except ValueError:
-                pass
-            return (1, 0, s)
+            v = _number(s)
+            return (1, 0, s) if v is None else (0, v, s)
 
         label_names = sorted(set(raw), key=key)
     index = {_label_key(n): i for i, n in enumerate(label_names)}

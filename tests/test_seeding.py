@@ -96,3 +96,16 @@ def test_an_unknown_state_layout_is_an_error_not_a_weak_stream(monkeypatch):
     monkeypatch.setattr(sd, "_OFFSET", 16)
     with pytest.raises(RuntimeError, match="unknown torch CPU generator state layout"):
         keyed_generator(b"k")
+
+
+def test_the_keyed_state_is_the_stream_torch_draws_against_numpys_mt19937():
+    """Independent reference: numpy's MT19937 started from the 624 words written into the state
+    draws the stream torch draws (torch's 32-bit ``random_`` keeps every second 32-bit output of
+    its 64-bit draws): the key reaches every draw, not just the state's bytes."""
+    np = pytest.importorskip("numpy")
+    g = keyed_generator(seed_key(3, "x"))
+    bg = np.random.MT19937(0)
+    bg.state = {"bit_generator": "MT19937", "state": {"key": np.array(_words(g), dtype=np.uint32), "pos": 624}}
+    ref = bg.random_raw(2000)[1::2]
+    got = torch.empty(1000, dtype=torch.int64).random_(0, 2**32, generator=g)
+    assert got.tolist() == ref.tolist()

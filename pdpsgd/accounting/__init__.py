@@ -7,7 +7,7 @@
 * :func:`calibrate_noise` — smallest σ whose upper ε bound meets a target.
 * :func:`plan_privacy` — (target ε, δ, dataset size, batch size, epochs) → (σ, q, steps).
 """
-from ._common import DeltaBounds, EpsilonBounds, Run
+from ._common import MIN_NOISE_MULTIPLIER, DeltaBounds, EpsilonBounds, Run
 from .calibrate import (
     ACCOUNTANTS,
     PrivacyPlan,
@@ -28,6 +28,7 @@ __all__ = [
     "ACCOUNTANTS",
     "DEFAULT_RDP_ORDERS",
     "DeltaBounds",
+    "MIN_NOISE_MULTIPLIER",
     "EpsilonBounds",
     "PRVAccountant",
     "PRVFailure",

@@ -18,6 +18,7 @@ included exactly.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
@@ -100,8 +101,6 @@ def transformers_own_class(cls: type) -> bool:
     class name take only these: their check on each call compares *values*, which cannot see a
     forward that stops or reroutes the gradient without changing the value (review, round 35: a
     user's ``*ScaledWordEmbedding`` with ``torch.where(ids == k, out.detach(), out)`` was taken)."""
-    import sys
-
     mod = getattr(cls, "__module__", "") or ""
     return mod.startswith("transformers.") and getattr(sys.modules.get(mod), cls.__name__, None) is cls
 
