@@ -554,13 +554,16 @@ def make_dp_step(
             forward/backward, per-layer ghost or explicit norms) or "auto" (bk with a per-layer
             cost model; both fall back to exact vmap for layers without a rule).
         chunk_size: examples per vmap chunk (memory ∝ chunk × params); default from a 512 MiB budget.
-        generator: ``torch.Generator`` for the noise (reproducible); None seeds one from OS entropy.
+        generator: ``torch.Generator`` for the noise (reproducible; ``manual_seed`` keeps 32 bits of a
+            seed on the CPU: for experiments); None keys one from 256 bits of OS entropy.
         clipping: "flat", "per_layer" (each parameter tensor on its own), or parameter groups
             (dict or list of name lists); ``clip_budget`` weights the groups' share of C².
         clip_fn: "abadi" (min(1, C/‖g‖)) or "automatic" (C/(‖g‖+γ), Bu et al.; ``gamma`` = γ).
         on_nonfinite: "drop" (a non-finite example contributes 0 and is counted) or "raise".
         bk_options: book-keeping options (``routes`` overrides, ``registry``, ``cost_model``, ...;
-            see ``pdpsgd.bookkeeping.BK_OPTIONS``).
+            see ``pdpsgd.bookkeeping.BK_OPTIONS``). ``routes`` keys are parameter names (any name of
+            a tied one), module names or layer type names; a dotted key naming nothing in the model
+            is an error, another is warned about and ignored.
         fused: noise + scale + cast through one ``torch.compile``d function; None = on CUDA only.
         noise_rng: the Gaussian source: "auto" (default: "native" for float32 noise drawn on the
             CPU where its kernel builds, else "torch"; ``DPStep.noise_source`` says which), "torch"
