@@ -34,11 +34,25 @@ SETTINGS = {
 
 
 def chunks(texts, stoi, T, n):
-    ids = []
+    """Up to n windows of T tokens from the articles in order, and how many articles they read."""
+    ids, used = [], 0
     for t in texts:
+        if len(ids) >= n * T:
+            break
         ids.extend(stoi.get(w, 1) for w in simple_tokenize(t))
-    ids = torch.tensor(ids[: (len(ids) // T) * T]).view(-1, T)
-    return ids[:n]
+        used += 1
+    return torch.tensor(ids[: (len(ids) // T) * T]).view(-1, T)[:n], used
+
+
+def split_windows(texts, stoi, T, n_train, n_test):
+    """n_train training windows from the first articles and n_test held-out windows from the articles
+    after them: no article has tokens on both sides (a window may straddle two articles of one side)."""
+    train, used = chunks(texts, stoi, T, n_train)
+    test, _ = chunks(texts[used:], stoi, T, n_test)
+    if len(train) < n_train or len(test) < n_test:
+        raise ValueError(f"{len(texts)} articles give {len(train)} training and {len(test)} held-out windows of "
+                         f"{T} tokens, fewer than the {n_train} + {n_test} asked for: use more articles or a smaller n")
+    return train, test
 
 
 def lm_loss(model, b):
@@ -80,10 +94,9 @@ def main(argv=None):
             counts[w] = counts.get(w, 0) + 1
     itos = ["<pad>", "<unk>"] + sorted(counts, key=lambda w: -counts[w])[: cfg["vocab"] - 2]
     stoi = {w: i for i, w in enumerate(itos)}
-    pre = {"ids": chunks(pre_texts, stoi, cfg["T"], cfg["n_pre"])}
-    ft_all = chunks(ft_texts, stoi, cfg["T"], cfg["n_ft"] + cfg["n_test"])
-    ft = {"ids": ft_all[: cfg["n_ft"]]}
-    test = {"ids": ft_all[cfg["n_ft"]:]}
+    pre = {"ids": chunks(pre_texts, stoi, cfg["T"], cfg["n_pre"])[0]}
+    ft_ids, test_ids = split_windows(ft_texts, stoi, cfg["T"], cfg["n_ft"], cfg["n_test"])
+    ft, test = {"ids": ft_ids}, {"ids": test_ids}
     L, d, h = cfg["size"]
     gcfg = GPT2Config(vocab_size=len(itos), n_positions=cfg["T"], n_embd=d, n_layer=L, n_head=h, resid_pdrop=0.0,
                       embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
@@ -145,7 +158,7 @@ def main(argv=None):
         f"GPT-2 from config: {L} layers, width {d}, {h} heads, vocab {len(itos)} (word-level, BBC pre-training half), T = {cfg['T']}, tied embeddings.",
         f"Pre-training (non-private, shared): {n_of(pre)} sequences × {cfg['pre_epochs']} epochs ({pre_time:.0f} s). "
         f"Fine-tuning: {n} sequences, {cfg['epochs']} epochs, B = {cfg['B']} (Poisson q = {q:.3f}), Adam lr {cfg['lr']}, C = 1, "
-        f"σ = {sched[0]:.3f}; test: {n_of(test)} held-out sequences.",
+        f"σ = {sched[0]:.3f}; test: {n_of(test)} held-out sequences from articles none of whose tokens are in a training window.",
         "Same seed for every DP run: identical Poisson batches and noise draws, so differences are floating-point only.",
     ]
     write_results(a.out, "bk_utility", title="DP fine-tuning of a GPT-2-shaped LM: every engine gives the same model (Bu et al. 2022)",

@@ -11,9 +11,11 @@ an ordering (``sort``, ``argsort``, ``topk``, ``randperm``, ``nonzero``, ``where
 ...) and whatever is computed from a marked tensor (a marked value written into a tensor marks it),
 and reports an op that selects or places the B rows of a dimension of size B (the batch's, first or
 not) by a marked integer index of B entries, or by a Python list or NumPy array of B entries (whose
-origin it cannot see), whatever their values are in this batch. An index of another length (the
-rows of a token mask's ``nonzero``, scattered back to their own examples) is not a reordering of the
-batch and is not reported.
+origin it cannot see), whatever their values are in this batch; also one row of it by a marked 0-d
+integer index (an order's entry: ``torch.stack([x[i] for i in order])`` applies the order row by
+row). An index of another length (the rows of a token mask's ``nonzero``, scattered back to their
+own examples) is not a reordering of the batch and is not reported; a Python int or an unmarked 0-d
+index (``x[0]``) is not either.
 
 Not seen: an order that leaves the tensors (a Python ``sorted`` turned into a new tensor by
 ``torch.tensor``), one kept in the model between steps, one computed by comparisons, and one on a
@@ -88,12 +90,13 @@ class ReorderWatch(TorchFunctionMode):
                 self._marked[id(t)] = weakref.ref(t)
 
     def _orders(self, index: Any, size: int) -> bool:
-        """Whether ``index``, on a dimension of size B, is a computed order of the B rows."""
+        """Whether ``index``, on a dimension of size B, is a computed order of the B rows, or one entry
+        of one (a 0-d index: the order applied row by row)."""
         if size != self.B:
             return False
         if isinstance(index, Tensor):
             return (self._is_marked(index) and not index.is_floating_point() and index.dtype != torch.bool
-                    and index.dim() == 1 and index.shape[0] == self.B)
+                    and (index.dim() == 0 or index.dim() == 1 and index.shape[0] == self.B))
         if isinstance(index, (list, tuple)) and len(index) == self.B:
             return all(isinstance(i, int) or (isinstance(i, Tensor) and i.dim() == 0) for i in index)
         ndarray = getattr(sys.modules.get("numpy"), "ndarray", None)

@@ -126,12 +126,17 @@ def check_file(path: str, methods: Iterable[str] = ("vmap", "bk", "auto"), *, rt
                     sens = _sensitivity(u, m, max_grad_norm, float64)
                 except AssertionError as e:
                     results.append(CheckResult(m, False, error=str(e)))
-                    print(f"[{m}] SENSITIVITY EXCEEDED\n{_indent(str(e))}", file=out)
+                    what = "SENSITIVITY EXCEEDED" if "exceeds its sensitivity" in str(e) else "SENSITIVITY NOT SHOWN"
+                    print(f"[{m}] {what}\n{_indent(str(e))}", file=out)
                     continue
                 how = ("masked out and removed from the batch" if sens.deterministic else
                        "masked out (the model draws random numbers: removal from the batch not compared)")
                 print(f"[{m}] sensitivity OK: each example's clipped contribution alone, and the move of the "
                       f"clipped sum with it {how}, at most {sens.max_ratio:.6g} × C", file=out)
+                if sens.dropped:
+                    print(f"[{m}] WARNING: the step dropped examples {list(sens.dropped)} as non-finite (their "
+                          "loss or gradient is nan/inf): they add nothing to the sum, and the bounds above "
+                          "hold for the others", file=out)
             results.append(CheckResult(m, True, rep))
         except AssertionError as e:
             results.append(CheckResult(m, False, error=str(e)))

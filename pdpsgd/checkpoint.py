@@ -16,6 +16,7 @@ re-seeded from fresh entropy; the CLI refuses a private checkpoint without its l
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -83,7 +84,21 @@ def atomic_write_text(path: os.PathLike, text: str) -> None:
 
 
 def atomic_write_json(path: os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+    """Atomically write ``obj`` as strict JSON: a non-finite number (the loss of an empty batch) is
+    written as null, not as the NaN / Infinity tokens other tools' parsers refuse (review, round 36)."""
+    atomic_write_text(path, json.dumps(_finite(obj), indent=2, sort_keys=False, allow_nan=False) + "\n")
+
+
+def _finite(o: Any) -> Any:
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, Mapping):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    if isinstance(o, (str, int, bool)) or o is None:
+        return o
+    return _finite(_json_default(o))
 
 
 def _json_default(o: Any) -> Any:

@@ -221,6 +221,11 @@ def load_text_file(path: os.PathLike, *, text_column: str = "text", label_column
             if isinstance(v, (list, dict, bool)):  # (JSON: not a text or a label; str() would invent one)
                 raise DataError(f"{path}: row {i + 1}: {col!r} is a JSON {type(v).__name__}, not a "
                                 f"{'text' if col == text_column else 'label'}")
+            try:
+                str(v).encode("utf-8")
+            except UnicodeEncodeError as e:  # (JSON can spell a lone surrogate, "\ud800": no text)
+                raise DataError(f"{path}: row {i + 1}: {col!r} is not valid Unicode ({e.reason} at character "
+                                f"{e.start}); fix or drop that row") from None
         if str(t).strip() == "":
             raise DataError(f"{path}: row {i + 1} has an empty {text_column!r}")
         texts.append(str(t))

@@ -48,6 +48,27 @@ class ParamIndex:
             self.canonical[name] = first_name[id(p)]
         self.params: Dict[str, Tensor] = dict(model.named_parameters())
 
+    def canonical_clipping(self, clipping):
+        """A clipping spec with each group's names made canonical (a tied tensor may be named by any
+        of its aliases, as in ``params``); "flat"/"per_layer" pass through. Naming one tied tensor
+        twice is an error that names both spellings."""
+        if isinstance(clipping, str):
+            return clipping
+        groups = clipping.values() if isinstance(clipping, Mapping) else clipping
+        out, spelled = [], {}
+        for g in groups:
+            names = [g] if isinstance(g, str) else list(g)
+            canon = []
+            for n in names:
+                c = self.canonical.get(n, n)
+                if c in spelled and spelled[c] != n:
+                    raise ValueError(f"clipping groups name {spelled[c]!r} and {n!r}, which are the same tied "
+                                     "tensor; name it once")
+                spelled.setdefault(c, n)
+                canon.append(c)
+            out.append(canon)
+        return out
+
     def resolve(self, params: Mapping[str, Tensor]) -> Params:
         """Validate a user's params dict and return it keyed by canonical names."""
         if not isinstance(params, Mapping):

@@ -31,6 +31,8 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ._warn import warn
+
 __all__ = ["noise_and_scale", "draw_noise", "noise_chunk", "default_compile", "NOISE_CHUNK"]
 
 _COMPILED = None
@@ -49,9 +51,32 @@ def _compiled():
     return _COMPILED
 
 
+_COMPILE_FAILED: Optional[str] = None  # why the compiled function could not run (then eager from there on)
+
+
+def _run(sums, zs, inv_denom: float, dtypes):
+    """``_apply`` compiled, or eagerly (the same ops on the same z) once the backend has failed: a
+    missing C++ compiler or triton shows only at the first call (review, round 36)."""
+    global _COMPILE_FAILED
+    if _COMPILE_FAILED is None:
+        try:
+            return _compiled()(sums, zs, inv_denom, dtypes)
+        except Exception as e:  # (the backend's own errors have no common base class)
+            _COMPILE_FAILED = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            warn(f"torch.compile could not build the fused noise function ({_COMPILE_FAILED}); the noise is "
+                 "added eagerly from now on (the same values; pass fused=False to skip the attempt)")
+    return _apply(sums, zs, inv_denom, dtypes)
+
+
 def default_compile(device: torch.device) -> bool:
-    """Compiled by default on CUDA only (compile time is not worth it on CPU)."""
-    return device.type == "cuda"
+    """Compiled by default on CUDA with triton only (compile time is not worth it on CPU)."""
+    if device.type != "cuda":
+        return False
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:  # (an older torch: let the first call tell)
+        return True
+    return bool(has_triton())
 
 
 # Noise is drawn per parameter in chunks of this many coordinates into a small scratch buffer that
@@ -196,7 +221,7 @@ def noise_and_scale(
         if compile:
             sums = {n: s.to(acc[n]) for n, s in sums.items()}
             zs = {n: torch.zeros((), dtype=acc[n], device=s.device) for n, s in sums.items()}
-            return _compiled()(sums, zs, inv, dict(dtypes))
+            return _run(sums, zs, inv, dict(dtypes))
         return {n: (s * inv).to(dtypes[n]) for n, s in sums.items()}
     ndt = max(acc.values(), key=lambda d: torch.finfo(d).bits)
     zstd = float(std) * inv  # the noise is drawn already divided by denom
@@ -207,7 +232,7 @@ def noise_and_scale(
         zs = draw_noise({n: s.shape for n, s in sums.items()}, generator, ndt, first.device, zstd, rng)
         sums = {n: s.to(acc[n]) for n, s in sums.items()}
         zs = {n: z.to(device=sums[n].device, dtype=acc[n]) for n, z in zs.items()}  # each on its sum's device
-        return _compiled()(sums, zs, inv, dict(dtypes))
+        return _run(sums, zs, inv, dict(dtypes))
     shared = _overlapping(sums) if consume else set()  # (only an owned sum is overwritten)
     # one draw for all off the CPU; per-chunk draws into a cache-sized scratch buffer on CPU
     whole = noise_chunk(gdev) is None

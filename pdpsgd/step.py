@@ -273,6 +273,10 @@ class DPStep:
         self._loss_module = LossModule(model, loss_fn)
         if clip_fn not in ("abadi", "automatic"):
             raise ValueError(f"clip_fn={clip_fn!r} is unknown: use 'abadi' or 'automatic'")
+        if clip_fn == "automatic" and math.isinf(self.max_grad_norm):
+            raise ValueError("clip_fn='automatic' scales each gradient by C/(‖g‖+γ), which is inf for "
+                             "max_grad_norm=inf: give a finite C (automatic clipping always rescales), or use "
+                             "clip_fn='abadi' for no clipping")
 
     # -- self-description -------------------------------------------------------------------
     @property
@@ -394,7 +398,8 @@ class DPStep:
                 for n, v in why.items()}
 
     def _clip_groups(self, params: Mapping[str, Tensor]):
-        return make_groups(list(params), self.clipping, self.max_grad_norm, budget=self.clip_budget).names
+        return make_groups(list(params), self._index.canonical_clipping(self.clipping), self.max_grad_norm,
+                           budget=self.clip_budget).names
 
     # -- the step ---------------------------------------------------------------------------
     def clipped_sum(self, params: Mapping[str, Tensor], batch: Batch, mask: Optional[Tensor] = None) -> ClippedSum:
@@ -415,7 +420,8 @@ class DPStep:
             return self._empty_sum(params, device)
         detached = {n: p.detach() for n, p in params.items()}
         constants = model_constants(self.model, detached)
-        groups = make_groups(list(detached), self.clipping, self.max_grad_norm, budget=self.clip_budget)
+        groups = make_groups(list(detached), self._index.canonical_clipping(self.clipping), self.max_grad_norm,
+                             budget=self.clip_budget)
         weights_fn = make_weights_fn(groups, clip_fn=self.clip_fn, gamma=self.gamma)
         _check_grad_mode(params, batch, tensors=self.method != "vmap")
         with _guards(self.model, detached, self._rope_seen, self._spectral):

@@ -172,7 +172,7 @@ def assert_exact(
     part = step.clipped_sum(params, batch, mask)
     canon = step._index.canonical
     cparams = {canon[n]: v for n, v in params.items()}
-    g = make_groups(list(cparams), step_kwargs.get("clipping", "flat"), max_grad_norm,
+    g = make_groups(list(cparams), step._index.canonical_clipping(step_kwargs.get("clipping", "flat")), max_grad_norm,
                     budget=step_kwargs.get("clip_budget"))
     norms, sums = naive_clipped_sum(model, loss_fn, batch, max_grad_norm=max_grad_norm, params=cparams,
                                     groups=g.names, thresholds=g.thresholds,
@@ -201,6 +201,7 @@ class SensitivityReport(NamedTuple):
     differing: Tuple[int, ...]  # the examples in which ``neighbour`` differs from ``batch``
     deterministic: bool  # whether S(batch) is the same under two seeds, up to rounding (no dropout or other draws)
     max_ratio: float  # the largest measured distance over its bound (≤ 1 within rounding; nan fails)
+    dropped: Tuple[int, ...] = ()  # real examples of ``batch`` the step dropped as non-finite (bounds hold on the rest)
 
 
 def _distance(a: Mapping[str, Tensor], b: Optional[Mapping[str, Tensor]] = None) -> float:
@@ -264,21 +265,33 @@ def check_sensitivity(
     Every call runs with the same torch seed, so a train-mode model's dropout masks are the same in
     each (the caller's CPU and CUDA RNG states are restored afterwards). Raises ``AssertionError``
     naming the example when a bound is exceeded by more than ``rtol`` or a distance is not finite;
-    returns the report. Cost: 2·B + 3 clipped sums, B more when deterministic, 1 more with
-    ``neighbour``.
+    returns the report. Examples the step drops as non-finite are listed in ``dropped``; a batch
+    whose every example is dropped fails (its sum is 0: the bounds hold vacuously). Cost: 2·B + 3
+    clipped sums, B more when deterministic, 1 more with ``neighbour``.
     """
     B = _batch_len(batch)
     C = float(step.sensitivity)
     dev = next(iter(params.values())).device
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
-    def sums(b: Any, mask: Optional[Tensor] = None, s: int = seed) -> Dict[str, Tensor]:
+    def part(b: Any, mask: Optional[Tensor] = None, s: int = seed):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(s)
-            return step.clipped_sum(params, b, mask).sums
+            return step.clipped_sum(params, b, mask)
+
+    def sums(b: Any, mask: Optional[Tensor] = None, s: int = seed) -> Dict[str, Tensor]:
+        return part(b, mask, s).sums
 
     sums(batch)  # (a step's first call of a batch shape may run probes of its own)
-    full = sums(batch)
+    first = part(batch)
+    full = first.sums
+    dropped = tuple(int(i) for i in torch.nonzero((first.mask & ~first.kept).cpu()).flatten())
+    if B and len(dropped) == int(first.mask.sum()):
+        raise AssertionError(
+            f"every example of the batch ({len(dropped)}) was dropped as non-finite (a loss or gradient of "
+            "nan/inf), so the clipped sum is 0 and every bound holds vacuously: a step on such batches adds "
+            "noise alone. Find the non-finite values (e.g. batch statistics of a single example, as vmap "
+            "runs them, or a float32 overflow) and check again")
     other = sums(batch, s=seed + 1)
     # (up to rounding: kernels that are not bitwise reproducible, e.g. CUDA's index_add, do not count)
     f64 = all(v.dtype == torch.float64 for v in full.values())
@@ -320,7 +333,7 @@ def check_sensitivity(
     ratio = max(ratios) if ratios else 0.0
     if any(math.isnan(r) for r in ratios):
         ratio = math.nan
-    report = SensitivityReport(C, alone, removed, sliced, replace, differing, deterministic, ratio)
+    report = SensitivityReport(C, alone, removed, sliced, replace, differing, deterministic, ratio, dropped)
     if bad:
         raise AssertionError("the step's clipped sum exceeds its sensitivity bound: " + "; ".join(bad[:5]))
     return report

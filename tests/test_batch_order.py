@@ -212,3 +212,76 @@ def test_an_lstm_on_packed_unsorted_sequences_stays_on_its_rules(check_order):
     r = assert_exact(Packed().double(), _loss, b, method="bk", max_grad_norm=0.5,
                      bk_options={"check_order": check_order})
     assert "vmap" not in r.routes.values(), r.routes
+
+
+class _RowByRowSort(nn.Module):
+    """Sorts the batch by length and restores it one row at a time, by the order's 0-d entries:
+    ``torch.stack([x[i] for i in order])`` (``getitem``; torch reads a 0-d index with ``.item()``,
+    which vmap cannot run) or ``torch.cat([x.index_select(0, i) for i in order])``."""
+
+    def __init__(self, how, d=6):
+        super().__init__()
+        self.how = how
+        self.emb, self.proj, self.head = nn.Embedding(V, d, padding_idx=0), nn.Linear(d, d), nn.Linear(d, 3)
+
+    def _rows(self, x, order):
+        if self.how == "getitem":
+            return torch.stack([x[i] for i in order])
+        return torch.cat([x.index_select(0, i) for i in order])
+
+    def forward(self, ids, lengths):  # (B, T), (B,)
+        order, inv = _order(lengths, "argsort")
+        ids_s, len_s = self._rows(ids, order), self._rows(lengths, order)
+        h = torch.tanh(self.proj(self.emb(ids_s)))  # (B, T, d), rows in sorted order
+        keep = (torch.arange(ids.shape[1])[None, :] < len_s[:, None]).to(h.dtype)
+        pooled = (h * keep[..., None]).sum(1) / len_s[:, None].to(h.dtype)  # (B, d)
+        return self.head(self._rows(pooled, inv))
+
+
+@pytest.mark.parametrize("how", ["getitem", "index_select"])
+def test_a_sort_applied_row_by_row_with_0d_indices_is_seen(how):
+    """(Found by review.) The order's entries, one 0-d tensor a row, reorder the batch as the order
+    itself does: the first batch of the shape (every length equal, the sort the identity) sends
+    every layer to the fallback, and a later batch with other lengths stays within C; where vmap
+    cannot run the model, the step says so (it moved the clipped sum by more than C, unseen)."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    m = _RowByRowSort(how).double()
+    first, later = _batch([5] * 6, 5, gen), _batch([1, 5, 2, 4, 3, 1], 5, gen)
+    assert _watch(lambda: m(later["ids"], later["len"]), 6) is not None
+    step = pdpsgd.make_dp_step(m, _loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
+    params = pdpsgd.trainable_params(m)
+    if how == "getitem":
+        with pytest.raises(RuntimeError, match="reorders the batch's rows"):
+            step.clipped_sum(params, first)
+        return
+    routes = step.clipped_sum(params, first).routes
+    assert set(routes.values()) == {"vmap"}, routes
+    assert check_sensitivity(step, params, later).max_ratio <= 1 + 1e-9
+    assert_exact(m, _loss, later, method="bk", max_grad_norm=0.5)
+
+
+def test_the_watch_sees_0d_entries_of_an_order_and_leaves_other_scalar_indices_alone():
+    x, lengths = torch.randn(4, 3), torch.tensor([3, 3, 3, 3])
+    seq_first = torch.randn(5, 4, 3)  # (T, B, d)
+    o = lambda: torch.argsort(lengths)  # noqa: E731
+    assert _watch(lambda: torch.stack([x[i] for i in o()]), 4) is not None
+    assert _watch(lambda: torch.stack([x[o()[k]] for k in range(4)]), 4) is not None
+    assert _watch(lambda: torch.stack([seq_first[:, i] for i in o()], 1), 4) is not None  # on dim 1
+    assert _watch(lambda: torch.cat([x.index_select(0, i) for i in o()]), 4) is not None
+    assert _watch(lambda: x[o()[0]], 4) is not None  # one example picked by the others' lengths
+
+    def rows_placed():
+        out = torch.zeros_like(x)
+        for k, i in enumerate(o()):
+            out[i] = x[k]
+        return out
+    assert _watch(rows_placed, 4) is not None
+    # a Python int or a constant 0-d tensor on the batch dimension; a computed one on another dimension
+    assert _watch(lambda: torch.stack([x[k] for k in range(4)]), 4) is None
+    assert _watch(lambda: x[torch.tensor(0)] + x[0], 4) is None
+    h = torch.randn(4, 5, 3)  # (B, T, d)
+    cls = torch.nonzero(torch.arange(5) == 0)[0, 0]  # a computed 0-d position on dim 1 (size T)
+    assert _watch(lambda: h[:, cls], 4) is None
+    assert _watch(lambda: h.index_select(1, cls), 4) is None
+    assert _watch(lambda: torch.randn(5, 3)[torch.argsort(torch.randn(5))[0]], 4) is None  # not B rows

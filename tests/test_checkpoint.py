@@ -238,3 +238,21 @@ def test_crash_after_checkpoint_keeps_lost_steps_on_ledger_and_reseeds(tiny, tmp
     assert rep["steps"] == 12 and rep["steps_on_ledger"] == 14  # 12 run + 2 lost, all accounted
     noise_state = ck["trainer"]["rng"]["noise"]
     assert isinstance(noise_state, torch.Tensor)
+
+
+def test_json_files_are_strict_json_with_null_for_non_finite_numbers(tmp_path):
+    """report.json and the ledger are read by other tools: a nan (the loss of an empty Poisson batch)
+    or an inf is written as null, never as the bare NaN / Infinity tokens strict parsers refuse (review,
+    round 36)."""
+    import math
+
+    def strict(text):
+        def refuse(tok):
+            raise ValueError(f"non-JSON constant {tok}")
+        return json.loads(text, parse_constant=refuse)
+
+    obj = {"a": math.nan, "b": [math.inf, 1.5, -math.inf], "c": {"d": (float("nan"), 2)},
+           "t": torch.tensor([float("nan"), 1.0]), "n": 3, "s": "NaN"}
+    atomic_write_json(tmp_path / "r.json", obj)
+    got = strict((tmp_path / "r.json").read_text())
+    assert got == {"a": None, "b": [None, 1.5, None], "c": {"d": [None, 2]}, "t": [None, 1.0], "n": 3, "s": "NaN"}

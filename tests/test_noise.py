@@ -1,6 +1,7 @@
 """Noise std = σC within statistical tolerance (KS test on ≥ 10^6 draws), and the test has power."""
 import math
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -374,3 +375,36 @@ def test_torch_path_draws_float32_noise_from_float64_normals(n, monkeypatch):
         for c in range(a, b, 4096):
             want.append(torch.empty(min(b, c + 4096) - c, dtype=torch.float64).normal_(0.0, 2.0, generator=g))
     assert got.dtype == torch.float32 and torch.equal(got, torch.cat(want).float())
+
+
+@pytest.mark.parametrize("std", [0.0, 0.7])
+def test_a_compile_backend_that_cannot_run_falls_back_to_eager(monkeypatch, std):
+    """torch.compile's backend can fail at the first call (no C++ compiler for inductor, a CUDA wheel
+    without triton; review, round 36: the step raised from finalize): the same noise is added eagerly,
+    with one warning, and later calls do not try again."""
+    from pdpsgd import fused
+
+    calls = []
+
+    def broken():
+        def run(*a, **k):
+            calls.append(1)
+            raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+        return run
+
+    monkeypatch.setattr(fused, "_compiled", broken)
+    monkeypatch.setattr(fused, "_COMPILE_FAILED", None)
+    sums = {"w": torch.randn(5, 3), "b": torch.randn(3, dtype=torch.float64)}
+    dtypes = {"w": torch.float32, "b": torch.float64}
+    want = noise_and_scale(sums, std, torch.Generator().manual_seed(3), 4.0, dtypes, compile=False, rng="torch")
+    with pytest.warns(UserWarning, match="InvalidCxxCompiler.*eager"):
+        got = noise_and_scale(sums, std, torch.Generator().manual_seed(3), 4.0, dtypes, compile=True, rng="torch")
+    for n in want:
+        assert got[n].dtype == want[n].dtype
+        torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = noise_and_scale(sums, std, torch.Generator().manual_seed(3), 4.0, dtypes, compile=True, rng="torch")
+    assert len(calls) == 1
+    for n in want:
+        torch.testing.assert_close(again[n], want[n], rtol=1e-6, atol=1e-7)

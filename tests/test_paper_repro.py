@@ -113,3 +113,19 @@ def test_run_all_entry_point(tmp_path):
     summary = json.loads((tmp_path / "run_all.json").read_text())
     assert [s["script"] for s in summary["scripts"]] == ["bk_complexity"] and summary["scripts"][0]["ok"]
     assert (tmp_path / "bk_complexity.png").exists()
+
+
+def test_bk_utility_test_windows_share_no_article_with_training():
+    """Held-out windows come from articles none of whose tokens reached a training window (a window
+    straddling two articles once put one article on both sides)."""
+    mod = _load("bk_utility")
+    # article k is the word "wk" repeated 7 times: a window's tokens name the articles it read
+    texts = [" ".join([f"w{k}"] * 7) for k in range(40)]
+    stoi = {f"w{k}": k + 2 for k in range(40)}
+    T = 5
+    for n_train, n_test in [(3, 2), (10, 10), (1, 1), (13, 6)]:
+        train, test = mod.split_windows(texts, stoi, T, n_train, n_test)
+        assert train.shape == (n_train, T) and test.shape == (n_test, T)
+        assert not set(train.flatten().tolist()) & set(test.flatten().tolist())
+    with pytest.raises(ValueError, match="articles"):
+        mod.split_windows(texts[:3], stoi, T, 4, 4)

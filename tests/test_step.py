@@ -912,3 +912,37 @@ def test_finalize_without_params_returns_the_models_dtypes():
     assert {g.dtype for g in out.grads.values()} == {torch.bfloat16}
     for n, p in m.named_parameters():
         p.grad = out.grads[n]
+
+
+def test_no_clip_bound_with_automatic_clipping_is_refused():
+    """C = inf is "no clipping" for abadi's min(1, C/‖g‖); automatic clipping's C/(‖g‖+γ) is then
+    inf for every example (review, round 36: the gradients came back inf/NaN without an error)."""
+    m = mlp()
+    with pytest.raises(ValueError, match="automatic"):
+        pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=math.inf, noise_multiplier=0.0, clip_fn="automatic")
+    pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=math.inf, noise_multiplier=0.0, clip_fn="abadi")
+
+
+@pytest.mark.parametrize("method", ["vmap", "bk"])
+def test_clipping_groups_may_name_a_tied_weight_by_any_alias(method):
+    """A tied tensor may be named by any of its names in clipping groups, as in params= (review, round
+    36: its alias was refused as "not a trained parameter"); naming it twice is an error naming both."""
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    ids = torch.randint(0, 20, (4, 5))
+    b = {"input_ids": ids, "labels": ids}
+    loss = lm_loss_fn
+    canon = {"emb": ["emb.weight"], "rest": ["mid.weight", "mid.bias"]}
+    alias = {"emb": ["head.weight"], "rest": ["mid.weight", "mid.bias"]}
+    params = pdpsgd.trainable_params(model)
+    ref = pdpsgd.make_dp_step(model, loss, max_grad_norm=0.1, noise_multiplier=0.0, method=method,
+                              clipping=canon).clipped_sum(params, b)
+    step = pdpsgd.make_dp_step(model, loss, max_grad_norm=0.1, noise_multiplier=0.0, method=method, clipping=alias)
+    got = step.clipped_sum(params, b)
+    for n in ref.sums:
+        torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-12, atol=1e-15)
+    assert_exact(model, loss, b, max_grad_norm=0.1, method=method, clipping=alias)
+    both = {"a": ["head.weight"], "b": ["emb.weight", "mid.weight", "mid.bias"]}
+    with pytest.raises(ValueError, match="head.weight.*emb.weight|emb.weight.*head.weight"):
+        pdpsgd.make_dp_step(model, loss, max_grad_norm=0.1, noise_multiplier=0.0, method=method,
+                            clipping=both).clipped_sum(params, b)

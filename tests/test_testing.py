@@ -201,3 +201,25 @@ def test_check_sensitivity_train_mode_vmap_chunks(chunk):
     step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.1, noise_multiplier=1.0, method="vmap", chunk_size=chunk)
     r = check_sensitivity(step, pdpsgd.trainable_params(m), b)
     assert not r.deterministic and r.max_ratio <= 1 + 1e-9
+
+
+def test_check_sensitivity_refuses_a_batch_whose_every_example_is_dropped():
+    """A batch whose every example is non-finite is dropped whole: the sum is 0 and every bound holds
+    vacuously while the step would add noise alone (review, round 36: `pdpsgd check` said OK). That
+    fails; dropping some examples is reported (``dropped``), and the bound is checked on the others."""
+    import pdpsgd
+    from pdpsgd.testing import check_sensitivity
+
+    torch.manual_seed(0)
+    m = mlp().double()
+    b = {"x": torch.randn(4, 5, dtype=torch.float64), "y": torch.randint(0, 3, (4,))}
+    params = pdpsgd.trainable_params(m)
+    for method in ("vmap", "bk"):
+        step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.1, noise_multiplier=1.0, method=method)
+        assert check_sensitivity(step, params, b).dropped == ()
+        some = {"x": b["x"].clone(), "y": b["y"]}
+        some["x"][2, 1] = float("nan")
+        assert check_sensitivity(step, params, some).dropped == (2,)
+        every = {"x": b["x"] * float("nan"), "y": b["y"]}
+        with pytest.raises(AssertionError, match="every example.*dropped"):
+            check_sensitivity(step, params, every)
