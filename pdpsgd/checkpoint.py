@@ -32,6 +32,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_write_json",
+    "save_tensors",
     "FORMAT_VERSION",
 ]
 
@@ -86,19 +87,20 @@ def atomic_write_text(path: os.PathLike, text: str) -> None:
 def atomic_write_json(path: os.PathLike, obj: Any) -> None:
     """Atomically write ``obj`` as strict JSON: a non-finite number (the loss of an empty batch) is
     written as null, not as the NaN / Infinity tokens other tools' parsers refuse (review, round 36)."""
-    atomic_write_text(path, json.dumps(_finite(obj), indent=2, sort_keys=False, allow_nan=False) + "\n")
+    atomic_write_text(path, json.dumps(json_ready(obj), indent=2, sort_keys=False, allow_nan=False) + "\n")
 
 
-def _finite(o: Any) -> Any:
+def json_ready(o: Any) -> Any:
+    """``o`` with non-finite floats as None and tensors / paths as lists / strings (for strict JSON)."""
     if isinstance(o, float):
         return o if math.isfinite(o) else None
     if isinstance(o, Mapping):
-        return {k: _finite(v) for k, v in o.items()}
+        return {k: json_ready(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):
-        return [_finite(v) for v in o]
+        return [json_ready(v) for v in o]
     if isinstance(o, (str, int, bool)) or o is None:
         return o
-    return _finite(_json_default(o))
+    return json_ready(_json_default(o))
 
 
 def _json_default(o: Any) -> Any:
@@ -107,6 +109,13 @@ def _json_default(o: Any) -> Any:
     if isinstance(o, Path):
         return str(o)
     raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
+
+
+def save_tensors(path: os.PathLike, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Atomically save a plain name -> tensor dict (moved to CPU): what a run may release, read back
+    by ``torch.load(path, weights_only=True)`` and ``model.load_state_dict(..., strict=False)``."""
+    payload = {n: t.detach().cpu() for n, t in tensors.items()}
+    _atomic(path, lambda f: torch.save(payload, f))
 
 
 def save_checkpoint(path: os.PathLike, state: Mapping[str, Any]) -> None:

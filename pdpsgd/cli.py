@@ -226,8 +226,8 @@ def _check_args(a: argparse.Namespace) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
     if a.eval_every is not None and a.eval_every <= 0:
         raise UserError(f"--eval-every must be > 0, got {a.eval_every}")
-    if not (a.lr > 0 and a.head_lr > 0):
-        raise UserError(f"--lr and --head-lr must be > 0, got {a.lr}, {a.head_lr}")
+    if not all(v > 0 and math.isfinite(v) for v in (a.lr, a.head_lr)):  # (inf: every weight nan, rc 0)
+        raise UserError(f"--lr and --head-lr must be finite numbers > 0, got {a.lr}, {a.head_lr}")
     for name in ("max_train_examples", "max_test_examples"):
         v = getattr(a, name)
         if v is not None and v <= 0:
@@ -313,11 +313,13 @@ def run_train(a: argparse.Namespace) -> int:
 
     import torch
 
-    from .checkpoint import CheckpointError, atomic_write_json, check_fingerprint, load_checkpoint, save_checkpoint
+    from .checkpoint import (CheckpointError, atomic_write_json, check_fingerprint, load_checkpoint, save_checkpoint,
+                             save_tensors)
     from .data import tokenize
     from .telemetry import Telemetry
-    from .train import (DPTrainer, ModelError, classification_loss, default_delta, evaluate, load_text_classifier,
-                        model_fingerprint, plan_training, resolve_method, select_trainable)
+    from .train import (DPTrainer, ModelError, classification_loss, default_delta, evaluate, frozen_random_weights,
+                        load_text_classifier, model_fingerprint, plan_training, random_init_fingerprint,
+                        resolve_method, select_trainable)
 
     try:
         device = torch.device(a.device)
@@ -398,12 +400,28 @@ def run_train(a: argparse.Namespace) -> int:
         "dp": not a.no_dp, "noise_multiplier": plan.noise_multiplier, "sample_rate": plan.sample_rate,
         "steps": plan.steps, "clip": a.clip, "delta": delta, "clipping": a.clipping,
     }
+    frozen_random = random_init_fingerprint(model)  # (weights the folder lacks, used and not trained)
+    if frozen_random is not None:
+        fingerprint["frozen_random_init"] = frozen_random
 
     # ---- resume ---------------------------------------------------------------------------------
     if a.resume:
         try:
             state = load_checkpoint(ckpt_path)
-            check_fingerprint(state.get("fingerprint", {}), fingerprint, path=ckpt_path)
+            saved_fp = state.get("fingerprint", {})
+            if isinstance(saved_fp, Mapping) and saved_fp.get("frozen_random_init") != fingerprint.get("frozen_random_init"):
+                rest = "frozen_random_init"  # (any other difference is said first)
+                check_fingerprint({k: v for k, v in saved_fp.items() if k != rest},
+                                  {k: v for k, v in fingerprint.items() if k != rest}, path=ckpt_path)
+                missing = frozen_random_weights(model) or ["weights (in the checkpoint's run)"]
+                raise UserError(
+                    f"cannot resume from {ckpt_path}: the model folder lacks "
+                    f"{', '.join(missing[:3]) + (' …' if len(missing) > 3 else '')}, so loading initialised it "
+                    f"at random; the classifier uses it and --train-params {a.train_params} does not train it, "
+                    "so checkpoint.pt does not hold it and this process drew other values than the checkpoint's "
+                    "run: resumed, it would continue another model. Resume with that run's --seed (a run "
+                    "without --seed cannot be resumed), or start again in a new --output-dir")
+            check_fingerprint(saved_fp, fingerprint, path=ckpt_path)
         except CheckpointError as e:
             raise UserError(str(e)) from None
         _check_optimizer_settings(state, optimizer, ckpt_path)
@@ -500,7 +518,7 @@ def run_train(a: argparse.Namespace) -> int:
     if not interrupted:
         # what a run may release: the trained parameters alone (checkpoint.pt also holds the private data's
         # noise-free telemetry, and, before the run ends, its random streams; review, round 34)
-        save_checkpoint(out_dir / "trained_params.pt", {n: p.detach() for n, p in trainer.params.items()})
+        save_tensors(out_dir / "trained_params.pt", trainer.params)  # (a plain state dict: load_state_dict reads it)
     if interrupted:
         print(f"interrupted at step {trainer.step_count}/{plan.steps}; checkpoint saved to {ckpt_path}. "
               f"Continue with: pdpsgd train --resume --output-dir {out_dir} (and the same options)", file=sys.stderr)

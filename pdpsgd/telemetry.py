@@ -79,14 +79,23 @@ class Telemetry:
         if self.path is None:
             return
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
+            f.write(_line(rec))
 
     def state_dict(self) -> Dict[str, Any]:
         return {"history": json.dumps(self.history), "evals": json.dumps(self.evals)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore the records; the log at ``path`` is rewritten (atomically) to them, so steps redone
+        after a resume are not logged twice."""
         self.history = json.loads(state["history"])
         self.evals = json.loads(state["evals"])
+        if self.path is not None:
+            from .checkpoint import atomic_write_text
+
+            rows = [(r.get("step", 0), 0, r) for r in self.history]
+            rows += [(r.get("step", 0), 1, {"eval": r}) for r in self.evals]  # (after its step's record)
+            rows.sort(key=lambda x: x[:2])
+            atomic_write_text(self.path, "".join(_line(r) for *_, r in rows))
 
     def summary(self, last: int = 10) -> Dict[str, float]:
         """Means over the last ``last`` steps of loss and clip fraction (NaN if none)."""
@@ -97,6 +106,13 @@ class Telemetry:
             return sum(v) / len(v) if v else math.nan
 
         return {"loss": mean("loss"), "clip_fraction": mean("clip_fraction")}
+
+
+def _line(rec: Dict[str, Any]) -> str:
+    """One strict JSON line: a non-finite number (an empty batch's loss) as null."""
+    from .checkpoint import json_ready
+
+    return json.dumps(json_ready(rec), allow_nan=False) + "\n"
 
 
 def _num(x: Any) -> float:

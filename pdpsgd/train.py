@@ -54,6 +54,8 @@ __all__ = [
     "resolve_method",
     "default_delta",
     "model_fingerprint",
+    "random_init_fingerprint",
+    "frozen_random_weights",
     "head_body_groups",
 ]
 
@@ -132,6 +134,21 @@ def gather(data: Mapping[str, Tensor], indices: Tensor, device: Optional[torch.d
 # =============================================================================================
 # the trainer
 # =============================================================================================
+def _history_prefix(small: Any, large: Any) -> bool:
+    """Whether accountant state ``small``'s run-length history (σ, q, n) is the start of ``large``'s:
+    the two ledgers can be the same run's, ``large`` written later (a missing history says nothing)."""
+    try:
+        hs, hl = [list(r) for r in small["history"]], [list(r) for r in large["history"]]
+        if not hs:
+            return True
+        if len(hs) > len(hl) or hs[:-1] != hl[:len(hs) - 1]:
+            return False
+        (s1, q1, n1), (s2, q2, n2) = hs[-1], hl[len(hs) - 1]
+        return s1 == s2 and q1 == q2 and n1 <= n2
+    except (KeyError, TypeError, ValueError):  # (malformed: the accountant's own load says so)
+        return True
+
+
 def _derive_seed(seed: int, what: str) -> int:
     return int.from_bytes(hashlib.sha256(f"pdpsgd:{seed}:{what}".encode()).digest()[:8], "little") >> 1
 
@@ -227,33 +244,58 @@ class DPTrainer:
         return self.accountant.epsilon(delta=self.plan.delta if delta is None else delta)
 
     def step(self) -> Dict[str, Any]:
-        """One logical step; returns its telemetry record."""
+        """One logical step; returns its telemetry record.
+
+        A step that raises before its update is applied (the loss, an out-of-memory, the ledger's
+        write) leaves no trace: the sampler, every random stream and the accountant are put back as
+        they were, so calling ``step()`` again retries the same step, with the same batch and the same
+        noise (review, round 36: the batch stayed drawn, the sampler ran a draw ahead of the step
+        count, and the run ended one step short with "PoissonSampler is exhausted"). Nothing of the
+        failed attempt was released, and its retry releases what it would have released, once (a new
+        batch instead would make the released batches those that did not fail: no longer Poisson). A
+        step whose ``optimizer.step()`` raises may have applied part of its update: it stays on the
+        ledger and counts as taken."""
         t0 = time.perf_counter()
-        self.model.train(self.train_mode)
-        indices = self.sampler.sample()
-        pbs = physical_batches(indices, self.max_physical_batch)
         if self.dp:
-            total = None
-            for pb in pbs:
-                batch = gather(self.data, pb.indices, self.device)
-                part = self.dp_step.clipped_sum(self.params, batch, pb.mask.to(self.device))
-                total = part if total is None else total + part
-            out = self.dp_step.finalize(total, params=self.params)
-            grads = out.grads
-            # the ledger first: this step is recorded before its update can be released
-            self.accountant.step(noise_multiplier=self.plan.noise_multiplier, sample_rate=self.plan.sample_rate,
-                                 num_steps=1)
-            self.released += 1
-            self._write_ledger()
-            mask = total.mask
-        else:
-            out, grads, mask = self._nonprivate_grads(pbs), None, None
-        for name, p in self.params.items():
-            if grads is not None:
-                p.grad = grads[name].to(p.dtype)
-        self.optimizer.step()
+            self._check_ledger_file()  # (before anything is drawn: a refusal changes nothing)
+        saved = self._stream_states()
+        counted: Optional[Tuple[Dict[str, Any], int]] = None
+        try:
+            self.model.train(self.train_mode)
+            indices = self.sampler.sample()
+            pbs = physical_batches(indices, self.max_physical_batch)
+            if self.dp:
+                total = None
+                for pb in pbs:
+                    batch = gather(self.data, pb.indices, self.device)
+                    part = self.dp_step.clipped_sum(self.params, batch, pb.mask.to(self.device))
+                    total = part if total is None else total + part
+                out = self.dp_step.finalize(total, params=self.params)
+                grads = out.grads
+                # the ledger first: this step is recorded before its update can be released
+                counted = (self.accountant.state_dict(), self.released)
+                self.accountant.step(noise_multiplier=self.plan.noise_multiplier, sample_rate=self.plan.sample_rate,
+                                     num_steps=1)
+                self.released += 1
+                self._write_ledger()
+                mask = total.mask
+            else:
+                out, grads, mask = self._nonprivate_grads(pbs), None, None
+            for name, p in self.params.items():
+                if grads is not None:
+                    p.grad = grads[name].to(p.dtype)
+        except BaseException:
+            # nothing was released: put the draw, the streams and the count back (the retry is this step)
+            self._restore_streams(saved)
+            if counted is not None:
+                self.accountant.load_state_dict(counted[0])
+                self.released = counted[1]
+            raise
+        try:
+            self.optimizer.step()  # (the release: from here on the step counts as taken)
+        finally:
+            self.step_count += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.step_count += 1
         self.step_times.append(time.perf_counter() - t0)
         eps = None
         if self.dp and (self.step_count % self.epsilon_every == 0 or self.done):
@@ -307,6 +349,47 @@ class DPTrainer:
         return statistics.median(times[1:])
 
     # ---------------------------------------------------------------------------------------
+    def _reconcile_ledgers(self, given: Optional[Mapping[str, Any]]) -> Optional[Mapping[str, Any]]:
+        """The ledger to resume against: ``given`` and the trainer's own ``ledger_path`` file, whichever
+        counts more releases. The file is read even when a ledger is given (review, round 36: a copy
+        taken at checkpoint time hid the file's later releases; their batches and noise were replayed
+        and the file was rewritten with a smaller count), so its count is never lowered; either one
+        from another run (other σ, q or δ), or two that disagree on the history, are refused."""
+        found: List[Tuple[str, Mapping[str, Any]]] = []
+        if given is not None:
+            found.append(("", given))
+        if self.ledger_path is not None and self.ledger_path.exists():
+            # its own ledger file (review, round 33: not read, it was then rewritten from the checkpoint's
+            # smaller count at the next step, dropping releases already on it)
+            try:
+                content = json.loads(self.ledger_path.read_text())
+                if not isinstance(content, Mapping):
+                    raise ValueError("not a JSON object")
+            except (OSError, ValueError) as err:
+                raise ValueError(f"the privacy ledger {self.ledger_path} is unreadable ({err}); refusing to "
+                                 "resume (it may hold releases this state does not count)") from None
+            found.append((f" {self.ledger_path}", content))
+        if not found:
+            return None
+        if self.dp:  # another run's ledger would lend its history (review, round 33)
+            mine = self._ledger()
+            for where, led in found:
+                off = [f"{k}: {led[k]!r} in the ledger vs {mine[k]!r} here" for k in ("noise_multiplier", "sample_rate", "delta")
+                       if k in led and not math.isclose(float(led[k]), float(mine[k]), rel_tol=1e-12)]
+                if off:
+                    raise ValueError(f"the privacy ledger{where} is another run's ({', '.join(off)}): refusing to "
+                                     "resume with it. Point ledger_path at this run's ledger")
+        if len(found) == 1:
+            return found[0][1]
+        (_, a), (_, b) = found
+        na, nb = int(a.get("steps_released", 0)), int(b.get("steps_released", 0))
+        small, large = (a, b) if na <= nb else (b, a)
+        if not _history_prefix(small.get("accountant"), large.get("accountant")):
+            raise ValueError(f"the ledger given and the ledger file {self.ledger_path} belong to different runs (their "
+                             "accountant histories disagree): refusing to resume. Pass this run's ledger (the "
+                             "file's content), or point ledger_path at this run's ledger file")
+        return b if nb >= na else a  # (the file on a tie)
+
     def _privacy_key(self) -> Dict[str, Any]:
         """What a saved state must share with this trainer to continue its guarantee (review, round 33:
         a dp=False trainer's state was accepted by a private one, and its steps went uncounted)."""
@@ -326,24 +409,46 @@ class DPTrainer:
                 "sample_rate": self.plan.sample_rate, "delta": self.plan.delta,
                 "accountant": self.accountant.state_dict()}
 
+    def _check_ledger_file(self) -> None:
+        """Before the first write: the ledger file must not count releases that this trainer does not."""
+        if self.ledger_path is None or self._ledger_checked:
+            return
+        if self.ledger_path.exists():
+            # a fresh trainer on a ledger that already counts releases would rewrite it from its own
+            # smaller count, dropping them (review, round 34): resume that run, or use another path
+            try:
+                before = int(json.loads(self.ledger_path.read_text()).get("steps_released", 0))
+            except (OSError, ValueError, TypeError, AttributeError):
+                before = -1
+            if before < 0 or before > self.released:
+                what = "is unreadable" if before < 0 else f"already counts {before} released step(s)"
+                raise ValueError(f"the privacy ledger {self.ledger_path} {what}, which this trainer does "
+                                 "not: rewriting it would drop them. Resume that run (load_state_dict) or "
+                                 "give this one another ledger_path")
+        self._ledger_checked = True
+
     def _write_ledger(self) -> None:
         if self.ledger_path is not None:
             from .checkpoint import atomic_write_json
 
-            if not self._ledger_checked and self.ledger_path.exists():
-                # a fresh trainer on a ledger that already counts releases would rewrite it from its own
-                # smaller count, dropping them (review, round 34): resume that run, or use another path
-                try:
-                    before = int(json.loads(self.ledger_path.read_text()).get("steps_released", 0))
-                except (OSError, ValueError, TypeError, AttributeError):
-                    before = -1
-                if before < 0 or before >= self.released:
-                    what = "is unreadable" if before < 0 else f"already counts {before} released step(s)"
-                    raise ValueError(f"the privacy ledger {self.ledger_path} {what}, which this trainer does "
-                                     "not: rewriting it would drop them. Resume that run (load_state_dict) or "
-                                     "give this one another ledger_path")
-            self._ledger_checked = True
+            self._check_ledger_file()  # (step() ran it before its draw: then a no-op)
             atomic_write_json(self.ledger_path, self._ledger())
+
+    def _stream_states(self) -> Dict[str, Any]:
+        """The sampler's position and every random stream a step draws from (``_restore_streams``)."""
+        st = {"position": self.sampler.position, "sample": self.sample_generator.get_state(),
+              "noise": self.noise_generator.get_state(), "torch": torch.get_rng_state()}
+        if self.device.type == "cuda" and torch.cuda.is_available():
+            st["cuda"] = torch.cuda.get_rng_state(self.device)
+        return st
+
+    def _restore_streams(self, st: Mapping[str, Any]) -> None:
+        self.sampler.position = st["position"]
+        self.sample_generator.set_state(st["sample"])
+        self.noise_generator.set_state(st["noise"])
+        torch.set_rng_state(st["torch"])
+        if "cuda" in st:
+            torch.cuda.set_rng_state(st["cuda"], self.device)
 
     def state_dict(self) -> Dict[str, Any]:
         """Everything needed to continue: params, optimizer, accountant, sampler, RNG states.
@@ -379,7 +484,11 @@ class DPTrainer:
         is re-seeded from fresh OS entropy (no noise or sample is ever reused); returns a warning
         message in that case, else None.
 
-        ``ledger=None`` reads the trainer's own ``ledger_path`` if that file exists. Without any ledger a
+        The trainer's own ``ledger_path`` file, if it exists, is read too, ``ledger`` given or not, and
+        the larger count of the two wins (review, round 36: a given copy hid the file's later releases),
+        so the file's count is never lowered; one of another run, or two whose histories disagree, are
+        refused. A state whose sampler position is not its step count (a step that raised after its draw,
+        before round 36) is refused. Without any ledger a
         private trainer cannot tell whether updates after this
         checkpoint were released (an older checkpoint, or a second run from the same one): restoring
         the noise stream would repeat their noise, and on changed data two releases would then differ
@@ -394,21 +503,7 @@ class DPTrainer:
         return out
 
     def _load_state_dict(self, state: Mapping[str, Any], ledger: Optional[Mapping[str, Any]]) -> Optional[str]:
-        if ledger is None and self.ledger_path is not None and self.ledger_path.exists():
-            # its own ledger file (review, round 33: not read, it was then rewritten from the checkpoint's
-            # smaller count at the next step, dropping releases already on it)
-            try:
-                ledger = json.loads(self.ledger_path.read_text())
-            except (OSError, ValueError) as err:
-                raise ValueError(f"the privacy ledger {self.ledger_path} is unreadable ({err}); refusing to "
-                                 "resume (it may hold releases this state does not count)") from None
-        if ledger is not None and self.dp:  # another run's ledger would lend its history (review, round 33)
-            mine = self._ledger()
-            off = [f"{k}: {ledger[k]!r} in the ledger vs {mine[k]!r} here" for k in ("noise_multiplier", "sample_rate", "delta")
-                   if k in ledger and not math.isclose(float(ledger[k]), float(mine[k]), rel_tol=1e-12)]
-            if off:
-                raise ValueError(f"the privacy ledger is another run's ({', '.join(off)}): refusing to resume "
-                                 "with it. Point ledger_path at this run's ledger")
+        ledger = self._reconcile_ledgers(ledger)
         saved = state.get("privacy")
         if saved is not None and dict(saved) != self._privacy_key():
             diff = ", ".join(f"{k}: {saved.get(k)!r} in the state vs {v!r} here"
@@ -416,6 +511,12 @@ class DPTrainer:
             raise ValueError(f"the state was saved by a trainer with other privacy settings ({diff}): its steps "
                              "would be counted under this one's plan (a dp=False state's steps as private ones). "
                              "Build the trainer with the state's settings")
+        smp = state.get("sampler")
+        if isinstance(smp, Mapping) and "position" in smp and int(smp["position"]) != int(state["step"]):
+            # (a step that raised after its draw, before round 36: the plan's last step has no draw left)
+            raise ValueError(f"the state's sampler has drawn {int(smp['position'])} batch(es) but {int(state['step'])} "
+                             "step(s) were taken: a step failed after drawing its batch (before round 36), so the "
+                             "run cannot end on its plan from this state")
         params = state["params"]
         if set(params) != set(self.params):
             raise ValueError("checkpoint parameters differ from the model's trainable parameters")
@@ -502,7 +603,10 @@ def causal_lm_loss(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
 def load_text_classifier(path: os.PathLike, num_labels: int) -> Tuple[TextClassifier, Any]:
     """(model, tokenizer) from a local Hugging Face folder (offline); ``ModelError`` if unusable.
 
-    Dropout stays as configured (the model is put in train mode while training).
+    Dropout stays as configured (the model is put in train mode while training). Weights the folder
+    lacks (a BERT saved without its pooler), which from_pretrained initialises at random, are recorded
+    on the model (``_random_init``: name, parameter, whether the output uses it) for
+    ``model_fingerprint`` / ``random_init_fingerprint``.
     """
     path = Path(path)
     if not path.is_dir():
@@ -524,13 +628,52 @@ def load_text_classifier(path: os.PathLike, num_labels: int) -> Tuple[TextClassi
         except Exception as e:
             raise ModelError(f"cannot load a tokenizer from {path}: {_first_line(e)}") from None
         try:
-            enc = AutoModel.from_pretrained(str(path), attn_implementation="eager")
+            enc, info = AutoModel.from_pretrained(str(path), attn_implementation="eager", output_loading_info=True)
         except Exception as e:
             raise ModelError(f"cannot load a model from {path}: {_first_line(e)}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
-    return TextClassifier(enc, num_labels), tok
+    model = TextClassifier(enc, num_labels)
+    model._random_init = _random_init_weights(model, enc, info, tok)
+    return model, tok
+
+
+def _random_init_weights(model: TextClassifier, enc: nn.Module, info: Any, tok: Any) -> List[Tuple[str, nn.Parameter, bool]]:
+    """(name, parameter, used) of the encoder's weights that the folder did not hold (or held in another
+    shape): from_pretrained initialised them at random. ``used``: the classifier's output depends on it
+    (autograd reaches it from a two-token forward in eval mode; BERT's pooler, unused, is not); True
+    when that forward fails (the safe side)."""
+    keys = set()
+    for k in list((info or {}).get("missing_keys") or []) + list((info or {}).get("mismatched_keys") or []):
+        keys.add(k if isinstance(k, str) else k[0])
+    if not keys:
+        return []
+    prefix = (getattr(enc, "base_model_prefix", "") or "") + "."
+    keys |= {k[len(prefix):] for k in keys if prefix != "." and k.startswith(prefix)}
+    names: Dict[int, List[str]] = {}
+    objs: Dict[int, nn.Parameter] = {}
+    for n, p in enc.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+        objs[id(p)] = p
+    # (a parameter also reachable under a name that was loaded, a tied weight, holds loaded values)
+    rand = [(ns[0], objs[i]) for i, ns in names.items() if all(n in keys for n in ns)]
+    if not rand:
+        return []
+    used = [True] * len(rand)
+    was = model.training
+    try:
+        model.eval()
+        batch = tok(["a b"], return_tensors="pt")
+        with torch.enable_grad():
+            out = model(batch["input_ids"], batch["attention_mask"])
+            grads = torch.autograd.grad(out.sum(), [p for _, p in rand], allow_unused=True)
+        used = [g is not None for g in grads]
+    except Exception:  # noqa: BLE001  (then every such weight counts as used)
+        pass
+    finally:
+        model.train(was)
+    return [(n, p, u) for (n, p), u in zip(rand, used)]
 
 
 def head_body_groups(model: nn.Module) -> Optional[Dict[str, List[str]]]:
@@ -646,14 +789,43 @@ def evaluate(model: nn.Module, data: Mapping[str, Tensor], *, batch_size: int = 
     return {"accuracy": correct / max(1, n), "loss": loss / max(1, n), "examples": n}
 
 
+def _random_ids(model: nn.Module) -> Dict[int, Tuple[str, bool]]:
+    return {id(p): (n, used) for n, p, used in getattr(model, "_random_init", None) or ()}
+
+
 def model_fingerprint(model: nn.Module) -> str:
     """sha256 over every parameter's name, shape, dtype and trainability, and the *values* of all
     parameters that come from the pretrained folder (everything except the randomly initialised
-    ``head.*`` and LoRA adapters). Call it right after loading: two different pretrained models
-    (or architectures) never share it, whatever is trained."""
+    ``head.*`` and LoRA adapters, and the weights that ``load_text_classifier`` found missing from the
+    folder, which from_pretrained initialised at random: review, round 36, a run without a seed on a
+    BERT saved without its pooler could never be resumed). Call it right after loading: two
+    different pretrained models (or architectures) never share it, whatever is trained. For the
+    missing weights that matter on resume, see ``random_init_fingerprint``."""
+    rand = _random_ids(model)
     h = hashlib.sha256()
     for n, p in model.named_parameters():
         h.update(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
-        if not n.startswith("head.") and "lora_" not in n:
+        if not n.startswith("head.") and "lora_" not in n and id(p) not in rand:
+            h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def frozen_random_weights(model: nn.Module) -> List[str]:
+    """Names (the folder's, as in the encoder) of the weights that the model folder lacked, so from_pretrained initialised them
+    at random, that the classifier's output uses, and that do not train: a checkpoint does not hold them,
+    so a resumed run is the same model only if they come out the same (the same ``--seed``)."""
+    return sorted(n for n, p, used in getattr(model, "_random_init", None) or () if used and not p.requires_grad)
+
+
+def random_init_fingerprint(model: nn.Module) -> Optional[str]:
+    """sha256 over the values of ``frozen_random_weights(model)`` (None when there are none): a run
+    resumed with other values would continue another model."""
+    names = set(frozen_random_weights(model))
+    if not names:
+        return None
+    h = hashlib.sha256()
+    for n, p, _ in model._random_init:
+        if n in names:
+            h.update(f"{n}:{tuple(p.shape)}:{p.dtype};".encode())
             h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

@@ -29,8 +29,10 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def make_tiny_model(path: Path, seed: int = 0) -> Path:
-    """A 2-layer, 16-wide BERT + tokenizer saved with save_pretrained (a local HF folder)."""
+def make_tiny_model(path: Path, seed: int = 0, pooler: bool = True, drop=()) -> Path:
+    """A 2-layer, 16-wide BERT + tokenizer saved with save_pretrained (a local HF folder).
+    ``pooler=False``: saved without its pooler (as sentence-transformers exports are); ``drop``: weight
+    names left out of the saved file (loading then initialises them at random)."""
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     path.mkdir(parents=True, exist_ok=True)
@@ -41,7 +43,14 @@ def make_tiny_model(path: Path, seed: int = 0) -> Path:
                      intermediate_size=32, max_position_embeddings=32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        BertModel(cfg).save_pretrained(path)
+        BertModel(cfg, add_pooling_layer=pooler).save_pretrained(path)
+    if drop:
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(str(path / "model.safetensors"))
+        assert set(drop) <= set(weights), sorted(weights)
+        save_file({k: v for k, v in weights.items() if k not in drop}, str(path / "model.safetensors"),
+                  metadata={"format": "pt"})
     return path
 
 
@@ -227,6 +236,9 @@ def test_missing_columns_and_one_class_and_empty(tiny, tmp_path, capsys):
                                              ("--weight-decay", "-1", "--weight-decay must be a finite number ≥ 0"),
                                              ("--weight-decay", "nan", "--weight-decay must be a finite number ≥ 0"),
                                              ("--epochs", "inf", "--epochs must be a finite number > 0"),
+                                             ("--lr", "inf", "--lr and --head-lr must be finite numbers > 0"),
+                                             ("--head-lr", "nan", "--lr and --head-lr must be finite numbers > 0"),
+                                             ("--lr", "0", "--lr and --head-lr must be finite numbers > 0"),
                                              ("--train-params", "middle", "--train-params 'middle'")])
 def test_bad_settings(tiny, tmp_path, capsys, opt, val, needle):
     rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o") + [opt, val], capsys)
@@ -263,6 +275,41 @@ def test_resume_without_the_ledger_is_refused(tiny, tmp_path, capsys):
     (out / "ledger.json").unlink()
     rc, _, err = run_cli(tiny_args(tiny, out, "--epochs", "0.5", "--resume"), capsys)
     _check_one_line_error(rc, err, "has no privacy ledger beside it")
+
+
+def test_a_run_without_seed_resumes_when_the_model_folder_lacks_weights(tiny, tmp_path, capsys):
+    """Review, round 36: a model folder without some weights (a BERT saved without its pooler, as
+    sentence-transformers exports are) has them initialised at random, differently in every process
+    without --seed; the fingerprint hashed them, so such a run could never be resumed ("belongs to a
+    different run (model: ...)"). The pooler is not used by the classifier: it now resumes, whether
+    the pooler trains or not. A missing weight that the forward uses and that does not train makes a
+    resumed run another model (checkpoint.pt does not hold it): that stays an error, which says so,
+    and such a run started with --seed resumes with it."""
+    data = {"data": tiny["data"]}
+    no_pooler = {**data, "model": make_tiny_model(tmp_path / "nopooler", pooler=False)}
+    for spec in ("all", "top-1"):
+        out = tmp_path / f"run-{spec}"
+        rc, _, err = run_cli(tiny_args(no_pooler, out, "--train-params", spec, "--interrupt-after", "2"), capsys)
+        assert rc == 130, err
+        rc, _, err = run_cli(tiny_args(no_pooler, out, "--train-params", spec, "--resume"), capsys)
+        assert rc == 0, err
+        assert "resumed from" in err and json.loads((out / "report.json").read_text())["results"]["steps"] == 4
+    holed = {**data, "model": make_tiny_model(tmp_path / "holed", drop=("encoder.layer.0.output.dense.weight",))}
+    out = tmp_path / "holed-top1"
+    args = tiny_args(holed, out, "--train-params", "top-1")  # (layer 0, with the hole, stays frozen)
+    assert run_cli(args + ["--interrupt-after", "2"], capsys)[0] == 130
+    rc, _, err = run_cli(args + ["--resume"], capsys)
+    _check_one_line_error(rc, err, "the model folder lacks encoder.layer.0.output.dense.weight, so loading "
+                                   "initialised it at random")
+    assert "Resume with that run's --seed" in err
+    out = tmp_path / "holed-top1-seed"
+    args = tiny_args(holed, out, "--train-params", "top-1")
+    assert run_cli(args + ["--seed", "5", "--interrupt-after", "2"], capsys)[0] == 130
+    assert run_cli(args + ["--seed", "5", "--resume"], capsys)[0] == 0
+    out = tmp_path / "holed-all"  # (trained: its values are in the checkpoint)
+    args = tiny_args(holed, out, "--train-params", "all")
+    assert run_cli(args + ["--interrupt-after", "2"], capsys)[0] == 130
+    assert run_cli(args + ["--resume"], capsys)[0] == 0
 
 
 def test_a_ledger_without_a_checkpoint_is_not_overwritten(tiny, tmp_path, capsys):
@@ -357,6 +404,36 @@ def test_check_reports_an_exceeded_sensitivity_bound(tmp_path, capsys, monkeypat
     assert "exceeds its sensitivity bound" in out and "MISMATCH" not in out, out
     rc, out, err = run_cli(["check", str(ok), "--method", "vmap", "--clip", "0.05", "--no-sensitivity"], capsys)
     assert rc == 0 and "sensitivity OK" not in out, out
+
+
+CHECK_NAN_ALONE = '''
+import torch, torch.nn.functional as F
+from torch import nn
+torch.manual_seed(0)
+class Std(nn.Module):  # batch statistics with an unbiased std: nan for an example alone
+    def forward(self, x):
+        return (x - x.mean(0, keepdim=True)) / (x.std(0, keepdim=True) + 1e-3)
+model = nn.Sequential(nn.Linear(4, 6), Std(), nn.Linear(6, 3))
+def loss_fn(model, b):
+    return F.cross_entropy(model(b["x"]), b["y"], reduction="none")
+batch = {"x": torch.randn(5, 4), "y": torch.tensor([0, 1, 2, 0, 1])}
+'''
+
+
+def test_check_fails_when_the_step_drops_every_example(tmp_path, capsys):
+    """A model whose every example is non-finite on its own (batch statistics of one example) makes
+    the step drop the whole batch and add noise alone: `pdpsgd check` fails and says so (review,
+    round 36: it printed "sensitivity OK ... at most 0 × C"). A batch with one non-finite row passes
+    with a warning naming it."""
+    f = tmp_path / "nan_alone.py"
+    f.write_text(CHECK_NAN_ALONE)
+    rc, out, err = run_cli(["check", str(f), "--method", "vmap"], capsys)
+    assert rc == 1 and "SENSITIVITY NOT SHOWN" in out and "every example" in out and "dropped" in out, out + err
+    assert "FAILED: vmap" in out and "EXCEEDED" not in out, out
+    g = tmp_path / "one_nan.py"
+    g.write_text(CHECK_OK.replace('return {"x": torch.randn(5, 4)', 'return {"x": torch.randn(5, 4).index_fill(0, torch.tensor([3]), float("nan"))'))
+    rc, out, err = run_cli(["check", str(g), "--method", "vmap"], capsys)
+    assert rc == 0 and "[vmap] sensitivity OK" in out and "WARNING" in out and "[3]" in out, out + err
 
 
 def test_check_user_errors(tmp_path, capsys):

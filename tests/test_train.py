@@ -18,12 +18,14 @@ from pdpsgd.train import (DPTrainer, ModelError, classification_loss, default_de
 from test_cli import make_tiny_data, make_tiny_model, one_thread  # noqa: F401
 
 
-def _mlp_setup(N=40, seed=0, dp=True, batch=8, epochs=1.0, sigma=None, ledger=None, init_seed=None):
+def _mlp_setup(N=40, seed=0, dp=True, batch=8, epochs=1.0, sigma=None, ledger=None, init_seed=None, wrap_loss=None):
     torch.manual_seed(0)
     data = {"x": torch.randn(N, 5), "y": torch.randint(0, 3, (N,))}
     torch.manual_seed(seed if init_seed is None else init_seed)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
     loss = lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none")
+    if wrap_loss is not None:
+        loss = wrap_loss(loss)
     plan = plan_training(N, batch_size=batch, epochs=epochs, target_epsilon=2.0, delta=1e-5, noise_multiplier=sigma)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tr = DPTrainer(model, loss, data, optimizer=opt, plan=plan, max_grad_norm=1.0, max_physical_batch=4, dp=dp,
@@ -71,6 +73,8 @@ def test_a_fresh_trainer_refuses_a_ledger_that_counts_releases(tmp_path):
     done.load_state_dict(final)
     assert done.done and done.epsilon().upper == again.epsilon().upper
     with pytest.raises(ValueError, match="no random streams"):
+        _mlp_setup(ledger=tmp_path / "other.json")[0].load_state_dict({**mid, "rng": None})
+    with pytest.raises(ValueError, match="sampler has drawn 5 batch"):  # (round 36: refused before that)
         _mlp_setup(ledger=tmp_path / "other.json")[0].load_state_dict({**final, "step": 1})
     # a failed load reconciled nothing: the guard of the first write stays on
     wider, *_ = _mlp_setup(ledger=ledger, sigma=0.5)
@@ -464,3 +468,179 @@ def test_a_stale_or_foreign_ledger_is_not_trusted(tmp_path):
     tr3, *_ = _mlp_setup(seed=1, epochs=2)
     with pytest.raises(ValueError, match="another run's .*noise_multiplier: 3.0 in the ledger"):
         tr3.load_state_dict(state, ledger=foreign)
+
+
+def test_an_explicit_ledger_does_not_hide_the_trainers_ledger_file(tmp_path):
+    """Review, round 36: load_state_dict(state, ledger=<copy taken with the state>) ignored the
+    trainer's own ledger file, which counted 2 later releases: the streams were continued, so the next
+    step repeated the released step 4 bit for bit (its batch and its noise), and the file was
+    rewritten 5 -> 4. The file is now reconciled too: the larger count wins (re-seeded, kept on the
+    ledger), the file's count is never lowered, and a file of another run is refused."""
+    L = tmp_path / "ledger.json"
+    tr, model, _, _ = _mlp_setup(seed=None, init_seed=0, epochs=2, ledger=L)
+    for _ in range(3):
+        tr.step()
+    state, snap = tr.state_dict(), json.loads(L.read_text())
+    tr.step()
+    step4 = [p.detach().clone() for p in model.parameters()]
+    tr.step()
+    assert json.loads(L.read_text())["steps_released"] == 5
+    tr2, model2, _, _ = _mlp_setup(seed=None, init_seed=0, epochs=2, ledger=L)
+    msg = tr2.load_state_dict(state, ledger=snap)
+    assert msg is not None and "2 step(s) were released after the last checkpoint" in msg and tr2.reseeded
+    assert tr2.released == 5 and tr2.accountant.num_steps == 5
+    tr2.step()
+    assert not any(torch.equal(a, b) for a, b in zip(step4, model2.parameters()))  # fresh batch and noise
+    assert json.loads(L.read_text())["steps_released"] == 6 and tr2.accountant.num_steps == 6
+    # the given ledger ahead of the file (an older copy put back): the larger count wins, and is written
+    later = json.loads(L.read_text())
+    L.write_text(json.dumps(snap))
+    tr3, *_ = _mlp_setup(seed=None, init_seed=0, epochs=2, ledger=L)
+    assert "3 step(s) were released" in tr3.load_state_dict(state, ledger=later)
+    tr3.step()
+    assert json.loads(L.read_text())["steps_released"] == 7
+    # the same count on both: the streams continue exactly, as with the file alone
+    L.write_text(json.dumps(snap))
+    tr4, *_ = _mlp_setup(seed=None, init_seed=0, epochs=2, ledger=L)
+    assert tr4.load_state_dict(state, ledger=snap) is None and not tr4.reseeded
+    # the file is another run's (other σ), or the two disagree on the history: refused, nothing written
+    L.write_text(json.dumps(dict(later, noise_multiplier=3.0)))
+    tr5, *_ = _mlp_setup(seed=None, init_seed=0, epochs=2, ledger=L)
+    with pytest.raises(ValueError, match=f"ledger {L} is another run's .*noise_multiplier: 3.0"):
+        tr5.load_state_dict(state, ledger=snap)
+    sigma = snap["noise_multiplier"]
+    mixed = dict(later, accountant=dict(later["accountant"], history=[[sigma * 2, snap["sample_rate"], 1],
+                                                                       [sigma, snap["sample_rate"], 5]]))
+    L.write_text(json.dumps(mixed))
+    tr6, *_ = _mlp_setup(seed=None, init_seed=0, epochs=2, ledger=L)
+    with pytest.raises(ValueError, match="belong to different runs"):
+        tr6.load_state_dict(state, ledger=snap)
+    L.write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable"):
+        _mlp_setup(seed=None, init_seed=0, epochs=2, ledger=L)[0].load_state_dict(state, ledger=snap)
+
+
+class _FailOnce:
+    """Raises RuntimeError at the k-th call of the wrapped function (an OOM, a transient I/O error)."""
+
+    def __init__(self, fn, k):
+        self.fn, self.k, self.calls = fn, k, 0
+
+    def __call__(self, *a, **kw):
+        self.calls += 1
+        if self.calls == self.k:
+            raise RuntimeError("transient failure")
+        return self.fn(*a, **kw)
+
+
+@pytest.mark.parametrize("where", ["loss", "finalize", "ledger"])
+def test_a_step_that_raises_before_its_release_is_retried_as_the_same_step(where, tmp_path, monkeypatch):
+    """Review, round 36: the Poisson batch was drawn before anything that can raise, so one exception
+    (the loss raising once, an out-of-memory) left the sampler a draw ahead of the step count: the
+    run then ended with "PoissonSampler is exhausted", one step short and never done. A step that
+    raises before its update is applied now leaves no trace (nothing of it was released): the retry
+    draws the same batch and the same noise, so the run ends as if it had never failed."""
+    import pdpsgd.checkpoint as ckpt
+
+    ref, ref_model, _, plan = _mlp_setup(seed=4, epochs=1.5, ledger=tmp_path / "ref.json")
+    while not ref.done:
+        ref.step()
+    wrap = (lambda fn: _FailOnce(fn, 3)) if where == "loss" else None
+    tr, model, _, _ = _mlp_setup(seed=4, epochs=1.5, ledger=tmp_path / "ledger.json", wrap_loss=wrap)
+    if where == "finalize":
+        tr.dp_step.finalize = _FailOnce(tr.dp_step.finalize, 2)
+    elif where == "ledger":
+        monkeypatch.setattr(ckpt, "atomic_write_json", _FailOnce(ckpt.atomic_write_json, 2))
+    failures = 0
+    while not tr.done:
+        try:
+            tr.step()
+        except RuntimeError as e:
+            assert "transient failure" in str(e)
+            failures += 1
+            assert tr.sampler.position == tr.step_count and tr.released == tr.step_count
+            assert tr.accountant.num_steps == tr.step_count
+    assert failures == 1 and tr.step_count == plan.steps and tr.accountant.num_steps == plan.steps
+    assert json.loads((tmp_path / "ledger.json").read_text())["steps_released"] == plan.steps
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_step_whose_update_raises_counts_as_taken(tmp_path):
+    """An exception from the optimizer's step may come after part of the update was applied: that
+    step's noisy gradient is then (partly) released, so it stays on the ledger and counts as taken
+    (the next step draws the next batch), and the run still ends on plan."""
+    tr, _, _, plan = _mlp_setup(seed=4, ledger=tmp_path / "ledger.json")
+    tr.optimizer.step = _FailOnce(tr.optimizer.step, 2)
+    failures = 0
+    while not tr.done:
+        try:
+            tr.step()
+        except RuntimeError:
+            failures += 1
+            assert tr.step_count == tr.sampler.position == tr.released == 2
+    assert failures == 1 and tr.step_count == tr.sampler.position == plan.steps == tr.accountant.num_steps
+
+
+def test_a_state_whose_sampler_disagrees_with_its_step_count_is_refused():
+    """A state saved after a failed step before round 36 has the sampler a draw ahead of its step
+    count: it cannot end on plan, and is refused with a clear error."""
+    tr, *_ = _mlp_setup(seed=1, epochs=2)
+    tr.step()
+    state = tr.state_dict()
+    skewed = {**state, "sampler": {**state["sampler"], "position": 2}}
+    with pytest.raises(ValueError, match="sampler has drawn 2 batch.* but 1 step"):
+        _mlp_setup(seed=1, epochs=2)[0].load_state_dict(skewed)
+
+
+def test_the_fingerprint_leaves_out_weights_initialised_at_random(tmp_path):
+    """Review, round 36: a model folder without some weights (a BERT saved without its pooler) has
+    them initialised at random by from_pretrained, differently in every process without a seed; the
+    fingerprint hashed them, so the run could never be resumed. It now hashes the weights the folder
+    holds (still changing with any of them). A missing weight that the classifier uses and that does
+    not train is what ``random_init_fingerprint`` hashes (a resumed run needs the same values)."""
+    from pdpsgd.train import frozen_random_weights, random_init_fingerprint
+
+    def load(path, spec, seed):
+        torch.manual_seed(seed)
+        m, _ = load_text_classifier(path, 3)
+        select_trainable(m, spec)
+        return m
+
+    no_pooler = make_tiny_model(tmp_path / "nopooler", pooler=False)
+    for spec in ("all", "top-1", "head"):
+        a, b = load(no_pooler, spec, 1), load(no_pooler, spec, 2)
+        assert not torch.equal(a.encoder.pooler.dense.weight, b.encoder.pooler.dense.weight)
+        assert model_fingerprint(a) == model_fingerprint(b)
+        assert random_init_fingerprint(a) is None  # (the pooler is not used by TextClassifier)
+        assert [n for n, _, used in a._random_init] == ["pooler.dense.weight", "pooler.dense.bias"]
+        assert frozen_random_weights(a) == [] and not any(used for *_, used in a._random_init)
+    other = make_tiny_model(tmp_path / "other", seed=5, pooler=False)
+    assert model_fingerprint(load(other, "top-1", 1)) != model_fingerprint(load(no_pooler, "top-1", 1))
+    # one weight of the folder changed: another fingerprint
+    from safetensors.torch import load_file, save_file
+
+    edited = make_tiny_model(tmp_path / "edited", pooler=False)
+    w = load_file(str(edited / "model.safetensors"))
+    w["encoder.layer.0.output.dense.weight"][0, 0] += 1.0
+    save_file(w, str(edited / "model.safetensors"), metadata={"format": "pt"})
+    assert model_fingerprint(load(edited, "top-1", 1)) != model_fingerprint(load(no_pooler, "top-1", 1))
+    # a hole in a used layer: left out of the model fingerprint; hashed apart when it does not train
+    holed = make_tiny_model(tmp_path / "holed", drop=("encoder.layer.0.output.dense.weight",))
+    a, b = load(holed, "top-1", 1), load(holed, "top-1", 2)
+    assert model_fingerprint(a) == model_fingerprint(b)
+    assert frozen_random_weights(a) == ["encoder.layer.0.output.dense.weight"]
+    assert random_init_fingerprint(a) != random_init_fingerprint(b)
+    assert random_init_fingerprint(a) == random_init_fingerprint(load(holed, "top-1", 1))
+    assert random_init_fingerprint(load(holed, "all", 1)) is None  # (trained: restored from the checkpoint)
+    full = make_tiny_model(tmp_path / "full")  # a folder with every weight: the fingerprint as before
+    m = load(full, "top-1", 1)
+    assert random_init_fingerprint(m) is None
+    import hashlib
+
+    h = hashlib.sha256()
+    for n, p in m.named_parameters():
+        h.update(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
+        if not n.startswith("head."):
+            h.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    assert model_fingerprint(m) == h.hexdigest()
