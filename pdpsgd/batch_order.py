@@ -11,9 +11,10 @@ an ordering (``sort``, ``argsort``, ``topk``, ``randperm``, ``nonzero``, ``where
 ...) and whatever is computed from a marked tensor (a marked value written into a tensor marks it),
 and reports an op that selects or places the B rows of a dimension of size B (the batch's, first or
 not) by a marked integer index of B entries, or by a Python list or NumPy array of B entries (whose
-origin it cannot see), whatever their values are in this batch; also one row of it by a marked 0-d
-integer index (an order's entry: ``torch.stack([x[i] for i in order])`` applies the order row by
-row). An index of another length (the rows of a token mask's ``nonzero``, scattered back to their
+origin it cannot see), whatever their values are in this batch; also one row of it by an entry of
+such an order (a 0-d tensor taken from it by indexing, iterating or ``unbind``:
+``torch.stack([x[i] for i in order])`` applies the order row by row; another computed scalar, e.g.
+a position found by ``nonzero`` along the sequence, is not one). An index of another length (the rows of a token mask's ``nonzero``, scattered back to their
 own examples) is not a reordering of the batch and is not reported; a Python int or an unmarked 0-d
 index (``x[0]``) is not either.
 
@@ -51,6 +52,7 @@ ROW_OPS = {name: (1, 2) for name in (
     "scatter_reduce", "scatter_reduce_")}
 ROW_OPS["take_along_dim"] = (2, 1)
 _KEYED = ("__getitem__", "__setitem__", "index_put", "index_put_")
+_ENTRY_OPS = frozenset({"__getitem__", "unbind", "select"})  # ops that take an order's entries (``for i in order``)
 
 _TORCH_RNN = (os.path.join("torch", "nn", "utils", "rnn.py"), os.path.join("torch", "nn", "modules", "rnn.py"))
 _OURS = os.path.dirname(os.path.abspath(__file__))
@@ -77,6 +79,7 @@ class ReorderWatch(TorchFunctionMode):
         self.B = B
         self.found: Optional[str] = None
         self._marked: Dict[int, "weakref.ref[Tensor]"] = {}
+        self._entries: Dict[int, "weakref.ref[Tensor]"] = {}  # 0-d entries taken from a marked order of B
 
     def _is_marked(self, x: Any) -> bool:
         if not isinstance(x, Tensor):
@@ -89,14 +92,22 @@ class ReorderWatch(TorchFunctionMode):
             if isinstance(t, Tensor):
                 self._marked[id(t)] = weakref.ref(t)
 
+    def _is_order(self, x: Any) -> bool:
+        """A marked integer tensor of B entries: an order of the batch (its entries are tagged)."""
+        return (self._is_marked(x) and x.dim() == 1 and x.shape[0] == self.B and not x.is_floating_point()
+                and x.dtype != torch.bool)
+
     def _orders(self, index: Any, size: int) -> bool:
         """Whether ``index``, on a dimension of size B, is a computed order of the B rows, or one entry
         of one (a 0-d index: the order applied row by row)."""
         if size != self.B:
             return False
         if isinstance(index, Tensor):
+            if index.dim() == 0:  # (an entry of an order, not any computed scalar: review, round 36)
+                r = self._entries.get(id(index))
+                return r is not None and r() is index
             return (self._is_marked(index) and not index.is_floating_point() and index.dtype != torch.bool
-                    and (index.dim() == 0 or index.dim() == 1 and index.shape[0] == self.B))
+                    and index.dim() == 1 and index.shape[0] == self.B)
         if isinstance(index, (list, tuple)) and len(index) == self.B:
             return all(isinstance(i, int) or (isinstance(i, Tensor) and i.dim() == 0) for i in index)
         ndarray = getattr(sys.modules.get("numpy"), "ndarray", None)
@@ -148,6 +159,10 @@ class ReorderWatch(TorchFunctionMode):
                 self.found = (f"{name} at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}, by an "
                               "order computed with sort, argsort, topk, nonzero, ... or a Python list")
         out = func(*args, **kwargs)
+        if name in _ENTRY_OPS and args and self._is_order(args[0]):  # order[k], iterating or unbinding an order
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, Tensor) and t.dim() == 0:
+                    self._entries[id(t)] = weakref.ref(t)
         ordering = name in ORDERINGS or (name == "where" and len(args) + len(kwargs) == 1)
         flat = tree_flatten((args, kwargs))[0]
         if ordering or any(self._is_marked(a) for a in flat):

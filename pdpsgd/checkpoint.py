@@ -100,6 +100,10 @@ def json_ready(o: Any) -> Any:
         return [json_ready(v) for v in o]
     if isinstance(o, (str, int, bool)) or o is None:
         return o
+    if getattr(o, "ndim", None) == 0 and callable(getattr(o, "item", None)):  # numpy / torch scalars
+        return json_ready(o.item())
+    if callable(getattr(o, "tolist", None)) and not isinstance(o, torch.Tensor):  # numpy arrays
+        return json_ready(o.tolist())
     return json_ready(_json_default(o))
 
 

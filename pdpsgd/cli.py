@@ -401,6 +401,7 @@ def run_train(a: argparse.Namespace) -> int:
         "steps": plan.steps, "clip": a.clip, "delta": delta, "clipping": a.clipping,
     }
     frozen_random = random_init_fingerprint(model)  # (weights the folder lacks, used and not trained)
+    legacy_model = model_fingerprint(model, legacy=True)  # (what checkpoints before round 36 hashed)
     if frozen_random is not None:
         fingerprint["frozen_random_init"] = frozen_random
 
@@ -409,6 +410,13 @@ def run_train(a: argparse.Namespace) -> int:
         try:
             state = load_checkpoint(ckpt_path)
             saved_fp = state.get("fingerprint", {})
+            if isinstance(saved_fp, Mapping) and saved_fp.get("model") not in (None, fingerprint["model"]) \
+                    and saved_fp.get("model") == legacy_model:
+                # a checkpoint from before round 36 hashed the values of the weights the folder lacks
+                # too: equal here, so the same model (those values included)
+                saved_fp = {**saved_fp, "model": fingerprint["model"]}
+                if "frozen_random_init" in fingerprint:
+                    saved_fp["frozen_random_init"] = fingerprint["frozen_random_init"]
             if isinstance(saved_fp, Mapping) and saved_fp.get("frozen_random_init") != fingerprint.get("frozen_random_init"):
                 rest = "frozen_random_init"  # (any other difference is said first)
                 check_fingerprint({k: v for k, v in saved_fp.items() if k != rest},

@@ -51,6 +51,7 @@ def _compiled():
     return _COMPILED
 
 
+_OOM = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), MemoryError)
 _COMPILE_FAILED: Optional[str] = None  # why the compiled function could not run (then eager from there on)
 
 
@@ -61,6 +62,8 @@ def _run(sums, zs, inv_denom: float, dtypes):
     if _COMPILE_FAILED is None:
         try:
             return _compiled()(sums, zs, inv_denom, dtypes)
+        except _OOM:
+            raise  # (memory, not the backend: eager would need it too, and compile stays on)
         except Exception as e:  # (the backend's own errors have no common base class)
             _COMPILE_FAILED = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             warn(f"torch.compile could not build the fused noise function ({_COMPILE_FAILED}); the noise is "

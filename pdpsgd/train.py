@@ -496,9 +496,13 @@ class DPTrainer:
         re-seeded from fresh entropy and a warning is returned (ε counts this checkpoint's steps only).
         Pass the ledger to continue the streams exactly.
         """
+        # (only a load that went through reconciled the state with the ledger: after a failed one, part
+        # of the state may be loaded (a smaller count), so the guard of the first write is on again;
+        # review, round 34, and round 36: a trainer that had stepped kept it off)
+        self._ledger_checked = False
         out = self._load_state_dict(state, ledger)
-        # (only a load that went through reconciled the state with the ledger: after a failed one the
-        # guard of the first write stays on; review, round 34)
+        if hasattr(self.telemetry, "load_state_dict") and state.get("telemetry"):
+            self.telemetry.load_state_dict(state["telemetry"])  # (last: it rewrites its log file)
         self._ledger_checked = True
         return out
 
@@ -531,8 +535,6 @@ class DPTrainer:
         self.sampler.load_state_dict(state["sampler"])
         self.step_count = int(state["step"])
         self.released = int(state.get("released", self.step_count))
-        if hasattr(self.telemetry, "load_state_dict") and state.get("telemetry"):
-            self.telemetry.load_state_dict(state["telemetry"])
         self.step_times = [float(x) for x in state.get("step_times", torch.zeros(0)).tolist()]
         rng = state.get("rng")
         if rng is None and not self.done:
@@ -635,15 +637,16 @@ def load_text_classifier(path: os.PathLike, num_labels: int) -> Tuple[TextClassi
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
     model = TextClassifier(enc, num_labels)
-    model._random_init = _random_init_weights(model, enc, info, tok)
+    model._random_init = _random_init_weights(enc, info)
     return model, tok
 
 
-def _random_init_weights(model: TextClassifier, enc: nn.Module, info: Any, tok: Any) -> List[Tuple[str, nn.Parameter, bool]]:
+def _random_init_weights(enc: nn.Module, info: Any) -> List[Tuple[str, nn.Parameter, bool]]:
     """(name, parameter, used) of the encoder's weights that the folder did not hold (or held in another
-    shape): from_pretrained initialised them at random. ``used``: the classifier's output depends on it
-    (autograd reaches it from a two-token forward in eval mode; BERT's pooler, unused, is not); True
-    when that forward fails (the safe side)."""
+    shape): from_pretrained initialised them at random. ``used``: the classifier may read it, i.e. all
+    but the encoder's pooler (``TextClassifier`` reads ``last_hidden_state`` only). Not a probe by a
+    forward (review, round 36: one short eval-mode forward misses weights read only in train mode, at
+    longer lengths or by another routed expert)."""
     keys = set()
     for k in list((info or {}).get("missing_keys") or []) + list((info or {}).get("mismatched_keys") or []):
         keys.add(k if isinstance(k, str) else k[0])
@@ -658,22 +661,7 @@ def _random_init_weights(model: TextClassifier, enc: nn.Module, info: Any, tok: 
         objs[id(p)] = p
     # (a parameter also reachable under a name that was loaded, a tied weight, holds loaded values)
     rand = [(ns[0], objs[i]) for i, ns in names.items() if all(n in keys for n in ns)]
-    if not rand:
-        return []
-    used = [True] * len(rand)
-    was = model.training
-    try:
-        model.eval()
-        batch = tok(["a b"], return_tensors="pt")
-        with torch.enable_grad():
-            out = model(batch["input_ids"], batch["attention_mask"])
-            grads = torch.autograd.grad(out.sum(), [p for _, p in rand], allow_unused=True)
-        used = [g is not None for g in grads]
-    except Exception:  # noqa: BLE001  (then every such weight counts as used)
-        pass
-    finally:
-        model.train(was)
-    return [(n, p, u) for (n, p), u in zip(rand, used)]
+    return [(n, p, not n.startswith("pooler.")) for n, p in rand]
 
 
 def head_body_groups(model: nn.Module) -> Optional[Dict[str, List[str]]]:
@@ -793,15 +781,17 @@ def _random_ids(model: nn.Module) -> Dict[int, Tuple[str, bool]]:
     return {id(p): (n, used) for n, p, used in getattr(model, "_random_init", None) or ()}
 
 
-def model_fingerprint(model: nn.Module) -> str:
+def model_fingerprint(model: nn.Module, *, legacy: bool = False) -> str:
     """sha256 over every parameter's name, shape, dtype and trainability, and the *values* of all
     parameters that come from the pretrained folder (everything except the randomly initialised
     ``head.*`` and LoRA adapters, and the weights that ``load_text_classifier`` found missing from the
     folder, which from_pretrained initialised at random: review, round 36, a run without a seed on a
     BERT saved without its pooler could never be resumed). Call it right after loading: two
     different pretrained models (or architectures) never share it, whatever is trained. For the
-    missing weights that matter on resume, see ``random_init_fingerprint``."""
-    rand = _random_ids(model)
+    missing weights that matter on resume, see ``random_init_fingerprint``. ``legacy=True``: the hash
+    of checkpoints written before round 36, those weights' values included (the same for a folder
+    that holds every weight)."""
+    rand = {} if legacy else _random_ids(model)
     h = hashlib.sha256()
     for n, p in model.named_parameters():
         h.update(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())

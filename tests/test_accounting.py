@@ -728,3 +728,52 @@ def test_target_met_at_smallest_sigma_warns():
         s = calibrate_noise(target_epsilon=1000.0, delta=1e-5, sample_rate=0.01, steps=10, sigma_range=(0.5, 10))
     assert s == 0.5
     assert [w.filename for w in rec if "smallest" in str(w.message)] == [__file__]
+
+
+def test_delta_of_the_reported_epsilon_is_at_most_the_target_delta():
+    """δ(ε(δ).upper).upper ≤ δ also for small δ (review, round 36: delta() used an absolute δ error of
+    1e-10 whatever the answer, so at δ = 3e-10 it reported 4e-10 for the ε reported at 3e-10)."""
+    from pdpsgd.accounting import PRVAccountant
+
+    acct = PRVAccountant().step(noise_multiplier=1.0, sample_rate=0.01, num_steps=1000)
+    for target in (1e-5, 1e-8, 1e-9, 3e-10):
+        eps = acct.epsilon(delta=target)
+        back = acct.delta(epsilon=eps.upper)
+        assert back.upper <= target * (1 + 1e-9), (target, eps, back)
+        assert back.lower <= target
+
+
+def test_a_history_too_long_for_the_pld_fallback_is_answered_by_rdp(monkeypatch):
+    """1e8 steps (σ = 50, q = 1e-4): the PRV grid is too large and the PLD fallback's sparse
+    self-composition never returned (review, round 36: dp-accounting evaluates size**steps as a
+    Python integer). Past PLD_MAX_STEPS the fallback answers with RDP, at once; a PLD that fails
+    (a MemoryError) does too."""
+    from pdpsgd.accounting import PRVAccountant, RDPAccountant
+    from pdpsgd.accounting import prv
+
+    n = 10**8
+    rdp = RDPAccountant().step(noise_multiplier=50.0, sample_rate=1e-4, num_steps=n).epsilon(1e-5).upper
+    real = prv._pld_pair
+
+    def guarded(groups, *a, **k):
+        assert sum(c for _, _, c in groups) <= prv.PLD_MAX_STEPS, "the PLD of a history past PLD_MAX_STEPS"
+        return real(groups, *a, **k)
+
+    monkeypatch.setattr(prv, "_pld_pair", guarded)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        acct = PRVAccountant().step(noise_multiplier=50.0, sample_rate=1e-4, num_steps=n)
+        eps = acct.epsilon(1e-5)
+        assert eps.method == "rdp" and eps.upper == pytest.approx(rdp, rel=1e-12)
+        d = acct.delta(eps.upper)
+        assert d.method == "rdp" and d.upper <= 1e-5 * (1 + 1e-9)
+
+    def broken(*a, **k):
+        raise MemoryError("composition too large")
+
+    monkeypatch.setattr(prv, "_pld_pair", broken)
+    groups = ((1.0, 0.01, 1000),)
+    e = prv.pld_epsilon(groups, 1e-5)
+    assert e.method == "rdp" and math.isfinite(e.upper)
+    d = prv.pld_delta(groups, 2.0)
+    assert d.method == "rdp" and 0 < d.upper < 1

@@ -285,3 +285,12 @@ def test_the_watch_sees_0d_entries_of_an_order_and_leaves_other_scalar_indices_a
     assert _watch(lambda: h[:, cls], 4) is None
     assert _watch(lambda: h.index_select(1, cls), 4) is None
     assert _watch(lambda: torch.randn(5, 3)[torch.argsort(torch.randn(5))[0]], 4) is None  # not B rows
+    # T == B (a physical batch padded to its length): a position found along the sequence is not an
+    # entry of an order of the batch (review, round 36: any computed scalar on a size-B dim was one)
+    sq = torch.randn(4, 4, 3)  # (B, T, d), T = B
+    ids = torch.tensor([[5, 2, 7, 7]] * 4)
+    pos = (ids[0] == 2).nonzero()[0, 0]
+    assert _watch(lambda: sq[:, pos], 4) is None
+    assert _watch(lambda: sq[:, (ids[0] == 2).nonzero()[0, 0]], 4) is None
+    assert _watch(lambda: sq[:, torch.argmax(ids[0])], 4) is None
+    assert _watch(lambda: torch.stack([sq[i] for i in torch.argsort(lengths)]), 4) is not None

@@ -258,3 +258,9 @@ def test_json_files_are_strict_json_with_null_for_non_finite_numbers(tmp_path):
     atomic_write_json(tmp_path / "r.json", obj)
     got = strict((tmp_path / "r.json").read_text())
     assert got == {"a": None, "b": [None, 1.5, None], "c": {"d": [None, 2]}, "t": [None, 1.0], "n": 3, "s": "NaN"}
+    import numpy as np
+
+    atomic_write_json(tmp_path / "n.json", {"f32": np.float32("nan"), "i64": np.int64(7), "b": np.bool_(True),
+                                            "arr": np.array([1.5, np.inf]), "t0": torch.tensor(2.5)})
+    assert strict((tmp_path / "n.json").read_text()) == {"f32": None, "i64": 7, "b": True, "arr": [1.5, None],
+                                                         "t0": 2.5}

@@ -312,6 +312,42 @@ def test_a_run_without_seed_resumes_when_the_model_folder_lacks_weights(tiny, tm
     assert run_cli(args + ["--resume"], capsys)[0] == 0
 
 
+def test_a_checkpoint_from_before_round_36_on_a_folder_that_lacks_weights_still_resumes(tiny, tmp_path, capsys,
+                                                                                          monkeypatch):
+    """Checkpoints written before round 36 hashed the values of the weights the folder lacks into the
+    model fingerprint (the same hash as now for a folder holding every weight): a seeded run on such
+    a folder, which resumed then, resumes now (review, round 36: "belongs to a different run")."""
+    import pdpsgd.train as train_mod
+    from pdpsgd.checkpoint import load_checkpoint, save_checkpoint
+
+    holed = {"data": tiny["data"], "model": make_tiny_model(tmp_path / "holed", pooler=False,
+                                                            drop=("encoder.layer.0.output.dense.weight",))}
+    out = tmp_path / "old-run"
+    args = tiny_args(holed, out, "--train-params", "top-1", "--seed", "5")
+    seen = {}
+    real = train_mod.model_fingerprint
+
+    def spy(model, *, legacy=False):
+        seen[legacy] = real(model, legacy=legacy)
+        return seen[legacy]
+
+    monkeypatch.setattr(train_mod, "model_fingerprint", spy)
+    assert run_cli(args + ["--interrupt-after", "2"], capsys)[0] == 130
+    assert seen[True] != seen[False]  # (the folder lacks weights: the old hash is another)
+    state = load_checkpoint(out / "checkpoint.pt")
+    fp = {k: v for k, v in state["fingerprint"].items() if k != "frozen_random_init"}
+    fp["model"] = seen[True]  # (as a checkpoint written before round 36)
+    save_checkpoint(out / "checkpoint.pt",
+                    {**{k: v for k, v in state.items() if k not in ("format", "format_version")}, "fingerprint": fp})
+    rc, _, err = run_cli(args + ["--resume"], capsys)
+    assert rc == 0 and "resumed from" in err, err
+    fp["model"] = "0" * 64  # (another model's hash is still refused)
+    save_checkpoint(out / "checkpoint.pt",
+                    {**{k: v for k, v in state.items() if k not in ("format", "format_version")}, "fingerprint": fp})
+    rc, _, err = run_cli(args + ["--resume"], capsys)
+    assert rc == 2 and "different run" in err, err
+
+
 def test_a_ledger_without_a_checkpoint_is_not_overwritten(tiny, tmp_path, capsys):
     """A run killed before its first checkpoint leaves only ledger.json (its released steps): a new
     run in that directory must not rewrite it from zero (found by review, round 23)."""

@@ -408,3 +408,24 @@ def test_a_compile_backend_that_cannot_run_falls_back_to_eager(monkeypatch, std)
     assert len(calls) == 1
     for n in want:
         torch.testing.assert_close(again[n], want[n], rtol=1e-6, atol=1e-7)
+
+
+def test_out_of_memory_in_the_compiled_noise_is_not_taken_for_a_backend_failure(monkeypatch):
+    """An out-of-memory raised by the compiled function is raised as it is: not reported as a backend
+    that cannot build, and compile is not turned off for the process (review, round 36)."""
+    from pdpsgd import fused
+
+    def oom():
+        def run(*a, **k):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return run
+
+    monkeypatch.setattr(fused, "_compiled", oom)
+    monkeypatch.setattr(fused, "_COMPILE_FAILED", None)
+    sums = {"w": torch.randn(5, 3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            noise_and_scale(sums, 0.5, torch.Generator().manual_seed(3), 4.0, {"w": torch.float32}, compile=True,
+                            rng="torch")
+    assert fused._COMPILE_FAILED is None

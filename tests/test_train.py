@@ -644,3 +644,62 @@ def test_the_fingerprint_leaves_out_weights_initialised_at_random(tmp_path):
         if not n.startswith("head."):
             h.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     assert model_fingerprint(m) == h.hexdigest()
+
+
+def test_a_load_that_fails_part_way_never_lowers_the_ledger(tmp_path):
+    """A load refused after part of the state was set (here: a state whose random streams are gone but
+    steps are left) leaves the trainer with the state's smaller count; the next step must not rewrite
+    the ledger file from it (review, round 36: a trainer that had stepped kept its first-write guard
+    off, and the file went 4 -> 2). It refuses; a good load then continues."""
+    ledger = tmp_path / "ledger.json"
+    tr, *_ = _mlp_setup(ledger=ledger, epochs=2)
+    tr.step()
+    mid = tr.state_dict()
+    for _ in range(3):
+        tr.step()
+    assert json.loads(ledger.read_text())["steps_released"] == 4
+    with pytest.raises(ValueError, match="no random streams"):
+        tr.load_state_dict({**mid, "rng": None})
+    with pytest.raises(ValueError, match="already counts 4 released"):
+        tr.step()
+    assert json.loads(ledger.read_text())["steps_released"] == 4
+    assert tr.load_state_dict(mid) is not None  # (the file's 4 win: re-seeded, a warning)
+    tr.step()
+    assert json.loads(ledger.read_text())["steps_released"] == 5 and tr.released == 5
+
+
+def test_telemetry_log_is_rewritten_only_by_a_load_that_went_through(tmp_path):
+    """A refused load leaves the telemetry log as it was (review, round 36: it was cut first)."""
+    tr, *_ = _mlp_setup(epochs=2)
+    tr.telemetry = Telemetry(tmp_path / "t.jsonl")
+    tr.step()
+    mid = tr.state_dict()
+    for _ in range(3):
+        tr.step()
+    with pytest.raises(ValueError, match="no random streams"):
+        tr.load_state_dict({**mid, "rng": None})
+    assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 4
+
+
+def test_weights_missing_from_the_folder_count_as_used_unless_the_pooler():
+    """Which weights the folder lacked that the classifier may read: every one but the encoder's pooler
+    (review, round 36: a short eval-mode probe forward called weights read only in train mode, at
+    longer lengths or by another expert unused, and a resume without the seed continued another model)."""
+    from pdpsgd.train import _random_init_weights
+
+    class Enc(nn.Module):
+        base_model_prefix = "bert"
+
+        def __init__(self):
+            super().__init__()
+            self.long_proj = nn.Linear(3, 3)
+            self.train_proj = nn.Linear(3, 3)
+            self.pooler = nn.Sequential(nn.Linear(3, 3))
+            self.kept = nn.Linear(3, 3)
+
+    enc = Enc()
+    missing = ["bert.long_proj.weight", "train_proj.weight", "pooler.0.weight", "pooler.0.bias"]
+    got = {n: used for n, _, used in _random_init_weights(enc, {"missing_keys": missing})}
+    assert got == {"long_proj.weight": True, "train_proj.weight": True, "pooler.0.weight": False,
+                   "pooler.0.bias": False}
+    assert _random_init_weights(enc, {"missing_keys": []}) == []

@@ -68,7 +68,8 @@ __all__ = ["PRVAccountant", "PRVFailure"]
 
 Groups = Tuple[Tuple[float, float, int], ...]
 
-#: δ_error used by :meth:`PRVAccountant.delta` when ``delta_error`` is not set.
+#: δ_error used first by :meth:`PRVAccountant.delta` when ``delta_error`` is not set (then the
+#: rule of :meth:`PRVAccountant.epsilon` applied to the answer, when finer).
 DEFAULT_DELTA_ERROR_FOR_DELTA = 1e-10
 _RDP_ORDERS = np.asarray(DEFAULT_RDP_ORDERS, dtype=np.float64)
 
@@ -385,6 +386,22 @@ def _pld_pair(groups: Groups, eps_error: float, scale: float = 0.0):
 PLD_MIN_DELTA = 1e-12
 
 
+#: Past this many steps the PLD fallback is not run and RDP answers: dp-accounting's sparse
+#: self-composition first evaluates size**steps as a Python integer, which at 1e8 steps did not
+#: finish (review, round 36; 1e7 steps: ~1.4 s).
+PLD_MAX_STEPS = 10**7
+
+
+def _pld_or_none(groups: Groups, eps_error: float, scale: float = 0.0):
+    """``_pld_pair``, or None when the history is too long for it or it fails (then RDP answers)."""
+    if sum(n for _, _, n in groups) > PLD_MAX_STEPS:
+        return None
+    try:
+        return _pld_pair(groups, eps_error, scale)
+    except (ArithmeticError, ValueError, MemoryError):
+        return None
+
+
 def _guarded(f, *args) -> float:
     """``float(f(*args))``, or NaN when dp-accounting fails (e.g. an ``OverflowError``
     in the optimistic PLD of ~2e6 steps, whose privacy losses reach -709, or a
@@ -452,8 +469,9 @@ def pld_epsilon(groups: Groups, delta: float, *, eps_error: float = 0.01, scale:
     """
     rdp_eps, _ = epsilon_from_rdp(_RDP_ORDERS, _rdp_total(groups), delta)
     upper = lower = math.nan
-    if delta >= PLD_MIN_DELTA:
-        pess, opt = _pld_pair(groups, eps_error, scale)
+    pair = _pld_or_none(groups, eps_error, scale) if delta >= PLD_MIN_DELTA else None
+    if pair is not None:
+        pess, opt = pair
         steps = sum(n for _, _, n in groups)
         r_p, r_o = pld_roundoff(pess, steps), pld_roundoff(opt, steps)
         if r_p <= MAX_ROUNDOFF * delta:
@@ -484,7 +502,10 @@ def pld_delta(groups: Groups, epsilon: float, *, eps_error: float = 0.01, scale:
     optimistic δ exceeds RDP's is not used."""
     rdp_d, _ = delta_from_rdp(_RDP_ORDERS, _rdp_total(groups), epsilon)
     rdp_d = min(1.0, float(rdp_d))
-    pess, opt = _pld_pair(groups, eps_error, scale)
+    pair = _pld_or_none(groups, eps_error, scale)
+    if pair is None:
+        return DeltaBounds(0.0, rdp_d, rdp_d, "rdp")
+    pess, opt = pair
     steps = sum(n for _, _, n in groups)
     r_p, r_o = pld_roundoff(pess, steps), pld_roundoff(opt, steps)
     upper = _guarded(pess.get_delta_for_epsilon, epsilon) + r_p
@@ -520,7 +541,8 @@ class PRVAccountant(HistoryAccountant):
     * ``eps_error`` — ε discretisation error of the PRV method (default 0.01); the
       reported ``upper - lower`` is about ``2 * eps_error``.
     * ``delta_error`` — δ error; default max(δ/1000, min(1e-12, δ/10)) for
-      :meth:`epsilon` and 1e-10 for :meth:`delta`.
+      :meth:`epsilon` and for :meth:`delta` 1e-10, or the same rule applied to the answer when
+      that is finer (round 36: so δ(ε(δ).upper).upper ≤ δ for small δ too).
     * ``fallback`` — fall back to dp-accounting's PLD when the PRV computation is
       detected to be unreliable (default True); with False such cases raise
       :class:`PRVFailure`.
@@ -785,6 +807,14 @@ class PRVAccountant(HistoryAccountant):
             return hit
         try:
             res = self._prv_delta(groups, epsilon, delta_error)
+            fine = _default_delta_error(res.estimate)
+            if self.delta_error is None and fine < delta_error:
+                # an error of 1e-10 on a δ of 1e-9 is 10 %: ε(δ) then maps back to a δ above the target
+                # (review, round 36); the PRV again with an error relative to the answer
+                try:
+                    res = self._prv_delta(groups, epsilon, fine)
+                except Exception:  # noqa: BLE001  (the coarser answer is a valid bound too)
+                    pass
             self.last_fallback_reason = None
         except Exception as exc:  # noqa: BLE001
             if not self.fallback:
