@@ -1169,6 +1169,12 @@ _ROWWISE_NODES = frozenset({  # elementwise; binary ones only with a constant (n
 _FLAT_HOPS = 8  # elementwise ops between two row-wise layers that are followed
 
 
+def _functorch_wrapped(x: Tensor) -> bool:
+    """Whether x lives inside a torch.func transform (a batched or grad-tracking wrapper)."""
+    f = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(f(x)) if f is not None else False
+
+
 def _whole_view_of(x: Tensor) -> Optional[Tensor]:
     """x's base, when x is a contiguous view covering all of a contiguous base in the same order."""
     base = x._base if x._is_view() else None
@@ -1233,7 +1239,26 @@ def _time_major(rule: Rule, module: nn.Module, args, kwargs, output, B: int) -> 
     x = ts[0]
     ids = not x.is_floating_point() and not x.is_complex()
     lead = x.dim() - (0 if ids else max(1, _normalised_dims(module)))
-    return lead >= 2 and x.shape[1] == B and tuple(output.shape[:2]) == tuple(x.shape[:2])
+    return (lead >= 2 and x.shape[1] == B and tuple(output.shape[:2]) == tuple(x.shape[:2])
+            and _dim1_steps_examples(x, B))
+
+
+def _dim1_steps_examples(x: Tensor, B: int) -> bool:
+    """False when x is a view of a contiguous batch-first base ((B, ...), dim 0 the examples) whose
+    index along dim 1 is not the base's example: a reshape (B, T, d) -> (T, B, d) (a view, not a
+    transpose; the probe sees only sizes, and dim 1 follows the batch's) puts example (t·B + b) // T
+    in row (t, b) (review, round 36: norms 14 % off, removing an example moved the sum by 1.3 C).
+    In a transpose dim 1 steps through the base's dim 0, and the other dims stay within one example."""
+    base = x._base if x._is_view() else None
+    if base is None or base.dim() < 1 or int(base.shape[0]) != B or not base.is_contiguous() \
+            or x.dim() < 2 or int(x.shape[0]) == B or x.stride(1) == 0:
+        # (not a view of batch-first memory; or T = B, where a (T, B, ...) base has B rows too: the
+        # probe, whose size is not T, decides; or dim 1 broadcast: no example's data in it)
+        return True
+    row = base.stride(0)
+    start = x.storage_offset() - base.storage_offset()
+    span = sum((n - 1) * st for k, (n, st) in enumerate(zip(x.shape, x.stride())) if k != 1 and n > 1)
+    return x.stride(1) == row and 0 <= start < row and start + span < row
 
 
 def _unflatten(c: "_Call", B: int, args, kwargs, output, g):
@@ -1779,8 +1804,11 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
             return
         x = _first_tensor(args, kwargs)
         base = _whole_view_of(x) if x is not None and x.dim() > 0 else None
+        # (a second dim whose memory is not the examples' (a reshaped view, ``_dim1_steps_examples``) is
+        # recorded as None: not confirmed as the batch)
         seen.setdefault(ruled[module][0], []).append((_first_dim(args, kwargs), None if base is None else int(base.shape[0]),
-                                                      int(x.shape[1]) if x is not None and x.dim() > 1 else None))
+                                                      int(x.shape[1]) if x is not None and x.dim() > 1
+                                                      and _dim1_steps_examples(x, Bp) else None))
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m, (_, rule, _) in ruled.items()
                if not getattr(rule, "custom_forward", False)]  # (custom-forward rules check their own layout)
@@ -2011,6 +2039,11 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         if not isinstance(output, Tensor) or not output.is_floating_point():
             for c in local.values():
                 fallback.setdefault(c, f"{type(module).__name__} ({mname}) returned no float tensor")
+            return None
+        if _functorch_wrapped(output):  # (review, round 36: autograd's "does not require grad" error)
+            for c in local.values():
+                fallback.setdefault(c, f"{type(module).__name__} ({mname}) was called under a torch.func transform "
+                                       "(vmap, grad, ...) inside the forward: the rows it sees are not the batch's")
             return None
         if not torch.is_grad_enabled():
             # no gradient can flow from this call: it contributes exactly 0 (and a checkpoint

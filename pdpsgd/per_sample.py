@@ -427,6 +427,13 @@ def amp(state: Tuple[Tuple[str, torch.dtype], ...], enabled: bool) -> Iterator[N
         yield
 
 
+def _rng_state(device: torch.device) -> Tuple[Tensor, ...]:
+    """The random states a forward on ``device`` draws from (the CPU's; the device's on CUDA)."""
+    if device.type == "cuda":
+        return torch.get_rng_state(), torch.cuda.get_rng_state(device)
+    return (torch.get_rng_state(),)
+
+
 def vmap_engine(
     loss_module: LossModule,
     params: Params,
@@ -439,9 +446,10 @@ def vmap_engine(
 ) -> EngineResult:
     """Per-example norms, weights and the weighted (clipped) sum, chunk by chunk.
 
-    Memory: chunk × (number of trained parameters). In eval mode, chunks that are all padding are
-    skipped; in train mode every chunk runs, so the random draws (dropout) that the real examples
-    see do not depend on which other examples are masked out.
+    Memory: chunk × (number of trained parameters). Chunks that are all padding are skipped when no
+    module is in train mode and a chunk that ran drew no random numbers; otherwise every chunk runs,
+    so the random draws (dropout) that the real examples see do not depend on which other examples
+    are masked out.
     """
     B = batch_size(batch)
     numel = sum(p.numel() for p in params.values())
@@ -456,9 +464,16 @@ def vmap_engine(
     total: Dict[str, Tensor] = {}
     stray = trainable_parameters(loss_module.model, params)
     state = amp_state()
+    rdev = _device_of(params, mask)
+    # a chunk of padding alone is skipped only once a chunk has run without moving the random state,
+    # with no module in train mode: a root in eval mode may still draw (F.dropout's training=True, a
+    # submodule in train mode), and a skipped draw would move the later chunks' masks when an example
+    # is masked out (review, round 36: the sum then moved by more than C)
+    skippable = not any(mod.training for mod in loss_module.model.modules())
+    quiet = False
     for start, stop, sub in batch_chunks(batch, B, chunk):
         m = mask[start:stop]
-        if not loss_module.model.training and not bool(m.any()):
+        if skippable and quiet and not bool(m.any()):
             b = stop - start
             dev = mask.device
             losses_all.append(torch.zeros(b, device=dev))
@@ -467,7 +482,11 @@ def vmap_engine(
                 sq_all[n].append(z)
                 w_all[n].append(z)
             continue
+        before = _rng_state(rdev) if skippable and not quiet else None
         losses, grads = per_sample_grads(loss_module, params, constants, sub, stray=stray, require_grad=True)
+        if before is not None:
+            quiet = all(torch.equal(a, b) for a, b in zip(before, _rng_state(rdev)))
+            skippable = quiet
         with amp(state, False):  # (the norms and sums in float32 at least, whatever the caller's autocast)
             sq = {n: sq_norm_per_example(g) for n, g in grads.items()}
             w = weights_fn(sq, losses, m)

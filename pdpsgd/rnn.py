@@ -436,8 +436,34 @@ def exact_rnn_ops(model: Optional[nn.Module] = None) -> Iterator[None]:
 
     current = value_before_hold("rnn_VF", get)
     proxy = current if isinstance(current, _ExactVF) else _ExactVF(current)
-    with held([("rnn_VF", get, put, proxy)]):
+
+    def get_flatten():
+        return nn.RNNBase.flatten_parameters
+
+    def put_flatten(v):
+        nn.RNNBase.flatten_parameters = v
+
+    flatten = _flatten_guard(value_before_hold("rnn_flatten", get_flatten))
+    with held([("rnn_VF", get, put, proxy), ("rnn_flatten", get_flatten, put_flatten, flatten)]):
         yield
+
+
+def _flatten_guard(orig):
+    """``RNNBase.flatten_parameters`` that does nothing while the weights are torch.func wrappers: on
+    CUDA it reads each weight's ``data_ptr()``, which a wrapper has none of ("Cannot access data
+    pointer of Tensor that doesn't have storage"), and RNNBase.forward calls it whenever
+    functional_call has swapped the weights in (review, round 36; torch issue #105982). The kernels
+    this module puts in place read the weights one by one: nothing to flatten."""
+    orig = getattr(orig, "_pdpsgd_orig", orig)
+    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+
+    def flatten_parameters(self):
+        if wrapped is not None and any(isinstance(w, torch.Tensor) and wrapped(w) for w in self._flat_weights):
+            return None
+        return orig(self)
+
+    flatten_parameters._pdpsgd_orig = orig
+    return flatten_parameters
 
 
 def model_has_rnn(model: nn.Module) -> bool:

@@ -398,3 +398,34 @@ def test_no_patch_without_rnn_and_model_has_rnn():
     for m in (nn.LSTM(2, 3), nn.GRU(2, 3), nn.RNN(2, 3), nn.GRUCell(2, 3),
               nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.RNN(2, 3, nonlinearity="relu")))):
         assert model_has_rnn(m)
+
+
+def test_flatten_parameters_reading_data_pointers_does_not_break_vmap(monkeypatch):
+    """On CUDA, RNNBase.forward calls flatten_parameters once functional_call has swapped the weights
+    in, and it reads each weight's data_ptr(), which a torch.func wrapper has none of (review, round
+    36; torch issue #105982). Simulated here on the CPU: the step runs, exact, and the method is the
+    original again afterwards."""
+    import pdpsgd
+    from pdpsgd.testing import assert_exact
+
+    orig = nn.RNNBase.flatten_parameters
+
+    def flatten_as_on_cuda(self):  # (the line torch reaches when every weight is a cuDNN-acceptable CUDA tensor)
+        {p.data_ptr() for p in self._flat_weights}
+        return orig(self)
+
+    monkeypatch.setattr(nn.RNNBase, "flatten_parameters", flatten_as_on_cuda)
+
+    class R(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.h = nn.LSTM(3, 4, batch_first=True), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.h(self.rnn(x)[0][:, -1])
+
+    torch.manual_seed(0)
+    b = {"x": torch.randn(4, 5, 3), "y": torch.randint(0, 2, (4,))}
+    loss = lambda m, bb: torch.nn.functional.cross_entropy(m(bb["x"]), bb["y"], reduction="none")  # noqa: E731
+    assert_exact(R(), loss, b, method="vmap", max_grad_norm=0.5)
+    assert nn.RNNBase.flatten_parameters is flatten_as_on_cuda

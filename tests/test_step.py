@@ -946,3 +946,38 @@ def test_clipping_groups_may_name_a_tied_weight_by_any_alias(method):
     with pytest.raises(ValueError, match="head.weight.*emb.weight|emb.weight.*head.weight"):
         pdpsgd.make_dp_step(model, loss, max_grad_norm=0.1, noise_multiplier=0.0, method=method,
                             clipping=both).clipped_sum(params, b)
+
+
+@pytest.mark.parametrize("how", ["functional", "submodule"])
+def test_vmap_does_not_skip_masked_chunks_of_a_forward_that_draws_in_eval_mode(how):
+    """A root in eval mode can still draw random numbers: F.dropout's default training=True, or a
+    submodule left in train mode. vmap skipped all-padding chunks whenever the root was in eval
+    mode, which moved every later chunk's dropout masks when an example was masked out: the move of
+    the sum exceeded C (review, round 36). Such chunks run; masking one example out leaves the
+    others' norms as they were."""
+
+    class Drop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.drop = nn.Linear(5, 7), nn.Linear(7, 3), nn.Dropout(0.5)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            h = F.dropout(h, 0.5) if how == "functional" else self.drop(h)
+            return self.b(h)
+
+    torch.manual_seed(0)
+    m = Drop().double().eval()
+    if how == "submodule":
+        m.drop.train()
+    b = {"x": torch.randn(5, 5, dtype=torch.float64) * 3, "y": torch.randint(0, 3, (5,))}
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.05, noise_multiplier=1.0, method="vmap", chunk_size=1)
+    params = pdpsgd.trainable_params(m)
+    assert pdpsgd.testing.check_sensitivity(step, params, b).max_ratio <= 1 + 1e-9
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        full = step.clipped_sum(params, b).per_sample_norms
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        out = step.clipped_sum(params, b, torch.tensor([False, True, True, True, True])).per_sample_norms
+    torch.testing.assert_close(out[1:], full[1:], rtol=0, atol=0)
