@@ -449,7 +449,8 @@ def vmap_engine(
     Memory: chunk × (number of trained parameters). Chunks that are all padding are skipped when no
     module is in train mode and a chunk that ran drew no random numbers; otherwise every chunk runs,
     so the random draws (dropout) that the real examples see do not depend on which other examples
-    are masked out.
+    are masked out. Only torch's global CPU / CUDA states are watched: a forward in eval mode that
+    draws from Python's ``random`` or a private ``torch.Generator`` still has such chunks skipped.
     """
     B = batch_size(batch)
     numel = sum(p.numel() for p in params.values())
