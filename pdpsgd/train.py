@@ -434,21 +434,28 @@ class DPTrainer:
             self._check_ledger_file()  # (step() ran it before its draw: then a no-op)
             atomic_write_json(self.ledger_path, self._ledger())
 
+    def _rng_states(self) -> Dict[str, Any]:
+        """Every random stream a step draws from: sampling, noise, torch's CPU (and CUDA) state."""
+        rng = {"sample": self.sample_generator.get_state(), "noise": self.noise_generator.get_state(),
+               "torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return rng
+
+    def _set_rng_states(self, rng: Mapping[str, Any]) -> None:
+        self.sample_generator.set_state(rng["sample"])
+        self.noise_generator.set_state(rng["noise"])
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available() and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+
     def _stream_states(self) -> Dict[str, Any]:
         """The sampler's position and every random stream a step draws from (``_restore_streams``)."""
-        st = {"position": self.sampler.position, "sample": self.sample_generator.get_state(),
-              "noise": self.noise_generator.get_state(), "torch": torch.get_rng_state()}
-        if self.device.type == "cuda" and torch.cuda.is_available():
-            st["cuda"] = torch.cuda.get_rng_state(self.device)
-        return st
+        return {"position": self.sampler.position, **self._rng_states()}
 
     def _restore_streams(self, st: Mapping[str, Any]) -> None:
         self.sampler.position = st["position"]
-        self.sample_generator.set_state(st["sample"])
-        self.noise_generator.set_state(st["noise"])
-        torch.set_rng_state(st["torch"])
-        if "cuda" in st:
-            torch.cuda.set_rng_state(st["cuda"], self.device)
+        self._set_rng_states(st)
 
     def state_dict(self) -> Dict[str, Any]:
         """Everything needed to continue: params, optimizer, accountant, sampler, RNG states.
@@ -459,10 +466,7 @@ class DPTrainer:
         no step left to take."""
         rng: Optional[Dict[str, Any]] = None
         if not self.done:
-            rng = {"sample": self.sample_generator.get_state(), "noise": self.noise_generator.get_state(),
-                   "torch": torch.get_rng_state()}
-            if torch.cuda.is_available() and self.device.type == "cuda":
-                rng["cuda"] = torch.cuda.get_rng_state(self.device)
+            rng = self._rng_states()
         return {
             "step": self.step_count,
             "released": self.released,
@@ -540,11 +544,7 @@ class DPTrainer:
         if rng is None and not self.done:
             raise ValueError("the state has no random streams (a finished trainer's) but steps are left to take")
         if rng is not None:
-            self.sample_generator.set_state(rng["sample"])
-            self.noise_generator.set_state(rng["noise"])
-            torch.set_rng_state(rng["torch"])
-            if "cuda" in rng and torch.cuda.is_available() and self.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["cuda"], self.device)
+            self._set_rng_states(rng)
         if ledger is not None and int(ledger.get("steps_released", 0)) > self.released:
             lost = int(ledger["steps_released"]) - self.released
             self.accountant.load_state_dict(ledger["accountant"])
