@@ -8,7 +8,11 @@ entropy, or a user's seed) is expanded by SHAKE-256 into the generator's whole 1
 Accelerator generators (CUDA/XPU/MPS: Philox, a 64-bit seed) take 64 bits of the expansion.
 
 Formal guarantee: with a key from ``secrets`` (256 bits), the stream is one of 2^19937 (CPU) or
-2^64 (accelerators) possibilities, each as likely, none recomputable without the key.
+2^64 (accelerators) possibilities, each as likely, none recomputable without the key *from the key
+alone*. The generator's own outputs must stay secret: mt19937 is linear over GF(2), so ~20,000 of its
+output bits give back its state (review, round 37: torch's CPU ``normal_`` released them as noise).
+pdpsgd's CPU noise sources therefore take only Philox keys from it (``pdpsgd.fused``), and the
+sampler's draws (the batch) are never released.
 """
 from __future__ import annotations
 

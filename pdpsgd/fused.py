@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ._warn import warn
+from .noise import entropy_generator
 
 __all__ = ["noise_and_scale", "draw_noise", "noise_chunk", "default_compile", "NOISE_CHUNK"]
 
@@ -99,21 +100,65 @@ def noise_chunk(gdev: torch.device) -> Optional[int]:
     return NOISE_CHUNK if gdev.type == "cpu" else None
 
 
-RNGS = ("auto", "torch", "mkl", "native")
+RNGS = ("auto", "torch", "mkl", "native", "numpy")
+
+# torch's CPU ``normal_`` is Box–Muller on the generator's own mt19937 words, and mt19937 is linear
+# over GF(2): every coordinate released as noise alone (an embedding row no example of the batch
+# used: its clipped sum is exactly 0) gives back ~25 leading bits of two uniforms, each bit a linear
+# equation on the 19,937-bit state, so one step's update pins the state down and with it every
+# step's noise, before and after (review, round 37). The CPU sources that "auto" takes instead
+# release no generator word: each call keys a Philox4x32-10 stream with 128 bits drawn from the
+# generator ("native": pdpsgd's kernel; "numpy": numpy's Philox bit generator, where the kernel
+# cannot build), so recovering the generator would take breaking Philox's key.
+TORCH_CPU_WARNING = (
+    "noise_rng='torch' on the CPU draws the noise with torch's normal_, Box-Muller on the generator's own "
+    "mt19937 words: mt19937 is linear over GF(2), so the coordinates a released update holds as noise "
+    "alone (e.g. embedding rows no example used) give back its state, and then every step's noise can be "
+    "subtracted. For experiments only; noise_rng='auto' (the default) keys a Philox stream per step instead")
 
 
 def resolve_rng(rng: str, gdev: torch.device, dtype: torch.dtype) -> str:
     """The noise source that ``rng`` means for a generator on ``gdev`` drawing ``dtype``: "auto" is
-    "native" (pdpsgd's vectorised Philox + Box–Muller, ~2× torch's ``normal_`` on the CPU) for
-    float32 noise on the CPU where its kernel builds, else "torch"; the others are themselves."""
+    "native" (pdpsgd's vectorised Philox + Box–Muller, ~2× torch's ``normal_`` on the CPU for
+    float32) for noise on the CPU where its kernel builds, else "numpy" (numpy's Philox, keyed the
+    same way; never torch's CPU ``normal_``, see ``TORCH_CPU_WARNING``); "torch" off the CPU (CUDA's
+    Philox, seeded with 64 bits); the others are themselves."""
     if rng != "auto":
         return rng
-    if gdev.type == "cpu" and dtype == torch.float32:
+    if gdev.type == "cpu":
         from . import native_rng
 
-        if native_rng.available():
+        if dtype in (torch.float32, torch.float64) and native_rng.available():
             return "native"
+        return "numpy"
     return "torch"
+
+
+class NumpyStream:
+    """numpy's Philox4x32-10 bit generator keyed with 128 bits drawn from ``generator`` (one stream per
+    call of the noise step, as ``NativeStream``); normals from numpy's float64 ziggurat (53-bit
+    uniforms: tails past 8σ, as torch's float64 ones), scaled and cast to the buffer's dtype.
+    ``fill_(out, std)`` writes N(0, std²) into a CPU tensor; successive calls continue the stream."""
+
+    def __init__(self, generator: Optional[torch.Generator]):
+        import numpy as np
+
+        words = torch.randint(0, 1 << 32, (4,), generator=generator, dtype=torch.int64)
+        key = sum(int(w) << (32 * i) for i, w in enumerate(words.tolist()))
+        self._gen = np.random.Generator(np.random.Philox(key=key))
+
+    def fill_(self, out: Tensor, std: float) -> Tensor:
+        if out.device.type != "cpu":
+            raise ValueError("noise_rng='numpy' draws on the CPU")
+        flat = out.view(-1)
+        for a in range(0, flat.numel(), WIDE_PIECE):
+            part = flat[a:a + WIDE_PIECE]
+            z = torch.from_numpy(self._gen.standard_normal(part.numel()))  # float64
+            part.copy_(z.mul_(std))
+        return out
+
+    def close(self) -> None:
+        pass
 
 
 def _check_rng(rng: str, gdev: torch.device) -> None:
@@ -141,6 +186,9 @@ def _open(rng: str, generator: Optional[torch.Generator]):
 
         stream = NativeStream(generator)
         return stream.fill_, stream.close, stream.add_many
+    if rng == "numpy":
+        stream = NumpyStream(generator)
+        return stream.fill_, stream.close, None
     return (lambda buf, std: _wide_normal_(buf, std, generator)), (lambda: None), None
 
 
@@ -167,8 +215,11 @@ def draw_noise(shapes: Mapping[str, torch.Size], generator: Optional[torch.Gener
     draws them (``noise_chunk`` of the generator's device; it passes std/denom; ``rng`` the noise
     source, one of ``RNGS``; "auto" resolved by ``resolve_rng``): the reference for its stream.
     Its default, "torch", is not the step's: a default ``DPStep`` ("auto") draws the native stream
-    for float32 noise on the CPU (``DPStep.noise_source`` says which)."""
-    gdev = generator.device if generator is not None else device
+    on the CPU (``DPStep.noise_source`` says which). ``generator=None``: a fresh one keyed from OS
+    entropy (not torch's global generator)."""
+    if generator is None:  # (never torch's global generator: its seed is 32 bits; review, round 37)
+        generator = entropy_generator(torch.device("cpu") if rng in ("mkl", "native", "numpy") else device)
+    gdev = generator.device
     _check_rng(rng, gdev)
     rng = resolve_rng(rng, gdev, dtype)
     out = {}
@@ -210,8 +261,9 @@ def noise_and_scale(
     wider) sum is overwritten in place and returned instead of copied. ``rng``: the noise source
     for a CPU generator, "torch" (``normal_``; this function's default), "mkl" (oneMKL's
     Philox4x32-10 keyed from ``generator``; see ``pdpsgd.mkl_rng``), "native" (pdpsgd's own
-    Philox4x32-10; ``pdpsgd.native_rng``) or "auto" (``resolve_rng``: native for float32 noise on
-    the CPU where it builds, else torch; the default of ``make_dp_step``).
+    Philox4x32-10; ``pdpsgd.native_rng``), "numpy" (numpy's Philox, ``NumpyStream``) or "auto"
+    (``resolve_rng``: native on the CPU where it builds, else numpy; torch off the CPU; the default
+    of ``make_dp_step``). ``generator=None``: a fresh one keyed from OS entropy.
     """
     if not sums:
         return {}
@@ -228,7 +280,9 @@ def noise_and_scale(
         return {n: (s * inv).to(dtypes[n]) for n, s in sums.items()}
     ndt = max(acc.values(), key=lambda d: torch.finfo(d).bits)
     zstd = float(std) * inv  # the noise is drawn already divided by denom
-    gdev = generator.device if generator is not None else first.device
+    if generator is None:  # (a fresh keyed one, not torch's global generator: its seed is 32 bits; review, round 37)
+        generator = entropy_generator(torch.device("cpu") if rng in ("mkl", "native", "numpy") else first.device)
+    gdev = generator.device
     _check_rng(rng, gdev)
     rng = resolve_rng(rng, gdev, ndt)
     if compile:

@@ -3,8 +3,10 @@
 The noise itself (N(0, (σC/B)²) per coordinate in float32 or wider, added to the clipped sums
 divided by the expected batch size B) is ``pdpsgd.fused.noise_and_scale``; on CPU its draws come
 from the generator: by default (``noise_rng="auto"``) through pdpsgd's own vectorised Philox stream
-keyed from it (``pdpsgd.native_rng``) for float32 noise where that kernel builds, else torch's
-``normal_``; or as chosen: ``"torch"``, ``"native"``, or oneMKL's Philox (``"mkl"``, ``pdpsgd.mkl_rng``).
+keyed from it with 128 bits per step (``pdpsgd.native_rng``) where that kernel builds, else numpy's
+Philox keyed the same way (``"numpy"``); or as chosen: ``"torch"`` (``normal_``: the generator's own
+mt19937 words, which released noise gives back; experiments only, ``fused.TORCH_CPU_WARNING``),
+``"native"``, ``"numpy"``, or oneMKL's Philox (``"mkl"``, ``pdpsgd.mkl_rng``).
 """
 from __future__ import annotations
 

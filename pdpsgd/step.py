@@ -21,7 +21,7 @@ from .clipping import MIN_THRESHOLD, Clipping, make_groups, make_weights_fn, sum
 from .functional import (LossModule, ParamIndex, _spectral_norms, advance_spectral_norms, check_no_batch_mixing,
                          model_constants, model_structure, no_rope_mixing, no_writes_to, spectral_norms_held,
                          trainable_params)
-from .fused import RNGS, noise_and_scale, resolve_rng
+from .fused import RNGS, TORCH_CPU_WARNING, noise_and_scale, resolve_rng
 from .noise import entropy_generator
 from .per_sample import acc_dtype, batch_chunks, batch_size, vmap_engine
 
@@ -223,21 +223,32 @@ class DPStep:
                 warn("noise_rng='mkl': oneMKL's Gaussian takes 32-bit uniforms, so its tails end at 6.66σ; an "
                      "output beyond one dataset's reach but within a neighbour's tells them apart, a δ of up to "
                      "~φ(6.66)·√d/σ ≈ 9e-11·√d/σ per step that the accountant does not count (d: trained "
-                     "coordinates). noise_rng='native' (the CPU default) reaches 9.42σ (review, round 33)")
+                     "coordinates); and its Philox key is 64 bits per step (a search of 2^64 keys against a "
+                     "released update finds that step's noise). noise_rng='native' (the CPU default) reaches "
+                     "9.42σ with 128-bit keys (review, rounds 33 and 37)")
             else:
                 from . import native_rng as lib
             lib.require()  # a clear error now (and the native build done), not at the first step
             if generator is not None and generator.device.type != "cpu":
                 raise ValueError(f"noise_rng={noise_rng!r} draws on the CPU: pass a CPU torch.Generator (its draws "
                                  "key the stream), or use noise_rng='torch'")
+        elif noise_rng == "numpy" and generator is not None and generator.device.type != "cpu":
+            raise ValueError("noise_rng='numpy' draws on the CPU: pass a CPU torch.Generator (its draws key the "
+                             "stream), or use noise_rng='torch'")
         elif noise_rng == "auto" and float(noise_multiplier) > 0 and (generator is None or generator.device.type == "cpu"):
             from . import native_rng
 
             if not native_rng.available():  # build (or find) the kernel now, not inside the first step's timing
                 why = native_rng._ERR[1] if native_rng._ERR else "it did not build"
                 warn(f"noise_rng='auto': pdpsgd's native noise kernel is not available ({why.splitlines()[0][:200]}), "
-                     "so float32 noise is drawn with torch's normal_ as float64 normals (the same distribution, "
-                     "another stream, ~10x the kernel's time on the CPU); a C compiler ($CC or cc) enables it")
+                     "so the noise is drawn from numpy's Philox, keyed per step as the kernel is (float64 normals: "
+                     "the same distribution, another stream, ~5x the kernel's time on the CPU); a C compiler "
+                     "($CC or cc) enables it")
+        if noise_rng == "torch" and float(noise_multiplier) > 0:
+            gdev = generator.device if generator is not None else next(
+                (p.device for p in model.parameters()), torch.device("cpu"))
+            if gdev.type == "cpu":
+                warn(TORCH_CPU_WARNING)
         check_no_batch_mixing(model)
         if _is_compiled(model):
             warn(
@@ -297,10 +308,10 @@ class DPStep:
 
     def _generator_device(self, device: torch.device) -> torch.device:
         """Where the noise generator is (or will be made) for parameters on ``device``: the CPU noise
-        sources ("mkl", "native") are keyed from a CPU generator."""
+        sources ("mkl", "native", "numpy") are keyed from a CPU generator."""
         if self.generator is not None:
             return self.generator.device
-        on_cpu = device.type == "cpu" or self.noise_rng in ("mkl", "native")
+        on_cpu = device.type == "cpu" or self.noise_rng in ("mkl", "native", "numpy")
         return torch.device("cpu") if on_cpu else device
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -311,7 +322,7 @@ class DPStep:
     def noise_source(self, device: Any = "cpu", dtype: torch.dtype = torch.float32) -> str:
         """The Gaussian source this step draws its noise from for parameters on ``device`` with
         noise in ``dtype`` (float32 for float32 / bf16 / fp16 models): ``noise_rng`` with "auto"
-        resolved ("native" or "torch"; see ``make_dp_step``)."""
+        resolved ("native" or "numpy" on the CPU, "torch" off it; see ``make_dp_step``)."""
         return resolve_rng(self.noise_rng, self._generator_device(torch.device(device)), dtype)
 
     def plan(self, batch: Batch, params: Optional[Mapping[str, Tensor]] = None) -> Dict[str, str]:
@@ -571,9 +582,12 @@ def make_dp_step(
             a tied one), module names or layer type names; a dotted key naming nothing in the model
             is an error, another is warned about and ignored.
         fused: noise + scale + cast through one ``torch.compile``d function; None = on CUDA only.
-        noise_rng: the Gaussian source: "auto" (default: "native" for float32 noise drawn on the
-            CPU where its kernel builds, else "torch"; ``DPStep.noise_source`` says which), "torch"
-            (``normal_`` on ``generator``), "mkl"
+        noise_rng: the Gaussian source: "auto" (default: on the CPU "native" where its kernel
+            builds, else "numpy"; off the CPU "torch"; ``DPStep.noise_source`` says which), "torch"
+            (``normal_`` on ``generator``; on the CPU for experiments only: its mt19937 words can be
+            recovered from a released update's noise, see ``pdpsgd.fused.TORCH_CPU_WARNING``),
+            "numpy" (numpy's Philox4x32-10 keyed by 128 bits drawn from ``generator`` each step,
+            float64 normals), "mkl"
             (Intel oneMKL's Philox4x32-10 + Box–Muller, keyed by 64 bits drawn from ``generator``
             each step; ~2.8× faster on Intel, slower on AMD; needs ``pip install mkl``; see
             ``pdpsgd.mkl_rng``) or "native" (pdpsgd's own vectorised Philox4x32-10 + Box–Muller,

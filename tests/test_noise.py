@@ -48,14 +48,15 @@ def _native_available():
 
 
 needs_native = pytest.mark.skipif(not _native_available(), reason="no C compiler to build pdpsgd's native noise kernel")
-FAST_RNGS = [pytest.param("mkl", marks=needs_mkl), pytest.param("native", marks=needs_native)]
+FAST_RNGS = [pytest.param("mkl", marks=needs_mkl), pytest.param("native", marks=needs_native), "numpy"]
 
 
 @pytest.mark.parametrize("policy,rng", [("cpu_chunks", "torch"), ("one_draw", "torch"),
                                         pytest.param("cpu_chunks", "mkl", marks=needs_mkl),
                                         pytest.param("one_draw", "mkl", marks=needs_mkl),
                                         pytest.param("cpu_chunks", "native", marks=needs_native),
-                                        pytest.param("one_draw", "native", marks=needs_native)])
+                                        pytest.param("one_draw", "native", marks=needs_native),
+                                        ("cpu_chunks", "numpy"), ("one_draw", "numpy")])
 def test_step_noise_is_gaussian_with_std_sigma_C(policy, rng, monkeypatch):
     """KS test of the step's noise on both streams: CPU chunks, and the accelerators' single draw
     (forced here on CPU); from torch's generator, oneMKL's Philox stream and pdpsgd's native one."""
@@ -224,7 +225,7 @@ def test_noise_rng_is_checked():
     m = nn.Linear(2, 2)
     loss = lambda mod, bb: mod(bb["x"]).sum(1)
     with pytest.raises(ValueError, match="noise_rng"):
-        pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=1.0, noise_rng="numpy")
+        pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=1.0, noise_rng="cupy")
     with pytest.raises(ValueError, match="noise_rng"):
         noise_and_scale({"w": torch.zeros(3)}, 1.0, None, 1.0, {"w": torch.float32}, compile=False, rng="nope")
 
@@ -280,35 +281,92 @@ def _tiny_step(dtype=torch.float32, **kw):
 
 
 @needs_native
-def test_auto_is_native_for_float32_on_cpu_and_torch_elsewhere():
-    """The default noise source: the native stream for float32 noise on the CPU (the same draws as
-    noise_rng='native'), torch's for float64 noise and off the CPU."""
+def test_auto_is_native_on_cpu_and_torch_elsewhere():
+    """The default noise source: the native stream for float32 and float64 noise on the CPU (the same
+    draws as noise_rng='native'; float64 was torch's normal_ before round 37, whose mt19937 words a
+    released update gives back), torch's off the CPU."""
     step, params, b = _tiny_step()
     assert step.noise_rng == "auto" and step.noise_source() == "native"
-    assert step.noise_source("cpu", torch.float64) == "torch"
+    assert step.noise_source("cpu", torch.float64) == "native"
     assert pdpsgd.make_dp_step(nn.Linear(2, 2), lambda m, bb: m(bb).sum(1), max_grad_norm=1.0,
                                noise_multiplier=1.0).noise_source("cuda") == "torch"
-    for want, dtype in (("native", torch.float32), ("torch", torch.float64)):
+    for dtype in (torch.float32, torch.float64):
         auto = _tiny_step(dtype)
-        named = _tiny_step(dtype, noise_rng=want)
-        other = _tiny_step(dtype, noise_rng="torch" if want == "native" else "native")
+        named = _tiny_step(dtype, noise_rng="native")
+        with pytest.warns(UserWarning, match="mt19937"):
+            other = _tiny_step(dtype, noise_rng="torch")
         ga, gn, go = (s(p, bb).grads for s, p, bb in (auto, named, other))
         for n in ga:
-            assert torch.equal(ga[n], gn[n]), (want, n)
-            assert not torch.equal(ga[n], go[n]), (want, n)
+            assert torch.equal(ga[n], gn[n]), (dtype, n)
+            assert not torch.equal(ga[n], go[n]), (dtype, n)
 
 
-def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_auto_falls_back_to_numpys_philox_when_the_kernel_cannot_build(monkeypatch, dtype):
+    """Without the kernel, "auto" draws from numpy's Philox keyed per step from the generator (review,
+    round 37: it fell back to torch's CPU normal_, whose mt19937 state the released noise gives back):
+    the same draws as noise_rng='numpy', not torch's, and every step a new key."""
     from pdpsgd import native_rng
 
     monkeypatch.setattr(native_rng, "available", lambda: False)
-    with pytest.warns(UserWarning, match="native noise kernel is not available.*torch's normal_"):
-        auto = _tiny_step()
-    torch_ = _tiny_step(noise_rng="torch")
-    assert auto[0].noise_source() == "torch"
-    ga, gt = auto[0](auto[1], auto[2]).grads, torch_[0](torch_[1], torch_[2]).grads
+    with pytest.warns(UserWarning, match="native noise kernel is not available.*numpy's Philox"):
+        auto = _tiny_step(dtype)
+    named = _tiny_step(dtype, noise_rng="numpy")
+    with pytest.warns(UserWarning, match="mt19937"):
+        torch_ = _tiny_step(dtype, noise_rng="torch")
+    assert auto[0].noise_source() == "numpy"
+    ga, gn, gt = (s(p, bb).grads for s, p, bb in (auto, named, torch_))
+    ga2 = auto[0](auto[1], auto[2]).grads  # the next step: another key
     for n in ga:
-        assert torch.equal(ga[n], gt[n])
+        assert ga[n].dtype == dtype
+        assert torch.equal(ga[n], gn[n])
+        assert not torch.equal(ga[n], gt[n])
+        assert not torch.equal(ga[n], ga2[n])
+
+
+def test_numpy_stream_is_numpys_philox_keyed_with_128_bits_from_the_generator():
+    """The "numpy" source against numpy itself: Philox4x32-10 under the key of four 32-bit words the
+    generator gives (low word first), float64 standard normals times std."""
+    from pdpsgd.fused import draw_noise
+
+    g = torch.Generator().manual_seed(3)
+    words = torch.randint(0, 1 << 32, (4,), generator=torch.Generator().manual_seed(3), dtype=torch.int64).tolist()
+    key = words[0] | words[1] << 32 | words[2] << 64 | words[3] << 96
+    z = draw_noise({"a": torch.Size([70_000]), "b": torch.Size([5, 3])}, g, torch.float64, torch.device("cpu"),
+                   std=2.5, rng="numpy")
+    ref = np.random.Generator(np.random.Philox(key=key))
+    want = np.concatenate([ref.standard_normal(65536), ref.standard_normal(70_000 - 65536), ref.standard_normal(15)])
+    got = torch.cat([z["a"], z["b"].flatten()]).numpy()
+    np.testing.assert_array_equal(got, want * 2.5)
+
+
+def test_explicit_torch_noise_on_the_cpu_warns():
+    """noise_rng='torch' on a CPU generator is for experiments: a warning says why (mt19937's state
+    comes back from the released noise); σ = 0 draws nothing and does not warn."""
+    with pytest.warns(UserWarning, match="mt19937 is linear over GF"):
+        _tiny_step(noise_rng="torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pdpsgd.make_dp_step(nn.Linear(2, 2), lambda m, bb: m(bb).sum(1), max_grad_norm=1.0, noise_multiplier=0.0,
+                            noise_rng="torch")
+
+
+@pytest.mark.parametrize("rng", ["torch", "auto"])
+def test_noise_without_a_generator_never_uses_torchs_global_one(rng):
+    """noise_and_scale / draw_noise with generator=None key a fresh generator from OS entropy (review,
+    round 37: they drew from torch's global generator, whose seed keeps 32 bits): reseeding the
+    global generator does not repeat the noise, and its state is not advanced."""
+    from pdpsgd.fused import draw_noise
+
+    sums = {"w": torch.zeros(500)}
+    outs, states = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        before = torch.get_rng_state()
+        outs.append(noise_and_scale(dict(sums), 1.0, None, 1.0, {"w": torch.float32}, compile=False, rng=rng)["w"])
+        outs.append(draw_noise({"w": torch.Size([500])}, None, torch.float32, torch.device("cpu"), rng=rng)["w"])
+        assert torch.equal(torch.get_rng_state(), before)
+    assert not torch.equal(outs[0], outs[2]) and not torch.equal(outs[1], outs[3])
 
 
 @needs_native
