@@ -15,12 +15,13 @@ re-seeded from fresh entropy; the CLI refuses a private checkpoint without its l
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Iterator, Mapping
 
 import torch
 
@@ -82,6 +83,24 @@ def atomic_write_bytes(path: os.PathLike, data: bytes) -> None:
 
 def atomic_write_text(path: os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+@contextlib.contextmanager
+def file_lock(path: os.PathLike) -> Iterator[None]:
+    """An exclusive advisory lock (``flock``) on ``<path>.lock`` while the block runs: processes (and
+    trainers in one process: each opens its own file) that read-check-write ``path`` under it take
+    turns. Where ``fcntl`` does not exist (Windows) the block runs unlocked."""
+    try:
+        import fcntl
+    except ImportError:  # (no flock: the caller's check still runs, unlocked)
+        yield
+        return
+    fd = os.open(f"{os.fspath(path)}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
 
 
 def atomic_write_json(path: os.PathLike, obj: Any) -> None:

@@ -179,7 +179,9 @@ class DPTrainer:
             from the noise generator; "mkl" needs ``pip install mkl``, "native" a C compiler the
             first time).
         ledger_path: a JSON file rewritten atomically after each ``accountant.step`` and before
-            the update is applied.
+            the update is applied; read before each step's draw and, under a lock on
+            ``<ledger_path>.lock``, before each write: a file that counts releases this trainer does
+            not (another trainer on this run's ledger) stops the step before its release.
         accountant: default ``PRVAccountant()``. ``telemetry``: default ``Telemetry()``.
     """
 
@@ -192,7 +194,15 @@ class DPTrainer:
         from .step import make_dp_step
         from .telemetry import Telemetry
 
-        n = len(next(iter(data.values())))
+        if not data:
+            raise ValueError("data is empty: give name -> (N, ...) tensors")
+        sizes = {k: len(v) for k, v in data.items()}
+        n = next(iter(sizes.values()))
+        for k, m in sizes.items():  # (review, round 37: N was the first tensor's, the others unchecked)
+            if m != n:
+                first = next(iter(sizes))
+                raise ValueError(f"data[{k!r}] has {m} rows but data[{first!r}] {n}: every tensor of data holds "
+                                 f"one row per example ('{k}' has {m} rows, '{first}' {n})")
         if n != plan.num_examples:
             raise ValueError(f"data has {n} examples, the plan {plan.num_examples}")
         self.model, self.loss_fn, self.data = model, loss_fn, data
@@ -204,7 +214,7 @@ class DPTrainer:
         if not self.params:
             raise ValueError("the model has no trainable parameter (requires_grad=True)")
         self.ledger_path = Path(ledger_path) if ledger_path is not None else None
-        self._ledger_checked = False  # (the file's count read once before the first write, or by load_state_dict)
+        self._load_failed = False  # (a load_state_dict that raised part-way: no step until one goes through)
         self.reseeded = False  # (set by _reseed: the streams went on from fresh entropy, not from any seed)
         self.epsilon_every = max(1, int(epsilon_every))
         self.telemetry = telemetry if telemetry is not None else Telemetry()
@@ -256,6 +266,9 @@ class DPTrainer:
         step whose ``optimizer.step()`` raises may have applied part of its update: it stays on the
         ledger and counts as taken."""
         t0 = time.perf_counter()
+        if self._load_failed:
+            raise RuntimeError("a load_state_dict failed part-way, so this trainer holds part of that state: load a "
+                               "state again (one that loads) before stepping")
         if self.dp:
             self._check_ledger_file()  # (before anything is drawn: a refusal changes nothing)
         saved = self._stream_states()
@@ -349,12 +362,15 @@ class DPTrainer:
         return statistics.median(times[1:])
 
     # ---------------------------------------------------------------------------------------
-    def _reconcile_ledgers(self, given: Optional[Mapping[str, Any]]) -> Optional[Mapping[str, Any]]:
-        """The ledger to resume against: ``given`` and the trainer's own ``ledger_path`` file, whichever
-        counts more releases. The file is read even when a ledger is given (review, round 36: a copy
-        taken at checkpoint time hid the file's later releases; their batches and noise were replayed
-        and the file was rewritten with a smaller count), so its count is never lowered; either one
-        from another run (other σ, q or δ), or two that disagree on the history, are refused."""
+    def _reconcile_ledgers(self, given: Optional[Mapping[str, Any]], live: Optional[Mapping[str, Any]] = None
+                           ) -> Tuple[Optional[Mapping[str, Any]], str]:
+        """The ledger to resume against and where it is from ("given", "file", "live" or ""): ``given``,
+        the trainer's own ``ledger_path`` file and ``live`` (this trainer's own count, if it released
+        any), whichever counts most releases. The file is read even when a ledger is given (review,
+        round 36: a copy taken at checkpoint time hid the file's later releases; their batches and
+        noise were replayed and the file was rewritten with a smaller count), so its count is never
+        lowered, nor this trainer's (round 37); one from another run (other σ, q or δ), or two that
+        disagree on the history, are refused."""
         found: List[Tuple[str, Mapping[str, Any]]] = []
         if given is not None:
             found.append(("", given))
@@ -370,7 +386,7 @@ class DPTrainer:
                                  "resume (it may hold releases this state does not count)") from None
             found.append((f" {self.ledger_path}", content))
         if not found:
-            return None
+            return (live, "live") if live is not None else (None, "")
         if self.dp:  # another run's ledger would lend its history (review, round 33)
             mine = self._ledger()
             for where, led in found:
@@ -379,16 +395,21 @@ class DPTrainer:
                 if off:
                     raise ValueError(f"the privacy ledger{where} is another run's ({', '.join(off)}): refusing to "
                                      "resume with it. Point ledger_path at this run's ledger")
-        if len(found) == 1:
-            return found[0][1]
-        (_, a), (_, b) = found
-        na, nb = int(a.get("steps_released", 0)), int(b.get("steps_released", 0))
-        small, large = (a, b) if na <= nb else (b, a)
-        if not _history_prefix(small.get("accountant"), large.get("accountant")):
-            raise ValueError(f"the ledger given and the ledger file {self.ledger_path} belong to different runs (their "
-                             "accountant histories disagree): refusing to resume. Pass this run's ledger (the "
-                             "file's content), or point ledger_path at this run's ledger file")
-        return b if nb >= na else a  # (the file on a tie)
+        if len(found) == 2:
+            (_, a), (_, b) = found
+            na, nb = int(a.get("steps_released", 0)), int(b.get("steps_released", 0))
+            small, large = (a, b) if na <= nb else (b, a)
+            if not _history_prefix(small.get("accountant"), large.get("accountant")):
+                raise ValueError(f"the ledger given and the ledger file {self.ledger_path} belong to different runs "
+                                 "(their accountant histories disagree): refusing to resume. Pass this run's ledger "
+                                 "(the file's content), or point ledger_path at this run's ledger file")
+            best, src = (b, "file") if nb >= na else (a, "given")  # (the file on a tie)
+        else:
+            best, src = found[0][1], ("given" if found[0][0] == "" else "file")
+        if live is not None and int(live["steps_released"]) > int(best.get("steps_released", 0)):
+            # (this trainer released more than any ledger says: its own steps of this run, kept counted)
+            return live, "live"
+        return best, src
 
     def _privacy_key(self) -> Dict[str, Any]:
         """What a saved state must share with this trainer to continue its guarantee (review, round 33:
@@ -409,30 +430,35 @@ class DPTrainer:
                 "sample_rate": self.plan.sample_rate, "delta": self.plan.delta,
                 "accountant": self.accountant.state_dict()}
 
-    def _check_ledger_file(self) -> None:
-        """Before the first write: the ledger file must not count releases that this trainer does not."""
-        if self.ledger_path is None or self._ledger_checked:
+    def _check_ledger_file(self, mine: Optional[int] = None) -> None:
+        """The ledger file must not count releases that this trainer (``mine``: its count, default
+        ``released``) does not: before every step's draw and, under the file's lock, before every write
+        (review, round 37: read once, at load or before the first write, two trainers resumed from one
+        checkpoint each rewrote it with the same count and released the same noise and batches)."""
+        if self.ledger_path is None or not self.ledger_path.exists():
             return
-        if self.ledger_path.exists():
-            # a fresh trainer on a ledger that already counts releases would rewrite it from its own
-            # smaller count, dropping them (review, round 34): resume that run, or use another path
-            try:
-                before = int(json.loads(self.ledger_path.read_text()).get("steps_released", 0))
-            except (OSError, ValueError, TypeError, AttributeError):
-                before = -1
-            if before < 0 or before > self.released:
-                what = "is unreadable" if before < 0 else f"already counts {before} released step(s)"
-                raise ValueError(f"the privacy ledger {self.ledger_path} {what}, which this trainer does "
-                                 "not: rewriting it would drop them. Resume that run (load_state_dict) or "
-                                 "give this one another ledger_path")
-        self._ledger_checked = True
+        mine = self.released if mine is None else mine
+        # a fresh trainer on a ledger that already counts releases would rewrite it from its own
+        # smaller count, dropping them (review, round 34); a second trainer on this run's ledger would
+        # repeat the steps the first one released (round 37): resume that run once, or use another path
+        try:
+            before = int(json.loads(self.ledger_path.read_text()).get("steps_released", 0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            before = -1
+        if before < 0 or before > mine:
+            what = "is unreadable" if before < 0 else f"already counts {before} released step(s), this trainer {mine}"
+            raise ValueError(f"the privacy ledger {self.ledger_path} {what}: another trainer (or process) released "
+                             "steps this one does not count, and rewriting the ledger would drop them; continuing "
+                             "would repeat their batches and noise. Resume from the ledger (load_state_dict) in one "
+                             "trainer only, or give this one another ledger_path")
 
     def _write_ledger(self) -> None:
         if self.ledger_path is not None:
-            from .checkpoint import atomic_write_json
+            from .checkpoint import atomic_write_json, file_lock
 
-            self._check_ledger_file()  # (step() ran it before its draw: then a no-op)
-            atomic_write_json(self.ledger_path, self._ledger())
+            with file_lock(self.ledger_path):  # (check and write in one turn: two writers cannot both pass)
+                self._check_ledger_file(self.released - 1)  # (the count before this step's release)
+                atomic_write_json(self.ledger_path, self._ledger())
 
     def _rng_states(self) -> Dict[str, Any]:
         """Every random stream a step draws from: sampling, noise, torch's CPU (and CUDA) state."""
@@ -500,18 +526,26 @@ class DPTrainer:
         re-seeded from fresh entropy and a warning is returned (ε counts this checkpoint's steps only).
         Pass the ledger to continue the streams exactly.
         """
-        # (only a load that went through reconciled the state with the ledger: after a failed one, part
-        # of the state may be loaded (a smaller count), so the guard of the first write is on again;
-        # review, round 34, and round 36: a trainer that had stepped kept it off)
-        self._ledger_checked = False
-        out = self._load_state_dict(state, ledger)
-        if hasattr(self.telemetry, "load_state_dict") and state.get("telemetry"):
-            self.telemetry.load_state_dict(state["telemetry"])  # (last: it rewrites its log file)
-        self._ledger_checked = True
+        # this trainer's own releases are a ledger too (review, round 37: rolled back to an older state
+        # of its run without a ledger, it forgot the steps it had released itself); a load that fails
+        # part-way puts them back and leaves the trainer refusing to step until a load goes through
+        live = self._ledger() if self.dp and self.released > 0 else None
+        try:
+            out = self._load_state_dict(state, ledger, live)
+            if hasattr(self.telemetry, "load_state_dict") and state.get("telemetry"):
+                self.telemetry.load_state_dict(state["telemetry"])  # (last: it rewrites its log file)
+        except BaseException:
+            self._load_failed = True
+            if live is not None and live["steps_released"] > self.released:
+                self.accountant.load_state_dict(live["accountant"])
+                self.released = live["steps_released"]
+            raise
+        self._load_failed = False
         return out
 
-    def _load_state_dict(self, state: Mapping[str, Any], ledger: Optional[Mapping[str, Any]]) -> Optional[str]:
-        ledger = self._reconcile_ledgers(ledger)
+    def _load_state_dict(self, state: Mapping[str, Any], ledger: Optional[Mapping[str, Any]],
+                         live: Optional[Mapping[str, Any]] = None) -> Optional[str]:
+        ledger, source = self._reconcile_ledgers(ledger, live)
         saved = state.get("privacy")
         if saved is not None and dict(saved) != self._privacy_key():
             diff = ", ".join(f"{k}: {saved.get(k)!r} in the state vs {v!r} here"
@@ -550,6 +584,9 @@ class DPTrainer:
             self.accountant.load_state_dict(ledger["accountant"])
             self.released = int(ledger["steps_released"])
             self._reseed()
+            if source == "live":
+                return (f"this trainer had released {lost} step(s) past this state; they stay counted (ε will "
+                        "exceed the plan slightly) and all random streams were re-seeded from fresh entropy")
             return (f"{lost} step(s) were released after the last checkpoint and are lost; they stay on the "
                     f"privacy ledger (ε will exceed the plan slightly) and all random streams were re-seeded "
                     "from fresh entropy")

@@ -76,12 +76,13 @@ def test_a_fresh_trainer_refuses_a_ledger_that_counts_releases(tmp_path):
         _mlp_setup(ledger=tmp_path / "other.json")[0].load_state_dict({**mid, "rng": None})
     with pytest.raises(ValueError, match="sampler has drawn 5 batch"):  # (round 36: refused before that)
         _mlp_setup(ledger=tmp_path / "other.json")[0].load_state_dict({**final, "step": 1})
-    # a failed load reconciled nothing: the guard of the first write stays on
+    # a failed load reconciled nothing: no step until a load goes through (round 37; before: the ledger's guard)
     wider, *_ = _mlp_setup(ledger=ledger, sigma=0.5)
     with pytest.raises(ValueError):
         wider.load_state_dict(mid)  # (other privacy settings)
-    with pytest.raises(ValueError, match="already counts"):
+    with pytest.raises(RuntimeError, match="load_state_dict failed part-way"):
         wider.step()
+    assert json.loads(ledger.read_text())["steps_released"] == 5
 
 
 def test_trainer_ledger_written_before_update(tmp_path):
@@ -660,24 +661,30 @@ def test_a_load_that_fails_part_way_never_lowers_the_ledger(tmp_path):
     assert json.loads(ledger.read_text())["steps_released"] == 4
     with pytest.raises(ValueError, match="no random streams"):
         tr.load_state_dict({**mid, "rng": None})
-    with pytest.raises(ValueError, match="already counts 4 released"):
+    with pytest.raises(RuntimeError, match="load_state_dict failed part-way"):  # (round 37; was the ledger's guard)
         tr.step()
-    assert json.loads(ledger.read_text())["steps_released"] == 4
+    assert json.loads(ledger.read_text())["steps_released"] == 4 and tr.released == 4
     assert tr.load_state_dict(mid) is not None  # (the file's 4 win: re-seeded, a warning)
     tr.step()
     assert json.loads(ledger.read_text())["steps_released"] == 5 and tr.released == 5
 
 
-def test_telemetry_log_is_rewritten_only_by_a_load_that_went_through(tmp_path):
-    """A refused load leaves the telemetry log as it was (review, round 36: it was cut first)."""
-    tr, *_ = _mlp_setup(epochs=2)
-    tr.telemetry = Telemetry(tmp_path / "t.jsonl")
+def _four_steps_then_a_failed_load(tr):
+    """One step, its state, three more, then a load of that state that fails part-way; returns the state."""
     tr.step()
     mid = tr.state_dict()
     for _ in range(3):
         tr.step()
     with pytest.raises(ValueError, match="no random streams"):
         tr.load_state_dict({**mid, "rng": None})
+    return mid
+
+
+def test_telemetry_log_is_rewritten_only_by_a_load_that_went_through(tmp_path):
+    """A refused load leaves the telemetry log as it was (review, round 36: it was cut first)."""
+    tr, *_ = _mlp_setup(epochs=2)
+    tr.telemetry = Telemetry(tmp_path / "t.jsonl")
+    _four_steps_then_a_failed_load(tr)
     assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 4
 
 
@@ -703,3 +710,88 @@ def test_weights_missing_from_the_folder_count_as_used_unless_the_pooler():
     assert got == {"long_proj.weight": True, "train_proj.weight": True, "pooler.0.weight": False,
                    "pooler.0.bias": False}
     assert _random_init_weights(enc, {"missing_keys": []}) == []
+
+
+def test_two_trainers_resumed_from_one_checkpoint_never_both_release(tmp_path):
+    """Two trainers that load one checkpoint against one ledger (a preempted job restarted while the old
+    process still runs) hold the same streams: both stepping would release the same noise twice, and on
+    data one example apart the two updates differ by that example's clipped gradient alone. The ledger
+    file is read before every write (review, round 37: it was read once, at load): the second to write
+    a step the file already counts is refused and its step undone, also when both passed the check
+    before their draw."""
+    ledger = tmp_path / "ledger.json"
+    tr, *_ = _mlp_setup(ledger=ledger, epochs=2)
+    for _ in range(3):
+        tr.step()
+    state, led = tr.state_dict(), json.loads(ledger.read_text())
+    A, mA, *_ = _mlp_setup(ledger=ledger, epochs=2)
+    B, mB, *_ = _mlp_setup(ledger=ledger, epochs=2)
+    A.load_state_dict(state, ledger=led)
+    B.load_state_dict(state, ledger=led)
+    A.step()
+    before = [p.detach().clone() for p in mB.parameters()]
+    with pytest.raises(ValueError, match="counts 4 released step.*this trainer 3"):
+        B.step()
+    assert B.released == 3 and B.step_count == 3 and B.accountant.num_steps == 3
+    assert all(torch.equal(a, b) for a, b in zip(before, mB.parameters()))  # (nothing applied)
+    assert json.loads(ledger.read_text())["steps_released"] == 4
+    # both past the check before their draw: the one that writes second is refused at its write
+    C, mC, *_ = _mlp_setup(ledger=ledger, epochs=2)
+    D, mD, *_ = _mlp_setup(ledger=ledger, epochs=2)
+    state4, led4 = A.state_dict(), json.loads(ledger.read_text())
+    C.load_state_dict(state4, ledger=led4)
+    D.load_state_dict(state4, ledger=led4)
+    real = C.dp_step.finalize
+
+    def finalize_while_d_steps(*a, **k):
+        D.step()  # (D draws, writes 5 and applies its update while C is between its check and its write)
+        return real(*a, **k)
+
+    C.dp_step.finalize = finalize_while_d_steps
+    before = [p.detach().clone() for p in mC.parameters()]
+    with pytest.raises(ValueError, match="counts 5 released step.*this trainer 4"):
+        C.step()
+    assert C.released == 4 and C.accountant.num_steps == 4
+    assert all(torch.equal(a, b) for a, b in zip(before, mC.parameters()))
+    assert json.loads(ledger.read_text())["steps_released"] == 5 and D.released == 5
+
+
+def test_loading_an_older_state_into_a_trainer_that_stepped_keeps_its_count():
+    """Without any ledger, the trainer's own count is one: rolling a trainer back to an older state of
+    its run keeps the releases it made itself (review, round 37: 4 released, load of the state at 2,
+    the accountant said 2 and the run ended with ε below what 7 releases spend); its streams are
+    re-seeded and the message says why."""
+    tr, *_ = _mlp_setup(epochs=2)
+    tr.step(), tr.step()
+    state = tr.state_dict()
+    tr.step(), tr.step()
+    eps4 = tr.epsilon().upper
+    msg = tr.load_state_dict(state)
+    assert tr.released == 4 and tr.accountant.num_steps == 4 and tr.step_count == 2
+    assert "released" in msg and "re-seeded" in msg and tr.reseeded
+    assert tr.epsilon().upper == eps4
+    tr.step()
+    assert tr.released == 5 and tr.accountant.num_steps == 5
+
+
+def test_a_load_that_fails_part_way_keeps_the_count_and_refuses_to_step():
+    """A load that fails after part of the state was set leaves the trainer's count as it was and the
+    trainer refusing to step until a load goes through (review, round 37: without a ledger file the
+    failed load's smaller count stayed, and the next steps were counted from it)."""
+    tr, *_ = _mlp_setup(epochs=2)
+    mid = _four_steps_then_a_failed_load(tr)
+    assert tr.released == 4 and tr.accountant.num_steps == 4
+    with pytest.raises(RuntimeError, match="load_state_dict failed"):
+        tr.step()
+    assert tr.load_state_dict(mid) is not None
+    tr.step()
+    assert tr.released == 5
+
+
+def test_data_tensors_must_share_their_first_dimension():
+    """N is the first dimension of every tensor of ``data`` (review, round 37: it was the first
+    tensor's, so a shorter second one ran silently on a part of the data, or raised mid-run)."""
+    tr, model, data, plan = _mlp_setup()
+    bad = {"x": data["x"], "y": data["y"][:30]}
+    with pytest.raises(ValueError, match="'y' has 30 rows.*'x' 40"):
+        DPTrainer(model, tr.loss_fn, bad, optimizer=tr.optimizer, plan=plan, max_grad_norm=1.0, max_physical_batch=4)
