@@ -103,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--test-data", metavar="FILE", help="test file (default: a fixed 80/20 split of --data)")
     g.add_argument("--text-column", default="text")
     g.add_argument("--label-column", default="label")
-    g.add_argument("--max-train-examples", type=int, metavar="N", help="use only the first N training examples")
+    g.add_argument("--max-train-examples", type=int, metavar="N",
+                   help="use only the first N training examples (for tests and quick looks: a row added to the file "
+                        "can push another out of the first N, so for rows of the file ε holds for groups of two)")
     g.add_argument("--max-test-examples", type=int, metavar="N", help="evaluate on the first N test examples")
     g.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"], help="tokens per example (truncate/pad)")
     g.add_argument("--train-params", default=DEFAULTS["train_params"], metavar="{all,bias,head,top-N,lora}",
@@ -128,10 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
     g.add_argument("--method", default=DEFAULTS["method"], choices=("auto", "bk", "vmap"),
                    help="per-example clipping engine")
-    g.add_argument("--noise-rng", default="auto", choices=("auto", "torch", "mkl", "native"),
-                   help="CPU Gaussian noise source: auto (native where it builds, else torch), torch's normal_, "
-                        "oneMKL's Philox (~2.8x faster on Intel; pip install mkl), or pdpsgd's own vectorised "
-                        "Philox (built once with the C compiler)")
+    g.add_argument("--noise-rng", default="auto", choices=("auto", "torch", "mkl", "native", "numpy"),
+                   help="CPU Gaussian noise source: auto (native where it builds, else numpy), torch's normal_ "
+                        "(experiments only: its mt19937 state can be recovered from released noise), oneMKL's "
+                        "Philox (~2.8x faster on Intel; pip install mkl), pdpsgd's own vectorised Philox (built "
+                        "once with the C compiler), or numpy's Philox")
     g.add_argument("--dropout", action="store_true",
                    help="keep the model's dropout on while training (default: off, i.e. eval-mode forward)")
     g.add_argument("--seed", type=int, help="seed for init, sampling, noise, dropout (default: fresh OS entropy); anyone who "
@@ -264,6 +267,12 @@ def _load_data(a: argparse.Namespace):
                 train, test = split_dataset(full, 0.2, seed=0)
     except DataError as e:
         raise UserError(str(e)) from None
+    if a.max_train_examples is not None and a.max_train_examples < len(train):
+        # (review, round 37: the cap turns one row added to the file into one row in, one row out)
+        print(f"pdpsgd: warning: --max-train-examples {a.max_train_examples} keeps the first {a.max_train_examples} "
+              f"of {len(train)} training rows: a row added to the file can push another out of them, so ε holds "
+              "per row of this capped training set, and for rows of the file only for groups of two (up to ~2ε)",
+              file=sys.stderr)
     train = train.subset(a.max_train_examples)
     test = test.subset(a.max_test_examples)
     if len(train) == 0:

@@ -575,6 +575,27 @@ def test_calibrate_then_epsilon_round_trip(target, q, steps):
     assert prv(sigma * (1 - 1e-3), q, steps).epsilon(1e-5).upper > target  # smallest to rtol
 
 
+def test_calibrate_returns_the_sigma_it_evaluated_at_the_range_ends():
+    # (review, round 37) met at sigma_range[0]: it returned s_min, but had evaluated exp(log(s_min)),
+    # one ulp above it for some s_min, whose ε is a hair lower: the returned σ's ε exceeded the target
+    q, steps, delta = 0.01, 10, 1e-5
+    checked = 0
+    for s_min in (0.1, 0.3, 0.7, 1.1, 0.45):
+        above = math.exp(math.log(s_min))
+        if above == s_min:
+            continue
+        target = prv(above, q, steps).epsilon(delta).upper
+        if not prv(s_min, q, steps).epsilon(delta).upper > target:
+            continue
+        checked += 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # (before the fix: "met already at the smallest σ")
+            sigma = calibrate_noise(target_epsilon=target, delta=delta, sample_rate=q, steps=steps,
+                                    sigma_range=(s_min, 1000.0))
+        assert sigma >= s_min
+        assert prv(sigma, q, steps).epsilon(delta).upper <= target
+    assert checked  # (at least one s_min whose exp(log) is not itself and whose ε tells them apart)
+
 def test_calibrate_rdp_is_one_word_and_more_conservative():
     kw = dict(target_epsilon=3.0, delta=1e-5, sample_rate=0.01, steps=2000)
     s_rdp = calibrate_noise(**kw, accountant="rdp")

@@ -151,12 +151,16 @@ def calibrate_noise(
             cache[sigma] = acct.epsilon(delta).upper
         return cache[sigma]
 
-    def g(u: float) -> float:  # log(upper / target); the search works in (log σ, log ε)
-        e = upper(math.exp(u))
-        return math.log(e / target) if e > 0 else -math.inf
-
     tol = -math.log1p(-rtol)  # bracket width in log σ
     u_min, u_max = math.log(s_min), math.log(s_max)
+
+    def sig(u: float) -> float:  # the σ of a search point: the range's ends exactly (exp(log s) may be
+        return s_min if u <= u_min else s_max if u >= u_max else math.exp(u)  # one ulp off s; review, round 37)
+
+    def g(u: float) -> float:  # log(upper / target); the search works in (log σ, log ε)
+        e = upper(sig(u))
+        return math.log(e / target) if e > 0 else -math.inf
+
     guess = _rdp_sigma(target, delta, q, steps, s_min, s_max, rel=0.01)
     slope = _rdp_log_slope(guess, delta, q, steps)  # d log ε / d log σ (< 0)
 
@@ -178,7 +182,7 @@ def calibrate_noise(
                 "to search further.",
                 RuntimeWarning,
             )
-            return float(s_min)
+            return float(sig(hi[0]))  # (s_min: the σ evaluated there)
         if lo is not None and lo[0] >= u_max:
             raise ValueError(
                 f"target_epsilon={target:g} at delta={delta:g} is unreachable with sample_rate={q:g} and "
@@ -211,7 +215,7 @@ def calibrate_noise(
                 x = max(p[0] + min(step, 0.0) - 0.45 * tol, u_min)
         u = x
     assert hi is not None
-    return float(math.exp(hi[0]))
+    return float(sig(hi[0]))  # the σ whose ε was evaluated (≤ target)
 
 
 def _rdp_log_slope(sigma: float, delta: float, q: float, steps: int) -> float:
