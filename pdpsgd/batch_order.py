@@ -14,7 +14,8 @@ not) by a marked integer index of B entries, or by a Python list or NumPy array 
 origin it cannot see), whatever their values are in this batch; also one row of it by an entry of
 such an order (a 0-d tensor taken from it by indexing, iterating or ``unbind``:
 ``torch.stack([x[i] for i in order])`` applies the order row by row; another computed scalar, e.g.
-a position found by ``nonzero`` along the sequence, is not one). An index of another length (the rows of a token mask's ``nonzero``, scattered back to their
+a position found by ``nonzero`` along the sequence, is not one), given to ``x.select`` / ``x.narrow``
+too, and a part of such an order (``x[order[k:k+1]]``, the pieces of ``order.split(2)``; round 37). An index of another length (the rows of a token mask's ``nonzero``, scattered back to their
 own examples) is not a reordering of the batch and is not reported; a Python int or an unmarked 0-d
 index (``x[0]``) is not either.
 
@@ -52,7 +53,11 @@ ROW_OPS = {name: (1, 2) for name in (
     "scatter_reduce", "scatter_reduce_")}
 ROW_OPS["take_along_dim"] = (2, 1)
 _KEYED = ("__getitem__", "__setitem__", "index_put", "index_put_")
-_ENTRY_OPS = frozenset({"__getitem__", "unbind", "select"})  # ops that take an order's entries (``for i in order``)
+# ops that take an order's entries (``for i in order``) or parts (``order[k:k+1]``, ``order.split(2)``)
+_ENTRY_OPS = frozenset({"__getitem__", "unbind", "select", "narrow", "split", "chunk", "tensor_split",
+                        "split_with_sizes", "unsafe_split", "unsafe_chunk"})
+# ops that take one row of a dimension by a scalar: name -> (position of dim, position of the index)
+_SCALAR_ROW_OPS = {"select": (1, 2), "narrow": (1, 2)}
 
 _TORCH_RNN = (os.path.join("torch", "nn", "utils", "rnn.py"), os.path.join("torch", "nn", "modules", "rnn.py"))
 _OURS = os.path.dirname(os.path.abspath(__file__))
@@ -79,7 +84,7 @@ class ReorderWatch(TorchFunctionMode):
         self.B = B
         self.found: Optional[str] = None
         self._marked: Dict[int, "weakref.ref[Tensor]"] = {}
-        self._entries: Dict[int, "weakref.ref[Tensor]"] = {}  # 0-d entries taken from a marked order of B
+        self._entries: Dict[int, "weakref.ref[Tensor]"] = {}  # entries (0-d) and parts (1-d) of a marked order of B
 
     def _is_marked(self, x: Any) -> bool:
         if not isinstance(x, Tensor):
@@ -103,9 +108,10 @@ class ReorderWatch(TorchFunctionMode):
         if size != self.B:
             return False
         if isinstance(index, Tensor):
-            if index.dim() == 0:  # (an entry of an order, not any computed scalar: review, round 36)
-                r = self._entries.get(id(index))
-                return r is not None and r() is index
+            if self._is_entry(index):  # an entry or a part of an order, not any computed scalar (review, round 36)
+                return True
+            if index.dim() == 0:
+                return False
             return (self._is_marked(index) and not index.is_floating_point() and index.dtype != torch.bool
                     and index.dim() == 1 and index.shape[0] == self.B)
         if isinstance(index, (list, tuple)) and len(index) == self.B:
@@ -113,6 +119,11 @@ class ReorderWatch(TorchFunctionMode):
         ndarray = getattr(sys.modules.get("numpy"), "ndarray", None)
         return ndarray is not None and isinstance(index, ndarray) and index.ndim == 1 and index.shape[0] == self.B \
             and index.dtype.kind in "iu"
+
+    def _is_entry(self, x: Any) -> bool:
+        """An entry (0-d) or a part (1-d: ``order[k:k+1]``, a piece of ``order.split(2)``) of an order."""
+        r = self._entries.get(id(x)) if isinstance(x, Tensor) else None
+        return r is not None and r() is x
 
     def _keyed(self, x: Tensor, key: Any) -> bool:
         """``x[key]`` / ``x[key] = ...``: a key entry that orders a dimension of size B."""
@@ -137,6 +148,12 @@ class ReorderWatch(TorchFunctionMode):
         if name in _KEYED:
             key = args[1] if len(args) > 1 else kwargs.get("indices")
             return self._keyed(x, key)
+        pos = _SCALAR_ROW_OPS.get(name)
+        if pos is not None:  # x.select(0, order[k]), x.narrow(0, order[k], 1): one row by an entry of an order
+            index = args[pos[1]] if len(args) > pos[1] else kwargs.get("index" if name == "select" else "start")
+            dim = _int_dim(args[pos[0]] if len(args) > pos[0] else kwargs.get("dim"), x.dim())
+            return (dim is not None and 0 <= dim < x.dim() and x.shape[dim] == self.B and self._is_entry(index)
+                    and index.dim() == 0)
         pos = ROW_OPS.get(name)
         if pos is None:
             return False
@@ -153,15 +170,16 @@ class ReorderWatch(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if self.found is None and (name in _KEYED or name in ROW_OPS):
+        if self.found is None and (name in _KEYED or name in ROW_OPS or name in _SCALAR_ROW_OPS):
             caller = sys._getframe(1)
             if not _exempt(caller.f_code.co_filename) and self._rows_by_order(name, args, kwargs):
                 self.found = (f"{name} at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}, by an "
                               "order computed with sort, argsort, topk, nonzero, ... or a Python list")
         out = func(*args, **kwargs)
-        if name in _ENTRY_OPS and args and self._is_order(args[0]):  # order[k], iterating or unbinding an order
+        if name in _ENTRY_OPS and args and (self._is_order(args[0]) or (self._is_entry(args[0]) and args[0].dim() == 1)):
+            # order[k], iterating or unbinding an order; order[k:k+1], its split / chunk pieces (and theirs)
             for t in tree_flatten(out)[0]:
-                if isinstance(t, Tensor) and t.dim() == 0:
+                if isinstance(t, Tensor) and t.dim() <= 1 and not t.is_floating_point() and t.dtype != torch.bool:
                     self._entries[id(t)] = weakref.ref(t)
         ordering = name in ORDERINGS or (name == "where" and len(args) + len(kwargs) == 1)
         flat = tree_flatten((args, kwargs))[0]

@@ -451,10 +451,13 @@ class DPStep:
         kept = mask & torch.isfinite(total_sq) & torch.isfinite(res.losses)
         if self.on_nonfinite == "raise" and bool((mask & ~kept).any()):
             bad = torch.nonzero(mask & ~kept).flatten().tolist()
+            fp16 = [n for n, p in detached.items() if p.dtype == torch.float16]
             raise FloatingPointError(
                 f"examples {bad[:10]} have a non-finite loss or gradient (or a gradient whose squared norm "
-                f"overflows {str(total_sq.dtype).replace('torch.', '')}: a norm above ~1.8e19 in float32); fix "
-                "the data/model, or use on_nonfinite='drop' to drop them from the step (they then contribute 0)"
+                f"overflows {str(total_sq.dtype).replace('torch.', '')}: a norm above ~1.8e19 in float32); "
+                + (f"the model has float16 parameters ({fp16[0]}, ...), whose gradients overflow to inf past "
+                   "65504 (review, round 37): scale the loss down, or train in bfloat16 / float32; " if fp16 else "")
+                + "fix the data/model, or use on_nonfinite='drop' to drop them from the step (they then contribute 0)"
             )
         clipped = torch.zeros_like(mask)
         for names, thr in zip(groups.names, groups.thresholds):

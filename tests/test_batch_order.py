@@ -294,3 +294,26 @@ def test_the_watch_sees_0d_entries_of_an_order_and_leaves_other_scalar_indices_a
     assert _watch(lambda: sq[:, (ids[0] == 2).nonzero()[0, 0]], 4) is None
     assert _watch(lambda: sq[:, torch.argmax(ids[0])], 4) is None
     assert _watch(lambda: torch.stack([sq[i] for i in torch.argsort(lengths)]), 4) is not None
+
+
+def test_the_watch_sees_parts_of_an_order_and_its_entries_through_select_and_narrow():
+    """(Review, round 36's note.) Slices of an order of the B rows (``x[order[k:k+1]]``, split,
+    chunk) and its entries passed to ``select`` / ``narrow`` apply the order piece by piece; parts of
+    another index (a token mask's positions) and parts used on another dimension are not reported."""
+    x, lengths = torch.randn(4, 3), torch.tensor([3, 3, 3, 3])
+    seq_first = torch.randn(5, 4, 3)  # (T, B, d)
+    o = lambda: torch.argsort(lengths)  # noqa: E731
+    assert _watch(lambda: torch.cat([x[o()[k:k + 1]] for k in range(4)]), 4) is not None
+    assert _watch(lambda: torch.cat([x.index_select(0, p) for p in o().split(2)]), 4) is not None
+    assert _watch(lambda: torch.cat([x[p] for p in o().chunk(4)]), 4) is not None
+    assert _watch(lambda: torch.cat([seq_first[:, p] for p in o().split(1)], 1), 4) is not None
+    assert _watch(lambda: torch.stack([x.select(0, i) for i in o()]), 4) is not None
+    assert _watch(lambda: torch.cat([x.narrow(0, i, 1) for i in o()]), 4) is not None
+    assert _watch(lambda: torch.stack([torch.select(seq_first, 1, i) for i in o()], 1), 4) is not None
+    # not the batch's order: parts of a token mask's positions; an order's part on a dimension of another size
+    mask = torch.arange(5)[None] < torch.tensor([2, 5, 3, 1])[:, None]  # (4, 5)
+    nz = mask.nonzero()[:, 0]  # 11 entries
+    assert _watch(lambda: torch.cat([x[p] for p in nz.split(4)]), 4) is None
+    assert _watch(lambda: torch.randn(5, 3)[torch.argsort(torch.randn(5))[:2]], 4) is None
+    assert _watch(lambda: torch.stack([x.select(0, k) for k in range(4)]), 4) is None
+    assert _watch(lambda: x.narrow(0, 1, 2), 4) is None

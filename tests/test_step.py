@@ -203,8 +203,24 @@ def test_nonfinite_example_is_dropped_and_counted(poison):
         assert torch.isfinite(out.grads[n]).all()
         torch.testing.assert_close(out.grads[n], ref.grads[n], rtol=1e-5, atol=1e-6)
     assert math.isfinite(float(out.loss))
-    with pytest.raises(FloatingPointError, match="non-finite"):
+    with pytest.raises(FloatingPointError, match="non-finite") as err:
         pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0, on_nonfinite="raise")(params, bad)
+    assert "float16" not in str(err.value)
+
+
+def test_an_fp16_overflow_is_named_in_the_error():
+    """An fp16 model's gradient entry past 65504 is inf (eager autograd's too): the example is dropped
+    and counted, and on_nonfinite='raise' says it is fp16's range (review, round 37: it read as bad data)."""
+    torch.manual_seed(0)
+    m = nn.Linear(32, 32).half()
+    loss = lambda mod, bb: (mod(bb["x"]).float() * 100).sum((1, 2))
+    b = {"x": torch.full((3, 8, 32), 100.0).half()}
+    params = pdpsgd.trainable_params(m)
+    out = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="vmap")(params, b)
+    assert int(out.num_nonfinite) == 3
+    with pytest.raises(FloatingPointError, match="float16 parameters.*65504"):
+        pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="vmap",
+                            on_nonfinite="raise")(params, b)
 
 
 def text_batch(seed, B, T, vocab=30, classes=3):
