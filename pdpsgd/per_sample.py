@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
+import sys
 import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -427,11 +429,23 @@ def amp(state: Tuple[Tuple[str, torch.dtype], ...], enabled: bool) -> Iterator[N
         yield
 
 
-def _rng_state(device: torch.device) -> Tuple[Tensor, ...]:
-    """The random states a forward on ``device`` draws from (the CPU's; the device's on CUDA)."""
+def _rng_state(device: torch.device) -> Tuple[Any, ...]:
+    """The global random states a forward on ``device`` may draw from: torch's CPU one (and the
+    device's on CUDA), Python's ``random`` and, if imported, numpy's legacy global one (round 37:
+    torch's alone were watched)."""
+    states: List[Any] = [torch.get_rng_state()]
     if device.type == "cuda":
-        return torch.get_rng_state(), torch.cuda.get_rng_state(device)
-    return (torch.get_rng_state(),)
+        states.append(torch.cuda.get_rng_state(device))
+    states.append(random.getstate())
+    np = sys.modules.get("numpy")
+    if np is not None:
+        kind, keys, pos, gauss, cached = np.random.get_state()
+        states.append((kind, keys.tobytes(), pos, gauss, cached))
+    return tuple(states)
+
+
+def _same_state(a: Tuple[Any, ...], b: Tuple[Any, ...]) -> bool:
+    return all(torch.equal(x, y) if isinstance(x, Tensor) else x == y for x, y in zip(a, b))
 
 
 def vmap_engine(
@@ -449,8 +463,9 @@ def vmap_engine(
     Memory: chunk × (number of trained parameters). Chunks that are all padding are skipped when no
     module is in train mode and a chunk that ran drew no random numbers; otherwise every chunk runs,
     so the random draws (dropout) that the real examples see do not depend on which other examples
-    are masked out. Only torch's global CPU / CUDA states are watched: a forward in eval mode that
-    draws from Python's ``random`` or a private ``torch.Generator`` still has such chunks skipped.
+    are masked out. The global random states are watched (torch's CPU / CUDA ones, Python's
+    ``random``, numpy's legacy one): a forward in eval mode that draws from a private
+    ``torch.Generator`` or ``numpy.random.Generator`` still has such chunks skipped.
     """
     B = batch_size(batch)
     numel = sum(p.numel() for p in params.values())
@@ -486,7 +501,7 @@ def vmap_engine(
         before = _rng_state(rdev) if skippable and not quiet else None
         losses, grads = per_sample_grads(loss_module, params, constants, sub, stray=stray, require_grad=True)
         if before is not None:
-            quiet = all(torch.equal(a, b) for a, b in zip(before, _rng_state(rdev)))
+            quiet = _same_state(before, _rng_state(rdev))
             skippable = quiet
         with amp(state, False):  # (the norms and sums in float32 at least, whatever the caller's autocast)
             sq = {n: sq_norm_per_example(g) for n, g in grads.items()}

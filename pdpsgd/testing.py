@@ -5,9 +5,10 @@ parameter values into it, and loops over examples one at a time with ``torch.aut
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -242,6 +243,26 @@ def _differing(batch: Any, other: Any, B: int) -> Tuple[int, ...]:
     return tuple(sorted(out))
 
 
+@contextlib.contextmanager
+def _all_seeded(devices: Sequence[int], seed: int) -> Iterator[None]:
+    """torch's (CPU and ``devices``), Python's and numpy's global random states seeded with ``seed``
+    inside the block and restored after it."""
+    import random
+
+    import numpy as np
+
+    py, npst = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed(seed % 2 ** 32)
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npst)
+
+
 def check_sensitivity(
     step,
     params: Mapping[str, Tensor],
@@ -266,8 +287,9 @@ def check_sensitivity(
     * given ``neighbour`` (the batch with some examples replaced, same shapes), the sum moves by at
       most 2C per replaced example.
 
-    Every call runs with the same torch seed, so a train-mode model's dropout masks are the same in
-    each (the caller's CPU and CUDA RNG states are restored afterwards). Raises ``AssertionError``
+    Every call runs with the same seed of torch's, Python's ``random`` and numpy's global generators,
+    so a train-mode model's dropout masks (and a forward's own draws from them) are the same in each
+    (the caller's states are restored afterwards). Raises ``AssertionError``
     naming the example when a bound is exceeded by more than ``rtol`` or a distance is not finite;
     returns the report. Examples the step drops as non-finite are listed in ``dropped``; a batch
     whose every example is dropped fails (its sum is 0: the bounds hold vacuously). Cost: 2·B + 3
@@ -279,8 +301,7 @@ def check_sensitivity(
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
     def part(b: Any, mask: Optional[Tensor] = None, s: int = seed):
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(s)
+        with _all_seeded(devices, s):
             return step.clipped_sum(params, b, mask)
 
     def sums(b: Any, mask: Optional[Tensor] = None, s: int = seed) -> Dict[str, Tensor]:

@@ -964,13 +964,17 @@ def test_clipping_groups_may_name_a_tied_weight_by_any_alias(method):
                             clipping=both).clipped_sum(params, b)
 
 
-@pytest.mark.parametrize("how", ["functional", "submodule"])
+@pytest.mark.parametrize("how", ["functional", "submodule", "python_random", "numpy_random"])
 def test_vmap_does_not_skip_masked_chunks_of_a_forward_that_draws_in_eval_mode(how):
     """A root in eval mode can still draw random numbers: F.dropout's default training=True, or a
     submodule left in train mode. vmap skipped all-padding chunks whenever the root was in eval
     mode, which moved every later chunk's dropout masks when an example was masked out: the move of
     the sum exceeded C (review, round 36). Such chunks run; masking one example out leaves the
-    others' norms as they were."""
+    others' norms as they were. Python's random and numpy's global state too (round 37: torch's
+    alone were watched)."""
+    import random
+
+    import numpy as np
 
     class Drop(nn.Module):
         def __init__(self):
@@ -979,6 +983,10 @@ def test_vmap_does_not_skip_masked_chunks_of_a_forward_that_draws_in_eval_mode(h
 
         def forward(self, x):
             h = torch.tanh(self.a(x))
+            if how == "python_random":
+                return self.b(h * (0.5 + random.random()))
+            if how == "numpy_random":
+                return self.b(h * float(0.5 + np.random.rand()))
             h = F.dropout(h, 0.5) if how == "functional" else self.drop(h)
             return self.b(h)
 
@@ -990,10 +998,9 @@ def test_vmap_does_not_skip_masked_chunks_of_a_forward_that_draws_in_eval_mode(h
     step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.05, noise_multiplier=1.0, method="vmap", chunk_size=1)
     params = pdpsgd.trainable_params(m)
     assert pdpsgd.testing.check_sensitivity(step, params, b).max_ratio <= 1 + 1e-9
-    with torch.random.fork_rng():
-        torch.manual_seed(3)
-        full = step.clipped_sum(params, b).per_sample_norms
-    with torch.random.fork_rng():
-        torch.manual_seed(3)
-        out = step.clipped_sum(params, b, torch.tensor([False, True, True, True, True])).per_sample_norms
-    torch.testing.assert_close(out[1:], full[1:], rtol=0, atol=0)
+    outs = []
+    for mask in (None, torch.tensor([False, True, True, True, True])):
+        with torch.random.fork_rng():
+            torch.manual_seed(3), random.seed(3), np.random.seed(3)
+            outs.append(step.clipped_sum(params, b, mask).per_sample_norms)
+    torch.testing.assert_close(outs[1][1:], outs[0][1:], rtol=0, atol=0)
