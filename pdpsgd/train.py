@@ -215,6 +215,10 @@ class DPTrainer:
             raise ValueError("the model has no trainable parameter (requires_grad=True)")
         self.ledger_path = Path(ledger_path) if ledger_path is not None else None
         self._load_failed = False  # (a load_state_dict that raised part-way: no step until one goes through)
+        # the ledger file's writes are signed with this trainer's token: a count one above its own that it
+        # wrote itself for a step that then raised before its update is its retry's, not another trainer's
+        self._writer = secrets.token_hex(16)
+        self._unapplied: Optional[int] = None  # (that count, while the retry is pending)
         self.reseeded = False  # (set by _reseed: the streams went on from fresh entropy, not from any seed)
         self.epsilon_every = max(1, int(epsilon_every))
         self.telemetry = telemetry if telemetry is not None else Telemetry()
@@ -303,6 +307,8 @@ class DPTrainer:
             if counted is not None:
                 self.accountant.load_state_dict(counted[0])
                 self.released = counted[1]
+                if self._unapplied is None and self.ledger_path is not None:  # (the file may count it: the retry's)
+                    self._unapplied = counted[1] + 1
             raise
         try:
             self.optimizer.step()  # (the release: from here on the step counts as taken)
@@ -442,9 +448,12 @@ class DPTrainer:
         # smaller count, dropping them (review, round 34); a second trainer on this run's ledger would
         # repeat the steps the first one released (round 37): resume that run once, or use another path
         try:
-            before = int(json.loads(self.ledger_path.read_text()).get("steps_released", 0))
+            content = json.loads(self.ledger_path.read_text())
+            before, writer = int(content.get("steps_released", 0)), content.get("writer")
         except (OSError, ValueError, TypeError, AttributeError):
-            before = -1
+            before, writer = -1, None
+        if before == mine + 1 and before == self._unapplied and writer == self._writer:
+            return  # (this trainer's own write of a step that raised before its update: the retry rewrites it)
         if before < 0 or before > mine:
             what = "is unreadable" if before < 0 else f"already counts {before} released step(s), this trainer {mine}"
             raise ValueError(f"the privacy ledger {self.ledger_path} {what}: another trainer (or process) released "
@@ -458,7 +467,8 @@ class DPTrainer:
 
             with file_lock(self.ledger_path):  # (check and write in one turn: two writers cannot both pass)
                 self._check_ledger_file(self.released - 1)  # (the count before this step's release)
-                atomic_write_json(self.ledger_path, self._ledger())
+                atomic_write_json(self.ledger_path, {**self._ledger(), "writer": self._writer})
+            self._unapplied = None
 
     def _rng_states(self) -> Dict[str, Any]:
         """Every random stream a step draws from: sampling, noise, torch's CPU (and CUDA) state."""

@@ -534,7 +534,24 @@ class _FailOnce:
         return self.fn(*a, **kw)
 
 
-@pytest.mark.parametrize("where", ["loss", "finalize", "ledger"])
+class _GradsThatFail(dict):
+    """A step's gradients whose first read raises (a failure after the ledger's write, before the update)."""
+
+    def __getitem__(self, k):
+        raise RuntimeError("transient failure")
+
+
+def _fail_after_the_ledger(finalize, k):
+    calls = []
+
+    def wrapped(*a, **kw):
+        out = finalize(*a, **kw)
+        calls.append(1)
+        return out._replace(grads=_GradsThatFail(out.grads)) if len(calls) == k else out
+    return wrapped
+
+
+@pytest.mark.parametrize("where", ["loss", "finalize", "ledger", "after_ledger"])
 def test_a_step_that_raises_before_its_release_is_retried_as_the_same_step(where, tmp_path, monkeypatch):
     """Review, round 36: the Poisson batch was drawn before anything that can raise, so one exception
     (the loss raising once, an out-of-memory) left the sampler a draw ahead of the step count: the
@@ -552,6 +569,8 @@ def test_a_step_that_raises_before_its_release_is_retried_as_the_same_step(where
         tr.dp_step.finalize = _FailOnce(tr.dp_step.finalize, 2)
     elif where == "ledger":
         monkeypatch.setattr(ckpt, "atomic_write_json", _FailOnce(ckpt.atomic_write_json, 2))
+    elif where == "after_ledger":  # (round 37: the file then counted the step, and the retry was refused)
+        tr.dp_step.finalize = _fail_after_the_ledger(tr.dp_step.finalize, 2)
     failures = 0
     while not tr.done:
         try:
