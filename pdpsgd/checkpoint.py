@@ -95,6 +95,7 @@ def file_lock(path: os.PathLike) -> Iterator[None]:
     except ImportError:  # (no flock: the caller's check still runs, unlocked)
         yield
         return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # (as the atomic writes do)
     fd = os.open(f"{os.fspath(path)}.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

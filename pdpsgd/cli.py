@@ -267,7 +267,7 @@ def _load_data(a: argparse.Namespace):
                 train, test = split_dataset(full, 0.2, seed=0)
     except DataError as e:
         raise UserError(str(e)) from None
-    if a.max_train_examples is not None and a.max_train_examples < len(train):
+    if a.max_train_examples is not None and a.max_train_examples <= len(train):  # (equal: a row more drops one)
         # (review, round 37: the cap turns one row added to the file into one row in, one row out)
         print(f"pdpsgd: warning: --max-train-examples {a.max_train_examples} keeps the first {a.max_train_examples} "
               f"of {len(train)} training rows: a row added to the file can push another out of them, so ε holds "

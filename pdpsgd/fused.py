@@ -9,9 +9,11 @@ compiled version fuses them.
 
 Noise stream (``draw_noise`` is its reference; compiled and eager use the very same z and agree to
 float rounding). With a CPU generator: per parameter, in order, in chunks of ``NOISE_CHUNK``
-coordinates, each chunk one ``normal_`` call (float64 draws, cast: ``_wide_normal_``; with ``rng="mkl"``
-one oneMKL ``vsRngGaussian`` call on a Philox stream keyed from the generator, ``pdpsgd.mkl_rng``); eager (the CPU
-default) draws each chunk into a small scratch buffer that stays in cache and writes
+coordinates, from a Philox stream keyed per call with 128 bits drawn from the generator (``rng="native"``,
+the default where it builds: pdpsgd's kernel, its add fused in; ``"numpy"``: numpy's Philox4x64-10,
+float64 draws cast) or 64 (``"mkl"``: one oneMKL ``vsRngGaussian`` call a chunk, ``pdpsgd.mkl_rng``), or
+(``"torch"``, experiments only: ``TORCH_CPU_WARNING``) one ``normal_`` call a chunk (float64 draws,
+cast: ``_wide_normal_``); eager (the CPU default) draws each chunk into a small scratch buffer that stays in cache and writes
 scratch + sum/denom into its output slice in one pass (no buffer of all parameters' size, whose
 page faults cost as much as the draw); the inputs are copied first unless the caller hands them over (``consume=True``,
 what ``DPStep.__call__`` does with its own clipped sums). With a generator on an accelerator: all
@@ -108,8 +110,8 @@ RNGS = ("auto", "torch", "mkl", "native", "numpy")
 # equation on the 19,937-bit state, so one step's update pins the state down and with it every
 # step's noise, before and after (review, round 37). The CPU sources that "auto" takes instead
 # release no generator word: each call keys a Philox4x32-10 stream with 128 bits drawn from the
-# generator ("native": pdpsgd's kernel; "numpy": numpy's Philox bit generator, where the kernel
-# cannot build), so recovering the generator would take breaking Philox's key.
+# generator ("native": pdpsgd's kernel; "numpy": numpy's Philox4x64-10 bit generator, where the
+# kernel cannot build), so recovering the generator would take breaking Philox's key.
 TORCH_CPU_WARNING = (
     "noise_rng='torch' on the CPU draws the noise with torch's normal_, Box-Muller on the generator's own "
     "mt19937 words: mt19937 is linear over GF(2), so the coordinates a released update holds as noise "
@@ -135,7 +137,7 @@ def resolve_rng(rng: str, gdev: torch.device, dtype: torch.dtype) -> str:
 
 
 class NumpyStream:
-    """numpy's Philox4x32-10 bit generator keyed with 128 bits drawn from ``generator`` (one stream per
+    """numpy's Philox (4x64-10) bit generator keyed with 128 bits drawn from ``generator`` (one stream per
     call of the noise step, as ``NativeStream``); normals from numpy's float64 ziggurat (53-bit
     uniforms: tails past 8σ, as torch's float64 ones), scaled and cast to the buffer's dtype.
     ``fill_(out, std)`` writes N(0, std²) into a CPU tensor; successive calls continue the stream."""
@@ -210,13 +212,13 @@ def _wide_normal_(buf: Tensor, std: float, generator: Optional[torch.Generator])
 
 
 def draw_noise(shapes: Mapping[str, torch.Size], generator: Optional[torch.Generator], dtype: torch.dtype,
-               device: torch.device, std: float = 1.0, rng: str = "torch") -> Dict[str, Tensor]:
+               device: torch.device, std: float = 1.0, rng: str = "auto") -> Dict[str, Tensor]:
     """Normals N(0, std²) for each shape, in the order given, drawn exactly as ``noise_and_scale``
     draws them (``noise_chunk`` of the generator's device; it passes std/denom; ``rng`` the noise
     source, one of ``RNGS``; "auto" resolved by ``resolve_rng``): the reference for its stream.
-    Its default, "torch", is not the step's: a default ``DPStep`` ("auto") draws the native stream
-    on the CPU (``DPStep.noise_source`` says which). ``generator=None``: a fresh one keyed from OS
-    entropy (not torch's global generator)."""
+    Its default is the step's, "auto" (round 37: "torch", whose CPU stream the released noise gives
+    back; ``DPStep.noise_source`` says which). ``generator=None``: a fresh one keyed from OS entropy
+    (not torch's global generator)."""
     if generator is None:  # (never torch's global generator: its seed is 32 bits; review, round 37)
         generator = entropy_generator(torch.device("cpu") if rng in ("mkl", "native", "numpy") else device)
     gdev = generator.device
@@ -253,17 +255,18 @@ def noise_and_scale(
     *,
     compile: Optional[bool] = None,
     consume: bool = False,
-    rng: str = "torch",
+    rng: str = "auto",
 ) -> Dict[str, Tensor]:
     """``{n: (sums[n] / denom + N(0, (std/denom)²)).to(dtypes[n])}``, noise in float32 or wider.
 
     ``consume=True``: the caller hands the sums over (they are not used again), so a float32 (or
     wider) sum is overwritten in place and returned instead of copied. ``rng``: the noise source
-    for a CPU generator, "torch" (``normal_``; this function's default), "mkl" (oneMKL's
+    for a CPU generator, "torch" (``normal_``; for experiments, ``TORCH_CPU_WARNING``), "mkl" (oneMKL's
     Philox4x32-10 keyed from ``generator``; see ``pdpsgd.mkl_rng``), "native" (pdpsgd's own
-    Philox4x32-10; ``pdpsgd.native_rng``), "numpy" (numpy's Philox, ``NumpyStream``) or "auto"
+    Philox4x32-10; ``pdpsgd.native_rng``), "numpy" (numpy's Philox4x64-10, ``NumpyStream``) or "auto"
     (``resolve_rng``: native on the CPU where it builds, else numpy; torch off the CPU; the default
-    of ``make_dp_step``). ``generator=None``: a fresh one keyed from OS entropy.
+    here and of ``make_dp_step``; before round 37 this function's was "torch"). ``generator=None``: a
+    fresh one keyed from OS entropy.
     """
     if not sums:
         return {}

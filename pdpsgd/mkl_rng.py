@@ -17,8 +17,8 @@ noise), and checkpoints that save the generator resume the same noise.
 Threads: the first load sets this copy of MKL's threading layer to sequential (one thread,
 no OpenMP runtime loaded). If ``libmkl_rt`` is already loaded in the process (numpy/scipy built
 on MKL, as in conda), its threading settings are left as they are. (If such a library loads MKL
-only *after* the first draw, it inherits the sequential layer: import and use it first, or keep
-noise_rng="torch". ``mkl_set_num_threads_local`` is not used: it crashed this MKL build, 2026.2,
+only *after* the first draw, it inherits the sequential layer: import and use it first, or use
+noise_rng="native" / "auto". ``mkl_set_num_threads_local`` is not used: it crashed this MKL build, 2026.2,
 under its default threading layer.)
 
 Formal guarantee: each coordinate is an independent N(0, std²) draw: Box–Muller on uniforms made
@@ -126,7 +126,7 @@ def require() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError(
             "noise_rng='mkl' needs Intel oneMKL's runtime (libmkl_rt): `pip install mkl` (x86-64; the "
-            f"'fast-noise' extra), or use noise_rng='torch' (or 'auto', the default, which falls back to it). ({_ERR})"
+            f"'fast-noise' extra), or use noise_rng='auto' (the default) or 'numpy'. ({_ERR})"
         )
     return lib
 

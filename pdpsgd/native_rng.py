@@ -10,8 +10,9 @@ pass) is built once per machine with the system C compiler, on first use, and lo
 (plain C, no torch headers: about a second to build). Philox4x32-10 is the generator torch itself
 uses on CUDA; like torch's mt19937 it is a statistical, not a cryptographic, PRNG.
 
-Use: the default of ``make_dp_step`` (``noise_rng="auto"``) for float32 noise on the CPU, whenever
-this kernel builds (else torch's ``normal_``), or ``noise_rng="native"`` to require it. Needs a C
+Use: the default of ``make_dp_step`` (``noise_rng="auto"``) for float32 and float64 noise on the
+CPU, whenever this kernel builds (else numpy's Philox, ``noise_rng="numpy"``; before round 37 torch's
+``normal_``, whose mt19937 words released noise gives back), or ``noise_rng="native"`` to require it. Needs a C
 compiler (``cc``/``gcc``/``clang``, or ``$CC``) the first time on each machine; the library goes
 to ``$PDPSGD_CACHE_DIR`` (default ``$XDG_CACHE_HOME/pdpsgd`` or ``~/.cache/pdpsgd``), named by a
 hash of the source, the flags, the compiler and the CPU's flags, written to a temporary file and
@@ -90,15 +91,15 @@ def _compiler() -> List[str]:
         found = shutil.which(words[0]) if words else None
         if found is None:
             raise RuntimeError(f"noise_rng='native': $CC={cc!r} is not an executable on PATH; set $CC to a C "
-                               "compiler (or unset it to use cc/gcc/clang), or use noise_rng='torch'")
+                               "compiler (or unset it to use cc/gcc/clang), or use noise_rng='numpy'")
         return [found, *words[1:]]
     for name in ("cc", "gcc", "clang"):
         found = shutil.which(name)
         if found:
             return [found]
     raise RuntimeError("noise_rng='native' compiles a small C kernel on first use and needs a C compiler "
-                       "(cc, gcc or clang on PATH, or $CC): install one, or use noise_rng='torch' (or 'auto', "
-                       "the default, which falls back to it)")
+                       "(cc, gcc or clang on PATH, or $CC): install one, or use noise_rng='auto' (the default: "
+                       "numpy's Philox where the kernel cannot build)")
 
 
 def _cpu_flags() -> Optional[str]:
@@ -156,7 +157,7 @@ def _build(variants=None, openmp: bool = False) -> Path:
     (``variants``: extra flags to try in order, the first that compiles is taken; by default
     -march=native, where the CPU's flags are known, then none; ``openmp``: each with -fopenmp)."""
     if os.name == "nt":
-        raise RuntimeError("noise_rng='native' builds with a Unix C compiler; on Windows use noise_rng='torch' "
+        raise RuntimeError("noise_rng='native' builds with a Unix C compiler; on Windows use noise_rng='numpy' "
                            "or 'mkl'")
     cc = _compiler()
     cpu = _cpu_flags()
@@ -167,7 +168,7 @@ def _build(variants=None, openmp: bool = False) -> Path:
         version = _run([*cc, "--version"]).stdout.splitlines()[:1]
     except (OSError, subprocess.SubprocessError) as err:
         raise RuntimeError(f"noise_rng='native': the C compiler {' '.join(cc)!r} does not run ({err}); set $CC to "
-                           "a working one, or use noise_rng='torch'") from err
+                           "a working one, or use noise_rng='numpy'") from err
     errors = []
     for extra in variants:
         flags = BASE_FLAGS + list(extra) + (OPENMP_FLAGS if openmp else [])
@@ -181,7 +182,7 @@ def _build(variants=None, openmp: bool = False) -> Path:
             fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
         except OSError as err:
             raise RuntimeError(f"noise_rng='native': cannot write the compiled kernel to {out.parent} ({err}); "
-                               "set PDPSGD_CACHE_DIR to a writable directory, or use noise_rng='torch'") from err
+                               "set PDPSGD_CACHE_DIR to a writable directory, or use noise_rng='numpy'") from err
         os.close(fd)
         try:
             res = _run([*cc, *flags, str(SOURCE), "-o", tmp, "-lm"])
@@ -195,7 +196,7 @@ def _build(variants=None, openmp: bool = False) -> Path:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    raise RuntimeError("noise_rng='native': building the C kernel failed; use noise_rng='torch'. "
+    raise RuntimeError("noise_rng='native': building the C kernel failed; use noise_rng='numpy'. "
                        + " | ".join(errors))
 
 
@@ -226,7 +227,7 @@ def _open_library(path: Path, openmp: bool = False) -> ctypes.CDLL:
             return _bind(_dlopen_fresh(_build(openmp=openmp)))
         except (OSError, AttributeError) as err2:
             raise RuntimeError(f"noise_rng='native': the rebuilt kernel {path} does not load ({err2}); "
-                               "use noise_rng='torch'") from err2
+                               "use noise_rng='numpy'") from err2
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:

@@ -589,7 +589,7 @@ def make_dp_step(
             builds, else "numpy"; off the CPU "torch"; ``DPStep.noise_source`` says which), "torch"
             (``normal_`` on ``generator``; on the CPU for experiments only: its mt19937 words can be
             recovered from a released update's noise, see ``pdpsgd.fused.TORCH_CPU_WARNING``),
-            "numpy" (numpy's Philox4x32-10 keyed by 128 bits drawn from ``generator`` each step,
+            "numpy" (numpy's Philox4x64-10 keyed by 128 bits drawn from ``generator`` each step,
             float64 normals), "mkl"
             (Intel oneMKL's Philox4x32-10 + Box–Muller, keyed by 64 bits drawn from ``generator``
             each step; ~2.8× faster on Intel, slower on AMD; needs ``pip install mkl``; see

@@ -174,10 +174,11 @@ class DPTrainer:
             same sampled batches (mean loss over q·N, no clipping, no noise) as a baseline.
         seed: None (fresh OS entropy for every stream) or an int (reproducible runs: anyone who knows
             it can recompute the noise and the batches, so for experiments, never for a model you release).
-        noise_rng: "auto" (default: "native" on the CPU where it builds, else "torch"), "torch",
-            "mkl" or "native" (``make_dp_step``: oneMKL's or pdpsgd's own faster CPU Gaussian, keyed
-            from the noise generator; "mkl" needs ``pip install mkl``, "native" a C compiler the
-            first time).
+        noise_rng: "auto" (default: "native" on the CPU where it builds, else "numpy"; "torch" on
+            CUDA), "torch" (on the CPU for experiments only: see ``make_dp_step``), "numpy", "mkl"
+            or "native" (``make_dp_step``: numpy's, oneMKL's or pdpsgd's own CPU Gaussian, keyed from
+            the noise generator; "mkl" needs ``pip install mkl``, "native" a C compiler the first
+            time).
         ledger_path: a JSON file rewritten atomically after each ``accountant.step`` and before
             the update is applied; read before each step's draw and, under a lock on
             ``<ledger_path>.lock``, before each write: a file that counts releases this trainer does
@@ -218,6 +219,8 @@ class DPTrainer:
         # the ledger file's writes are signed with this trainer's token: a count one above its own that it
         # wrote itself for a step that then raised before its update is its retry's, not another trainer's
         self._writer = secrets.token_hex(16)
+        # this run's id, carried by its states: a trainer that released steps takes only a state of its run
+        self.run_id = secrets.token_hex(16)
         self._unapplied: Optional[int] = None  # (that count, while the retry is pending)
         self.reseeded = False  # (set by _reseed: the streams went on from fresh entropy, not from any seed)
         self.epsilon_every = max(1, int(epsilon_every))
@@ -500,10 +503,14 @@ class DPTrainer:
         noise and batch can be recomputed (review, round 34: the 624-word generator state held
         every step's Philox key). A finished trainer's state leaves them out (``rng`` None): it has
         no step left to take."""
+        if self._load_failed:
+            raise RuntimeError("a load_state_dict failed part-way, so this trainer holds part of that state: load a "
+                               "state again (one that loads) before saving")
         rng: Optional[Dict[str, Any]] = None
         if not self.done:
             rng = self._rng_states()
         return {
+            "run_id": self.run_id,
             "step": self.step_count,
             "released": self.released,
             "privacy": self._privacy_key(),
@@ -540,17 +547,24 @@ class DPTrainer:
         # of its run without a ledger, it forgot the steps it had released itself); a load that fails
         # part-way puts them back and leaves the trainer refusing to step until a load goes through
         live = self._ledger() if self.dp and self.released > 0 else None
+        if live is not None and state.get("run_id") is not None and state["run_id"] != self.run_id:
+            raise ValueError(f"this trainer released {self.released} step(s) of its own run, and the state is of "
+                             "another run: its count would leave them out (they spent ε on the same data). Load it "
+                             "into a fresh trainer, and count both runs' ε")
+        before = (self.accountant.state_dict(), self.released)  # (put back as a pair if the load fails)
         try:
             out = self._load_state_dict(state, ledger, live)
             if hasattr(self.telemetry, "load_state_dict") and state.get("telemetry"):
                 self.telemetry.load_state_dict(state["telemetry"])  # (last: it rewrites its log file)
         except BaseException:
+            # (review, round 37: a failure between the accountant's load and the count's left them apart)
             self._load_failed = True
-            if live is not None and live["steps_released"] > self.released:
-                self.accountant.load_state_dict(live["accountant"])
-                self.released = live["steps_released"]
+            self.accountant.load_state_dict(before[0])
+            self.released = before[1]
             raise
         self._load_failed = False
+        if state.get("run_id") is not None:
+            self.run_id = state["run_id"]  # (this trainer continues that run)
         return out
 
     def _load_state_dict(self, state: Mapping[str, Any], ledger: Optional[Mapping[str, Any]],

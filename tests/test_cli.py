@@ -559,7 +559,8 @@ def test_default_minilm_on_bbc_news_tiny_settings(tmp_path, capsys):
 def test_a_cap_on_the_training_rows_says_what_it_does_to_the_guarantee(tmp_path, capsys):
     """--max-train-examples keeps the first N training rows, so a row added to the file can push
     another out (review, round 37): the CLI says that ε then holds for rows of the file only for
-    groups of two; a cap that drops nothing says nothing."""
+    groups of two (also a cap equal to the rows: one row more and it drops one); a cap above them says
+    nothing."""
     import argparse
 
     from pdpsgd.cli import _load_data
@@ -572,3 +573,6 @@ def test_a_cap_on_the_training_rows_says_what_it_does_to_the_guarantee(tmp_path,
     assert "groups of two" in capsys.readouterr().err
     _load_data(argparse.Namespace(**base, max_train_examples=10_000))
     assert "groups of two" not in capsys.readouterr().err
+    n = len(_load_data(argparse.Namespace(**base, max_train_examples=None))[0])
+    _load_data(argparse.Namespace(**base, max_train_examples=n))
+    assert "groups of two" in capsys.readouterr().err

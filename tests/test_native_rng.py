@@ -242,7 +242,7 @@ def test_missing_compiler_gives_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(native_rng, "_ERR", None)
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    with pytest.raises(RuntimeError, match="needs a C compiler.*noise_rng='torch'"):
+    with pytest.raises(RuntimeError, match="needs a C compiler.*noise_rng='auto'"):
         make()
     make(sigma=0.0)  # no noise is drawn: no library needed
     monkeypatch.setenv("CC", "no-such-cc")

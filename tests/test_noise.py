@@ -145,7 +145,7 @@ def test_accelerator_stream_draws_all_parameters_at_once(monkeypatch):
     total = sum(int(np.prod(s)) for s in shapes.values())
     sums = {n: torch.randn(s, dtype=torch.float64) for n, s in shapes.items()}
     dtypes = {n: torch.float32 for n in sums}
-    out = noise_and_scale(sums, 0.7, torch.Generator().manual_seed(9), 5.0, dtypes, compile=False)
+    out = noise_and_scale(sums, 0.7, torch.Generator().manual_seed(9), 5.0, dtypes, compile=False, rng="torch")
     assert calls == [total]  # one draw for all parameters
     # the stream: one standard-normal draw of all coordinates, cut in order
     z = torch.empty(total, dtype=torch.float64).normal_(generator=torch.Generator().manual_seed(9))
@@ -156,7 +156,7 @@ def test_accelerator_stream_draws_all_parameters_at_once(monkeypatch):
         torch.testing.assert_close(out[n], ((s + 0.7 * z[off:off + k].view(s.shape)) / 5.0).float())
         off += k
     zs = fused.draw_noise({n: s.shape for n, s in sums.items()}, torch.Generator().manual_seed(9), torch.float64,
-                          torch.device("cpu"))
+                          torch.device("cpu"), rng="torch")
     assert torch.equal(torch.cat([v.reshape(-1) for v in zs.values()]), z)
     noise = (out["big"].double() * 5.0 - sums["big"]) / 0.7
     assert abs(float(noise.mean())) < 0.01 and abs(float(noise.std()) - 1) < 0.01
@@ -207,7 +207,7 @@ def test_philox_noise_is_keyed_by_the_generator_and_follows_draw_noise(rng):
                         compile=False, rng=rng)["w"]
     assert d.dtype == torch.float64 and abs(float(d.std()) - 1) < 0.02
     # the torch stream is a different one
-    t = noise_and_scale(sums, 0.3, torch.Generator().manual_seed(5), 4.0, dtypes, compile=False)
+    t = noise_and_scale(sums, 0.3, torch.Generator().manual_seed(5), 4.0, dtypes, compile=False, rng="torch")
     assert not torch.equal(t["big"], a["big"])
 
 

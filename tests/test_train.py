@@ -793,18 +793,68 @@ def test_loading_an_older_state_into_a_trainer_that_stepped_keeps_its_count():
     assert tr.released == 5 and tr.accountant.num_steps == 5
 
 
-def test_a_load_that_fails_part_way_keeps_the_count_and_refuses_to_step():
-    """A load that fails after part of the state was set leaves the trainer's count as it was and the
-    trainer refusing to step until a load goes through (review, round 37: without a ledger file the
-    failed load's smaller count stayed, and the next steps were counted from it)."""
+@pytest.mark.parametrize("where", ["rng", "sampler"])
+def test_a_load_that_fails_part_way_keeps_the_count_and_refuses_to_step(where):
+    """A load that fails after part of the state was set leaves the trainer's count and accountant as
+    they were and the trainer refusing to step or save until a load goes through (review, round 37:
+    without a ledger file the failed load's smaller count stayed, and the next steps were counted
+    from it; a failure between the accountant's load and the count's left 4 released with a 2-step
+    accountant, which the next load then took as this trainer's own ledger)."""
+    import copy
+
     tr, *_ = _mlp_setup(epochs=2)
-    mid = _four_steps_then_a_failed_load(tr)
+    if where == "rng":
+        mid = _four_steps_then_a_failed_load(tr)
+    else:
+        tr.step()
+        mid = tr.state_dict()
+        for _ in range(3):
+            tr.step()
+        bad = copy.deepcopy(mid)
+        bad["sampler"]["generator_state"] = torch.zeros(3, dtype=torch.uint8)  # (the sampler's load raises)
+        with pytest.raises(Exception):
+            tr.load_state_dict(bad)
+    eps4 = tr.epsilon().upper
     assert tr.released == 4 and tr.accountant.num_steps == 4
     with pytest.raises(RuntimeError, match="load_state_dict failed"):
         tr.step()
+    with pytest.raises(RuntimeError, match="load_state_dict failed"):
+        tr.state_dict()
     assert tr.load_state_dict(mid) is not None
+    assert tr.released == 4 and tr.accountant.num_steps == 4 and tr.epsilon().upper == eps4
     tr.step()
-    assert tr.released == 5
+    assert tr.released == 5 and tr.accountant.num_steps == 5
+
+
+def test_a_ledger_in_a_folder_not_made_yet(tmp_path):
+    """The ledger's lock file is made with its folder (review, round 37: every step raised
+    FileNotFoundError for <ledger>.lock where the folder did not exist yet)."""
+    tr, *_ = _mlp_setup(ledger=tmp_path / "new" / "deeper" / "ledger.json")
+    tr.step()
+    assert json.loads((tmp_path / "new" / "deeper" / "ledger.json").read_text())["steps_released"] == 1
+
+
+def test_a_trainer_that_released_steps_refuses_another_runs_state():
+    """This trainer's own releases are kept on a load only when the state is of its run (a rollback);
+    a state of another run (another run id) would leave them out of the count whichever count is
+    larger, so it is refused (review, round 37: the larger count won, and 2 own releases then an
+    other run's 5 counted 5)."""
+    a, *_ = _mlp_setup(epochs=2)
+    b, *_ = _mlp_setup(epochs=2)
+    a.step(), a.step()
+    for _ in range(5):
+        b.step()
+    with pytest.raises(ValueError, match="another run"):
+        a.load_state_dict(b.state_dict())
+    assert a.released == 2 and a.accountant.num_steps == 2
+    fresh, *_ = _mlp_setup(epochs=2)
+    assert fresh.load_state_dict(b.state_dict()) is not None  # (a fresh trainer released nothing: no ledger, re-seeded)
+    assert fresh.released == 5
+    fresh.step()
+    rolled = fresh.state_dict()
+    fresh.step()
+    assert "released 1 step" in fresh.load_state_dict(rolled)  # (a state of its run, now: a rollback)
+    assert fresh.released == 7
 
 
 def test_data_tensors_must_share_their_first_dimension():
