@@ -1060,6 +1060,48 @@ def _weighted_use_sum(u: Use, w: Tensor, keep: Optional[Tensor], shape: torch.Si
 # ------------------------------------------------------------------------------------------------
 
 
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _plain(v: Any, depth: int = 0) -> Any:
+    """``v`` if it is a plain value (a number, string, None, or a tuple / list of them), else a marker."""
+    if isinstance(v, _PLAIN):
+        return v
+    if isinstance(v, (tuple, list)) and depth < 2:
+        return tuple(_plain(x, depth + 1) for x in v)
+    return _NOT_PLAIN
+
+
+_NOT_PLAIN = object()
+_PLAIN_TYPES = frozenset(_PLAIN)
+
+
+def _settings(module: nn.Module) -> Tuple[Any, ...]:
+    """What a rule may read from ``module`` besides its parameters, as it is now: its plain attributes
+    (stride, padding, dilation, eps, ...) and its buffers (identity and version: running statistics).
+    Rules read them when the gradient is ready, after the forward; a call made with other settings
+    (a layer switched and restored inside the forward; review, round 37: a shared conv at two dilations
+    was read at one, 37 % off) is seen by comparing the call's record with the module after it."""
+    attrs = []
+    for k, v in module.__dict__.items():
+        t = type(v)
+        if t in _PLAIN_TYPES:
+            attrs.append((k, v))
+        elif t is tuple or t is list:
+            v = _plain(v)
+            if v is not _NOT_PLAIN:
+                attrs.append((k, v))
+    bufs = module._buffers
+    return tuple(attrs), (tuple((n, id(b), b._version) for n, b in bufs.items() if b is not None) if bufs else ())
+
+
+def _same_settings(a: Any, b: Any) -> bool:
+    try:
+        return a == b
+    except Exception:  # (a value whose comparison raises: not the same, safely)
+        return False
+
+
 @dataclass
 class _Call:
     module: nn.Module
@@ -1084,6 +1126,7 @@ class _Call:
     bdim: int = 0  # 1: a time-major call, (T, B, ...) with T ≠ B (``_time_major``); its rule reads it as (B, T, ...)
     ok: bool = True  # the rule's check of the call as it ran (``Rule.verify``) passed
     amp: Optional[torch.dtype] = None  # the autocast dtype in force for its device when it ran, if any
+    settings: Any = None  # the module's settings when it ran (``_settings``), compared after the forward
 
     @property
     def targets(self) -> List[Any]:
@@ -2034,7 +2077,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
             if capture is not None and not replay[0] and torch.is_grad_enabled():
                 vers = tuple(x._version for x in args if isinstance(x, Tensor))
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, capture, ok=ok,
-                                   amp=_amp_of(output, args), k=len(real_dims[mname]) - 1))
+                                   amp=_amp_of(output, args), k=len(real_dims[mname]) - 1, settings=_settings(module)))
             return None
         if not isinstance(output, Tensor) or not output.is_floating_point():
             for c in local.values():
@@ -2133,11 +2176,11 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, edge=_gradient_edge(src),
                                    k=k, gshape=output.shape if src is not output else None, rows=rows, root=root,
                                    chain=chain, bcast=bcast, lift=lift, retry=retry, bdim=bdim, ok=ok,
-                                   amp=_amp_of(output, args)))
+                                   amp=_amp_of(output, args), settings=_settings(module)))
             else:
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers, k=k,
                                    rows=rows, root=root, chain=chain, bcast=bcast, lift=lift, retry=retry,
-                                   bdim=bdim, ok=ok, amp=_amp_of(output, args)))
+                                   bdim=bdim, ok=ok, amp=_amp_of(output, args), settings=_settings(module)))
         return output
 
     leaf_names = [n for n in ruled_names]
@@ -2166,6 +2209,10 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
             if now != c.versions:
                 for c2 in ruled[c.module][2].values():
                     fallback.setdefault(c2, f"{type(c.module).__name__} ({c.mname}): input/output modified in place")
+            elif c.settings is not None and not _same_settings(c.settings, _settings(c.module)):
+                for c2 in ruled[c.module][2].values():
+                    fallback.setdefault(c2, f"{type(c.module).__name__} ({c.mname}): called with settings (attributes or "
+                                            "buffers) other than it has after the forward, which its rule reads")
         _release_outputs(calls)
         if not losses.requires_grad and leaf_names and len(leaf_names) == len(params):
             raise ValueError(DETACHED_LOSS)  # (every trained parameter a leaf here, none reached)

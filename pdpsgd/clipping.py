@@ -68,7 +68,13 @@ def make_groups(
     if budget is None:
         w = [1.0] * len(groups)
     else:
-        w = [float(x) for x in budget]
+        try:
+            if isinstance(budget, (str, bytes, Mapping)):
+                raise TypeError
+            w = [float(x) for x in budget]
+        except (TypeError, ValueError):
+            raise ValueError(f"clip_budget must be a sequence of {len(groups)} positive numbers, one per clipping "
+                             f"group in their order, got {budget!r}") from None
         if len(w) != len(groups) or any(not (math.isfinite(x) and x > 0) for x in w):
             raise ValueError(f"budget needs {len(groups)} positive finite weights, one per clipping group; got "
                              f"{budget}")
@@ -135,7 +141,9 @@ def make_weights_fn(groups: ClipGroups, *, clip_fn: str = "abadi", gamma: float 
 
     def weights_fn(sq_norms: Mapping[str, Tensor], losses: Tensor, mask: Tensor) -> Dict[str, Tensor]:
         total = sum_sq_norms(sq_norms)  # (b,)
-        keep = mask & torch.isfinite(total) & torch.isfinite(losses.to(total.dtype))
+        # (the loss as returned, as the step's count reads it; review, round 37: cast to float32 first, a
+        # float64 loss beyond float32's range was dropped here and counted as kept there)
+        keep = mask & torch.isfinite(total) & torch.isfinite(losses)
         out: Dict[str, Tensor] = {}
         for names, threshold in zip(groups.names, groups.thresholds):
             whole = single and len(names) == len(sq_norms) and all(n in sq_norms for n in names)

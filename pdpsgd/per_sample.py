@@ -221,6 +221,15 @@ def _explain_vmap_error(err: Exception) -> Exception:
             "torch.func.grad there instead, under every method (book-keeping sends its parameters to this "
             f"fallback). Original error: {msg}"
         )
+    if "mutate a captured Tensor" in msg:
+        return RuntimeError(
+            "the forward writes a tensor it did not create (a buffer updated in place, such as running "
+            "statistics of its own, or a tensor kept on a module), which torch.func.vmap cannot run per "
+            "example; and statistics over the batch would mix the examples. Fixes: update such state "
+            "outside the DP step (e.g. from the released, noisy update), compute it without in-place "
+            "writes in eval mode, or use method='bk' / 'auto' with every trained parameter on a rule. "
+            f"Original error: {msg}"
+        )
     if "data-dependent control flow" in msg or ".item()" in msg:
         return RuntimeError(
             "the model (or loss_fn) branches on tensor values, which torch.func.vmap cannot run per "
@@ -492,7 +501,8 @@ def vmap_engine(
         if skippable and quiet and not bool(m.any()):
             b = stop - start
             dev = mask.device
-            losses_all.append(torch.zeros(b, device=dev))
+            # (in the real chunks' dtype: review, round 37, float32 zeros cast every chunk's losses down)
+            losses_all.append(torch.zeros(b, dtype=losses_all[-1].dtype, device=dev))
             for n, p in params.items():
                 z = torch.zeros(b, dtype=acc_dtype(p.dtype), device=dev)
                 sq_all[n].append(z)
@@ -517,7 +527,7 @@ def vmap_engine(
         if n not in total:
             total[n] = torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=p.device)
     return EngineResult(
-        losses=torch.cat([l.to(losses_all[-1].dtype) for l in losses_all]) if losses_all else torch.zeros(0),
+        losses=torch.cat(losses_all) if losses_all else torch.zeros(0),  # (cat promotes to the widest dtype)
         sq_norms={n: cat_chunks(v) for n, v in sq_all.items()},
         weights={n: cat_chunks(v) for n, v in w_all.items()},
         clipped_sum=total,

@@ -9,7 +9,7 @@ import contextlib
 import math
 import numbers
 import threading
-from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -40,12 +40,16 @@ class ClippedSum(NamedTuple):
     clipped: Tensor  # (b,) bool: clip factor < 1 on some group
     mask: Tensor  # (b,) bool: real examples
     routes: Dict[str, str]
+    clipping: Optional[Tuple[Any, ...]] = None  # the clipping it was made with (``DPStep.clipping_key``)
 
     def __add__(self, other: "ClippedSum") -> "ClippedSum":  # type: ignore[override]
         if not isinstance(other, ClippedSum):
             return NotImplemented
         if self.sums.keys() != other.sums.keys():
             raise ValueError("cannot add clipped sums of different parameter sets")
+        if self.clipping != other.clipping:
+            raise ValueError(f"cannot add clipped sums clipped by another step's clipping ({self.clipping} and "
+                             f"{other.clipping}): their sum's sensitivity is neither's")
         return ClippedSum(
             {n: self.sums[n] + other.sums[n] for n in self.sums},
             torch.cat([self.per_sample_norms, other.per_sample_norms]),
@@ -55,6 +59,7 @@ class ClippedSum(NamedTuple):
             torch.cat([self.mask, other.mask]),
             # (an empty batch's "skipped" does not hide the route another batch took)
             {**self.routes, **{n: r for n, r in other.routes.items() if r != "skipped" or n not in self.routes}},
+            self.clipping,
         )
 
 
@@ -208,8 +213,10 @@ class DPStep:
                 raise ValueError(f"expected_batch_size must be a finite number > 0 (q·N), got {expected_batch_size}")
         if method not in METHODS:
             raise ValueError(f"method={method!r} is unknown: use one of {METHODS}")
-        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
-            raise ValueError(f"chunk_size must be a positive int (examples per vmap chunk), got {chunk_size}")
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
+                                       or chunk_size <= 0):
+            raise ValueError(f"chunk_size must be a positive int (examples per vmap chunk), got {chunk_size!r}")
+        chunk_size = int(chunk_size) if chunk_size is not None else None
         if on_nonfinite not in ("drop", "raise"):
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: use 'drop' (default) or 'raise'")
         if generator is not None and not isinstance(generator, torch.Generator):
@@ -263,6 +270,7 @@ class DPStep:
         self.expected_batch_size = expected_batch_size
         self._first_divisor: Optional[int] = None  # (without expected_batch_size: the first batch's size)
         self._divisor_warned = False
+        self._padding_warned = False
         self.method = method
         self.chunk_size = chunk_size
         # book-keeping's batch-dimension probe, per batch shape signature (a function of the model's
@@ -290,6 +298,13 @@ class DPStep:
                              "clip_fn='abadi' for no clipping")
 
     # -- self-description -------------------------------------------------------------------
+    @property
+    def clipping_key(self) -> Tuple[Any, ...]:
+        """What the clipped sums' sensitivity rests on (C, clip function, γ, groups, budget); a
+        ``ClippedSum`` carries its step's and ``finalize`` checks it."""
+        return (self.max_grad_norm, self.clip_fn, self.gamma if self.clip_fn == "automatic" else None,
+                repr(self.clipping), None if self.clip_budget is None else tuple(self.clip_budget))
+
     @property
     def sensitivity(self) -> float:
         """L2 sensitivity of the clipped sum under add/remove of one example (= C)."""
@@ -423,8 +438,16 @@ class DPStep:
         if mask is None:
             mask = torch.ones(B, dtype=torch.bool, device=device)
         else:
-            if not isinstance(mask, Tensor) or mask.shape != (B,):
-                raise ValueError(f"mask must be a bool tensor of shape [{B}] (the batch size), got {getattr(mask, 'shape', mask)}")
+            if not isinstance(mask, Tensor) or mask.shape != (B,) or mask.dtype != torch.bool:
+                # (review, round 37: a float or index mask was cast to bool: [0.5, 2.0, 0.0] -> [T, T, F])
+                raise ValueError(f"mask must be a bool tensor of shape [{B}] (the batch size), got "
+                                 f"{getattr(mask, 'dtype', type(mask).__name__)} {getattr(mask, 'shape', mask)}")
+            if self.expected_batch_size is None and not self._padding_warned and mask.device.type == "cpu" \
+                    and not bool(mask.all()):  # (a CPU mask: no device sync; review, round 37: said nowhere)
+                self._padding_warned = True
+                warn(f"the batch has padding rows (mask False) and no expected_batch_size was given: the step "
+                     f"divides by the batch's size, {B}, padding rows included; pass expected_batch_size (q·N "
+                     "under Poisson sampling) to divide by a fixed number")
             mask = mask.to(device=device, dtype=torch.bool)
         check_no_batch_mixing(self.model)
         if B == 0:  # an empty (Poisson-sampled) batch: every sum is 0, the step is noise alone
@@ -467,14 +490,13 @@ class DPStep:
                 clipped = clipped | (sq.sqrt() > thr)
             else:
                 clipped = torch.ones_like(mask)
-        return ClippedSum(res.clipped_sum, norms, res.losses, kept, clipped & kept, mask, res.routes)
+        return ClippedSum(res.clipped_sum, norms, res.losses, kept, clipped & kept, mask, res.routes, self.clipping_key)
 
-    @staticmethod
-    def _empty_sum(params: Mapping[str, Tensor], device: torch.device) -> ClippedSum:
+    def _empty_sum(self, params: Mapping[str, Tensor], device: torch.device) -> ClippedSum:
         sums = {n: torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=p.device) for n, p in params.items()}
         none = torch.zeros(0, dtype=torch.bool, device=device)
         empty = torch.zeros(0, device=device)
-        return ClippedSum(sums, empty, empty, none, none, none, {n: "skipped" for n in params})
+        return ClippedSum(sums, empty, empty, none, none, none, {n: "skipped" for n in params}, self.clipping_key)
 
     def _divisor_seen(self, size: int) -> None:
         """Without ``expected_batch_size`` the divisor is the batch's size: public for fixed-size
@@ -496,6 +518,11 @@ class DPStep:
         return self._finalize(partial, params, consume=False)
 
     def _finalize(self, partial: ClippedSum, params: Optional[Mapping[str, Tensor]], consume: bool) -> StepOutput:
+        if partial.clipping != self.clipping_key:
+            # (review, round 37: parts clipped at C = 10 were noised for this step's C = 0.1, silently)
+            raise ValueError(f"this ClippedSum was clipped by another step ({partial.clipping}), not with this "
+                             f"step's clipping ({self.clipping_key}): its noise, σ·C for this step's C, would not "
+                             "match the sum's sensitivity. Finalize it with the step that made it")
         sums = partial.sums
         first = next(iter(sums.values()))
         n_real = partial.mask.sum()

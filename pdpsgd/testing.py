@@ -90,7 +90,7 @@ def naive_clipped_sum(
     The sum is accumulated in float64 and returned in the parameter's dtype promoted to float32 at
     least (a bf16 / fp16 model's sums in float32, as the step's; review, round 37: accumulated in the
     parameter's dtype, a bf16 oracle was 0.4 % off its own per-example gradients' sum)."""
-    _, grads = naive_per_sample_grads(model, loss_fn, batch, params)
+    losses, grads = naive_per_sample_grads(model, loss_fn, batch, params)
     names = list(grads)
     if groups is None:
         groups, thresholds = [names], [max_grad_norm]
@@ -101,10 +101,10 @@ def naive_clipped_sum(
         norms[i] = math.sqrt(sum(float(grads[n][i].double().pow(2).sum()) for n in names))
         if mask is not None and not bool(mask[i]):
             continue
+        if not (math.isfinite(norms[i]) and math.isfinite(float(losses[i]))):
+            continue  # (dropped whole, as the step drops it; review, round 37: per group, loss unread)
         for gnames, thr in zip(groups, thresholds):
             gn = math.sqrt(sum(float(grads[n][i].double().pow(2).sum()) for n in gnames))
-            if not math.isfinite(gn):
-                continue
             c = min(1.0, thr / gn) if clip_fn == "abadi" and gn > 0 else (1.0 if clip_fn == "abadi" else thr / (gn + gamma))
             for n in gnames:
                 sums[n] = sums[n] + c * grads[n][i].double()

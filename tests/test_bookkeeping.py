@@ -2204,16 +2204,16 @@ class _ReversingRMSNorm(nn.Module):
         return (self.weight * (hidden_states * torch.rsqrt(v + self.variance_epsilon))).flip(0)
 
 
-class _IntShapeRMSNorm(nn.Module):
-    """A custom RMS norm that keeps ``normalized_shape`` as an int."""
+def _IntShapeRMSNorm(d):  # noqa: N802
+    """A custom RMS norm (transformers' LLaMA one: the rule takes only transformers' own classes since
+    round 37) that keeps ``normalized_shape`` as an int."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    def __init__(self, d):
-        super().__init__()
-        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
-        self.eps, self.normalized_shape = 1e-6, d
-
-    def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+    m = LlamaRMSNorm(d, eps=1e-6)
+    with torch.no_grad():
+        m.weight.add_(0.1 * torch.randn(d))
+    m.normalized_shape = d
+    return m
 
 
 class _Chained(nn.Module):

@@ -647,3 +647,49 @@ def test_complex_parameters_are_refused(method, clip_fn):
                                method=method, clip_fn=clip_fn)
     with pytest.raises(TypeError, match="parameter 'w' is complex.*view_as_real.*requires_grad=False"):
         step(pdpsgd.trainable_params(m), {"x": torch.randn(4, 3)})
+
+
+def test_mask_and_option_types_are_checked():
+    """A mask must be bool (review, round 37: a float mask [0.5, 2.0, 0.0] was cast to [T, T, F], an
+    index mask [0, 2, 1] to [F, T, T]); a numpy integer chunk_size is an int; a clip_budget that is not
+    a sequence of numbers is a clear error."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(5, 3))
+    loss = lambda mod, b: F.cross_entropy(mod(b["x"]), b["y"], reduction="none")
+    b = {"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0)
+    for bad in (torch.tensor([0.5, 2.0, 0.0]), torch.tensor([0, 2, 1])):
+        with pytest.raises(ValueError, match="mask must be a bool tensor"):
+            step(params, b, bad)
+    out = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, chunk_size=np.int64(2))(params, b)
+    assert int(out.num_examples) == 3
+    with pytest.raises(ValueError, match="clip_budget"):
+        pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, clipping="per_layer",
+                            clip_budget={"a": 1.0, "b": 1.0})(params, b)
+
+
+def test_a_buffer_written_in_place_under_vmap_is_explained():
+    """A forward that updates a buffer in place (running statistics of its own) cannot run per
+    example under vmap: the error names the cause and the fixes, not only torch's "mutate a captured
+    Tensor" (review, round 37)."""
+
+    class RunStat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+            self.register_buffer("run", torch.zeros(3))
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.run.mul_(0.9).add_(0.1 * x.mean(0))
+            return self.lin(x - self.run)
+
+    m = RunStat()
+    loss = lambda mod, b: F.cross_entropy(mod(b["x"]), b["y"], reduction="none")
+    b = {"x": torch.randn(4, 3), "y": torch.randint(0, 2, (4,))}
+    with pytest.raises(RuntimeError, match="writes a tensor it did not create.*buffer"):
+        pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="vmap")(
+            pdpsgd.trainable_params(m), b)

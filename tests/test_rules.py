@@ -100,35 +100,43 @@ def test_torch_rmsnorm_default_eps_is_that_of_its_compute_dtype(dtype):
     torch.testing.assert_close(G, want, rtol=1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-5, atol=0)
 
 
-class LlamaRMSNorm(nn.Module):
+def _hf_norm(cls, d, eps=1e-6):
+    """transformers' own RMS norm class (the rule takes only those; round 37), weights perturbed."""
+    m = cls(d, eps=eps)
+    with torch.no_grad():
+        m.weight.add_(0.1 * torch.randn(d))
+    return m
+
+
+def LlamaRMSNorm(d, eps=1e-6):  # noqa: N802 (a class of transformers', built)
+    """LLaMA's: w ⊙ (x_f32 · rsqrt(mean(x_f32²)+eps)).to(x.dtype)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm as cls
+
+    return _hf_norm(cls, d, eps)
+
+
+def GemmaRMSNorm(d, eps=1e-6):  # noqa: N802
+    """Gemma's: (1 + w) ⊙ x̂."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm as cls
+
+    return _hf_norm(cls, d, eps)
+
+
+def T5LayerNorm(d, eps=1e-6):  # noqa: N802
+    """T5's RMS norm: the variance in float32, x itself (not its float32 copy) scaled."""
+    from transformers.models.t5.modeling_t5 import T5LayerNorm as cls
+
+    return _hf_norm(cls, d, eps)
+
+
+class CenteredRMSNorm(nn.Module):
+    """Named like an RMS norm, but subtracts the mean (a LayerNorm without bias): not a formula the rule
+    knows (a user's class: no rule since round 37; ``CustomRMSNormRule`` itself declines it)."""
+
     def __init__(self, d, eps=1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(d) + 0.1 * torch.randn(d))
         self.variance_epsilon = eps
-
-    def forward(self, hidden_states):
-        dt = hidden_states.dtype
-        h = hidden_states.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(dt)
-
-
-class GemmaRMSNorm(LlamaRMSNorm):
-    def forward(self, hidden_states):
-        h = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return (1.0 + self.weight) * h
-
-
-class T5LayerNorm(LlamaRMSNorm):
-    """T5's RMS norm: the variance in float32, x itself (not its float32 copy) scaled."""
-
-    def forward(self, hidden_states):
-        v = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        return self.weight * (hidden_states * torch.rsqrt(v + self.variance_epsilon))
-
-
-class CenteredRMSNorm(LlamaRMSNorm):
-    """Named like an RMS norm, but subtracts the mean (a LayerNorm without bias): not a formula the rule knows."""
 
     def forward(self, hidden_states):
         h = hidden_states - hidden_states.mean(-1, keepdim=True)
@@ -136,15 +144,60 @@ class CenteredRMSNorm(LlamaRMSNorm):
 
 
 def test_custom_rmsnorm_detected_and_verified():
+    from pdpsgd.rules.rmsnorm import CustomRMSNormRule
+
     reg = default_registry()
     for cls in (LlamaRMSNorm, GemmaRMSNorm, T5LayerNorm):
         m = cls(5)
         assert reg.lookup(m) is not None, cls
         _check_rule(m, torch.randn(3, 4, 5))
     c = CenteredRMSNorm(5)
+    assert reg.lookup(c) is None  # (a user's class: round 37)
     x = torch.randn(3, 4, 5)
     y = c(x)
-    assert reg.lookup(c).uses(c, (x,), {}, y, torch.ones_like(y), 3) is None  # formula mismatch -> fallback
+    assert CustomRMSNormRule().uses(c, (x,), {}, y, torch.ones_like(y), 3) is None  # formula mismatch -> fallback
+
+
+def test_a_users_rmsnorm_that_detaches_rows_is_exact():
+    """Review, round 37: a user's *RMSNorm whose forward stops the weight's gradient on rows with an
+    outlier (the same values) was taken by the name-matched rule, whose check compares values; the
+    order check had run on a first batch without such a row, so a later batch of the same shape got
+    the norm's clipped sum 94 % off. Only transformers' own classes are matched: it falls back."""
+    import pdpsgd
+
+    class MyRMSNorm(nn.Module):
+        def __init__(self, d, eps=1e-6):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(d))
+            self.variance_epsilon = eps
+
+        def forward(self, x):
+            out = self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+            return torch.where(x.abs().amax(-1, keepdim=True) > 5, out.detach(), out)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l, self.n = nn.Linear(4, 5), MyRMSNorm(5)
+
+        def forward(self, x):
+            return self.n(self.l(x)).sum((1, 2))
+
+    torch.manual_seed(0)
+    m = Net().double()
+    loss = lambda mod, b: (mod(b["x"]) - b["y"]) ** 2
+    b0 = {"x": torch.randn(3, 2, 4, dtype=torch.float64), "y": torch.randn(3, dtype=torch.float64)}
+    b1 = {"x": torch.randn(3, 2, 4, dtype=torch.float64), "y": torch.randn(3, dtype=torch.float64)}
+    b1["x"][1, 0] *= 20
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk", expected_batch_size=1.0)
+    step.clipped_sum(params, b0)
+    out = step.clipped_sum(params, b1)
+    norms, sums = pdpsgd.testing.naive_clipped_sum(m, loss, b1, max_grad_norm=1.0, params=params)
+    assert out.routes["n.weight"] == "vmap"
+    torch.testing.assert_close(out.per_sample_norms, norms, rtol=1e-9, atol=0)
+    for n in sums:
+        torch.testing.assert_close(out.sums[n], sums[n], rtol=1e-9, atol=1e-12)
 
 
 class ScaledWordEmbedding(nn.Embedding):
@@ -437,7 +490,9 @@ def test_custom_rmsnorm_check_is_relative_per_element(dtype, d, wscale):
         c.weight.mul_(wscale)
     x = torch.randn(3, 4, d, dtype=dtype)
     y = c(x)
-    assert default_registry().lookup(c).uses(c, (x,), {}, y, torch.ones_like(y), 3) is None
+    from pdpsgd.rules.rmsnorm import CustomRMSNormRule
+
+    assert CustomRMSNormRule().uses(c, (x,), {}, y, torch.ones_like(y), 3) is None
     m = LlamaRMSNorm(d).to(dtype)
     with torch.no_grad():
         m.weight.mul_(wscale)
@@ -457,7 +512,9 @@ def test_custom_rmsnorm_check_with_nan_rows(cls):
     x = torch.randn(3, 4, 5)
     x[1, 2] = float("nan")
     y = m(x)
-    rule = default_registry().lookup(m)
+    from pdpsgd.rules.rmsnorm import CustomRMSNormRule
+
+    rule = CustomRMSNormRule()  # (the rule itself: a user's class has none in the registry since round 37)
     got = rule.uses(m, (x,), {}, y.detach(), torch.ones_like(y), 3)
     if cls is CenteredRMSNorm:
         assert got is None
@@ -669,3 +726,65 @@ def test_conv_with_frozen_weight_builds_no_patches(monkeypatch, groups):
                      max_grad_norm=0.5)
     assert r.routes["0.weight"] != "vmap"
     assert bool(calls) == (groups == 1)  # (a grouped conv's comes from torch's weight-gradient kernel, no patches)
+
+
+class _SharedAtrous(nn.Module):
+    """One Conv2d called twice per forward, the second time (once ``atrous``) at dilation 2, restored
+    after it; or one eval-mode BatchNorm called twice, the second time with other running statistics
+    swapped in and back."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.atrous = kind, False
+        self.c = nn.Conv2d(2, 3, 3, padding=1)
+        self.bn = nn.BatchNorm2d(3).eval()
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-1, 1), self.bn.running_var.uniform_(0.5, 2)
+        self.other_mean, self.other_var = torch.randn(3), torch.rand(3) + 0.5
+
+    def forward(self, x):
+        h = self.c(x)
+        if self.kind == "conv":
+            d = 2 if self.atrous else 1
+            self.c.dilation, self.c.padding = (d, d), (d, d)
+            b = self.c(x)
+            self.c.dilation, self.c.padding = (1, 1), (1, 1)
+            return torch.cat([h.flatten(1), b.flatten(1)], 1)
+        a = self.bn(h)
+        if self.atrous:
+            mean, var = self.bn.running_mean, self.bn.running_var
+            self.bn.running_mean, self.bn.running_var = self.other_mean.to(h), self.other_var.to(h)
+            b = self.bn(h)
+            self.bn.running_mean, self.bn.running_var = mean, var
+        else:
+            b = self.bn(h)
+        return torch.cat([a.flatten(1), b.flatten(1)], 1)
+
+
+@pytest.mark.parametrize("kind", ["conv", "batchnorm"])
+@pytest.mark.parametrize("check_order", [True, False])
+def test_a_layer_whose_settings_change_between_its_calls_is_exact(kind, check_order):
+    """Rules read a layer's settings (stride, padding, dilation; running statistics) when its
+    gradient is ready, after the forward: a forward that calls a layer with other settings and puts
+    them back had that call read with the restored ones (review, round 37: conv norms 64 vs 72, sums
+    37 % off, once the switch started after the first batch of the shape). Each call's settings are
+    recorded when it runs; a call whose settings are not the module's after the forward falls back."""
+    import pdpsgd
+    from pdpsgd.testing import naive_clipped_sum
+
+    torch.manual_seed(0)
+    m = _SharedAtrous(kind).double()
+    loss = lambda mod, b: (mod(b["x"]) ** 2).sum(1) * b["w"]
+    params = pdpsgd.trainable_params(m)
+    mk = lambda: {"x": torch.randn(3, 2, 5, 5, dtype=torch.float64), "w": torch.rand(3, dtype=torch.float64)}
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk", expected_batch_size=1.0,
+                               bk_options={"check_order": check_order})
+    first = step.clipped_sum(params, mk())
+    assert "vmap" not in first.routes.values(), first.routes  # (settings as they stay: on the rules)
+    m.atrous = True
+    b = mk()
+    out = step.clipped_sum(params, b)
+    norms, sums = naive_clipped_sum(m, loss, b, max_grad_norm=1.0, params=params)
+    torch.testing.assert_close(out.per_sample_norms, norms, rtol=1e-9, atol=0)
+    for n in sums:
+        torch.testing.assert_close(out.sums[n], sums[n], rtol=1e-9, atol=1e-12)

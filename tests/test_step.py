@@ -1004,3 +1004,74 @@ def test_vmap_does_not_skip_masked_chunks_of_a_forward_that_draws_in_eval_mode(h
             torch.manual_seed(3), random.seed(3), np.random.seed(3)
             outs.append(step.clipped_sum(params, b, mask).per_sample_norms)
     torch.testing.assert_close(outs[1][1:], outs[0][1:], rtol=0, atol=0)
+
+
+def test_skipped_padding_chunks_keep_the_losses_dtype():
+    """An all-padding chunk that vmap skips gets zero losses in the real chunks' dtype (review, round
+    37: float32 zeros, and the losses were cast to the last chunk's dtype: a float64 loss of 1e300
+    became inf, the example counted as non-finite although summed, and the loss moved with chunk_size)."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2).double().eval()
+    loss = lambda mod, bb: F.cross_entropy(mod(bb["x"]), bb["y"], reduction="none") + 1e300
+    b = {"x": torch.randn(4, 3, dtype=torch.float64), "y": torch.tensor([0, 1, 0, 1])}
+    params = pdpsgd.trainable_params(m)
+    mask = torch.tensor([True, True, False, False])
+    parts = [pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=1,
+                                 chunk_size=c, on_nonfinite="raise").clipped_sum(params, b, mask) for c in (4, 2)]
+    for p in parts:
+        assert p.losses.dtype == torch.float64 and p.kept.tolist() == [True, True, False, False]
+    assert torch.equal(parts[0].losses[mask], parts[1].losses[mask])  # (padding rows: run or skipped)
+
+
+@pytest.mark.parametrize("method", ["vmap", "bk"])
+def test_one_rule_decides_a_finite_loss(method):
+    """A float64 loss of a float32 model beyond float32's range is finite: kept, summed and counted as
+    kept (review, round 37: the weights tested the loss cast to float32 and dropped it, the step's
+    count tested it as returned and kept it: num_nonfinite 0, on_nonfinite='raise' silent)."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2).eval()
+    loss = lambda mod, bb: F.cross_entropy(mod(bb["x"]), bb["y"], reduction="none").double() + bb["w"]
+    b = {"x": torch.randn(3, 3), "y": torch.tensor([0, 1, 0]), "w": torch.tensor([0.0, 1e40, 0.0], dtype=torch.float64)}
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=1,
+                               method=method, on_nonfinite="raise")
+    part = step.clipped_sum(params, b)
+    assert part.kept.all()
+    plain = step.clipped_sum(params, {**b, "w": torch.zeros(3, dtype=torch.float64)})
+    for n in params:
+        torch.testing.assert_close(part.sums[n], plain.sums[n])
+
+
+def test_finalize_refuses_a_sum_clipped_by_another_step():
+    """A ClippedSum carries the clipping it was made with: finalize with a step of another bound (its
+    noise calibrated to another C) and adding parts of two such steps are refused (review, round 37:
+    parts clipped at C = 10 were noised for C = 0.1, 100x too little noise, silently)."""
+    torch.manual_seed(0)
+    m = mlp()
+    b = {"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))}
+    params = pdpsgd.trainable_params(m)
+    wide = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=10.0, noise_multiplier=1.0, expected_batch_size=4)
+    tight = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.1, noise_multiplier=1.0, expected_batch_size=4)
+    part = wide.clipped_sum(params, b)
+    with pytest.raises(ValueError, match="clipped by another step"):
+        tight.finalize(part)
+    with pytest.raises(ValueError, match="clipped by another step"):
+        part + tight.clipped_sum(params, b)
+    twin = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=10.0, noise_multiplier=2.0, expected_batch_size=4)
+    twin.finalize(part + twin.clipped_sum(params, b))  # (the same clipping: σ does not enter the sum)
+    wide.finalize(part + wide._empty_sum(params, torch.device("cpu")))
+
+
+def test_a_mask_with_padding_and_no_expected_batch_size_warns_about_the_divisor():
+    """Without expected_batch_size the divisor is the batch's size, padding rows included: said once
+    (review, round 37: a padded last batch had its mean scaled by real/padded, silently)."""
+    torch.manual_seed(0)
+    m = mlp()
+    b = {"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))}
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(params, b)
+    with pytest.warns(UserWarning, match="padding rows"):
+        step(params, b, torch.tensor([True, False, False, False]))

@@ -244,3 +244,31 @@ def test_check_sensitivity_refuses_a_batch_whose_every_example_is_dropped():
         every = {"x": b["x"] * float("nan"), "y": b["y"]}
         with pytest.raises(AssertionError, match="every example.*dropped"):
             check_sensitivity(step, params, every)
+
+
+@pytest.mark.parametrize("case", ["nan_in_one_group", "inf_loss"])
+def test_oracle_drops_a_non_finite_example_whole(case):
+    """The oracle drops an example whose total norm or loss is not finite, as the step does (review,
+    round 37: it dropped it per clipping group and never read the loss, and assert_exact failed a
+    correct step)."""
+    import torch.nn.functional as F
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+
+        def forward(self, x, z):
+            o = self.b(z)  # an inf in z: b's gradient is 0·inf = NaN while the loss stays finite
+            return self.a(x) + torch.where(torch.isfinite(o), o, torch.zeros_like(o))
+
+    loss = lambda m, bt: F.cross_entropy(m(bt["x"], bt["z"]), bt["y"], reduction="none") + bt["off"]
+    torch.manual_seed(0)
+    m = Two().double()
+    b = {"x": torch.randn(3, 3, dtype=torch.float64), "z": torch.randn(3, 3, dtype=torch.float64),
+         "y": torch.tensor([0, 1, 0]), "off": torch.zeros(3, dtype=torch.float64)}
+    if case == "inf_loss":
+        b["off"][1] = float("inf")
+    else:
+        b["z"][1, 0] = float("inf")
+    assert_exact(m, loss, b, max_grad_norm=0.5, clipping="per_layer" if case == "nan_in_one_group" else "flat")

@@ -1,7 +1,10 @@
 """RMSNorm: torch ``nn.RMSNorm`` and LLaMA-, Gemma- and T5-style custom modules (x·rsqrt(mean(x²)+eps)·w).
 
-Custom modules are matched by class name containing "RMSNorm" (or ending in "T5LayerNorm") with a ``.weight`` and a
-``variance_epsilon`` (or ``eps``) attribute, and *verified on every call*: the rule recomputes
+Custom modules are transformers' own classes (``transformers_own_class``: review, round 37, a user's
+``MyRMSNorm`` whose forward stopped the weight's gradient on rows with an outlier, same values, was
+taken, 94 % off on a later batch of the shape) whose name contains "RMSNorm" (or ends in
+"T5LayerNorm") with a ``.weight`` and a ``variance_epsilon`` (or ``eps``) attribute, and *verified on
+every call*: the rule recomputes
 the output by the formulas it knows, LLaMA's and T5's w ⊙ x̂ and Gemma's (1 + w) ⊙ x̂ (all: ∂out/∂w = x̂), and
 compares them with the module's output; on mismatch it returns None and the engine falls back to
 exact vmap for that layer.
@@ -13,7 +16,7 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor, nn
 
-from .base import Explicit, Rule, Use, first_input
+from .base import Explicit, Rule, Use, first_input, transformers_own_class
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -46,12 +49,15 @@ class TorchRMSNormRule(Rule):
 
 
 def is_custom_rmsnorm(module: nn.Module) -> bool:
-    """Class name contains "RMSNorm" (or ends in "T5LayerNorm": T5's RMS norm), has a 1-d ``weight``
-    Parameter and an epsilon attribute. (A filter only: every call is verified against the output.)"""
+    """A class of transformers' own whose name contains "RMSNorm" (or ends in "T5LayerNorm": T5's RMS
+    norm), with a 1-d ``weight`` Parameter and an epsilon attribute. (A filter only: every call is
+    verified against the output; a user's own class takes the exact fallback, or a rule registered
+    for it.)"""
     w = getattr(module, "weight", None)
     name = type(module).__name__
     return (
         ("RMSNorm" in name or name.endswith("T5LayerNorm"))
+        and transformers_own_class(type(module))
         and isinstance(w, Tensor)
         and w.dim() == 1
         and set(module._parameters) <= {"weight"}
