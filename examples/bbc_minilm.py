@@ -72,7 +72,7 @@ def main(argv=None):
               f"norm q50 {rec['norm_q50']:.3f}  ε {rec['epsilon']:.3f}")
     ev = evaluate(model, test_data, batch_size=64)
     eps = trainer.epsilon()
-    print(f"test accuracy {ev['accuracy']:.4f}  ε {eps.estimate:.3f} (upper {eps.upper:.3f})  δ {delta:.2g}  "
+    print(f"test accuracy {ev['accuracy']:.4f}  ε ≤ {eps.upper:.3f} (estimate {eps.estimate:.3f})  δ {delta:.2g}  "
           f"{time.perf_counter() - t0:.1f} s")
     return ev, eps
 

@@ -85,7 +85,7 @@ def main(argv=None):
               f"ε {rec['epsilon']:.3f}")
     ppl1 = perplexity(model, test_data)
     eps = trainer.epsilon()
-    print(f"test perplexity {ppl0:.1f} -> {ppl1:.1f}  ε {eps.estimate:.3f} (upper {eps.upper:.3f})  δ {delta:.2g}  "
+    print(f"test perplexity {ppl0:.1f} -> {ppl1:.1f}  ε ≤ {eps.upper:.3f} (estimate {eps.estimate:.3f})  δ {delta:.2g}  "
           f"{time.perf_counter() - t0:.1f} s")
     return ppl0, ppl1, eps
 

@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--test-data", metavar="FILE", help="test file (default: a fixed 80/20 split of --data)")
     g.add_argument("--text-column", default="text")
     g.add_argument("--label-column", default="label")
+    g.add_argument("--labels", metavar="A,B,...",
+                   help="the public label set, comma-separated, in the head's order (default: the labels found in "
+                        "--data, taken as public: a label that one row alone has is then revealed by the model)")
     g.add_argument("--max-train-examples", type=int, metavar="N",
                    help="use only the first N training examples (for tests and quick looks: a row added to the file "
                         "can push another out of the first N, so for rows of the file ε holds for groups of two)")
@@ -256,7 +259,22 @@ def _load_data(a: argparse.Namespace):
                 raise UserError("--test-data needs --data")
             train, test = load_bbc_news()
         else:
-            full = load_text_file(a.data, text_column=a.text_column, label_column=a.label_column)
+            names = None
+            if getattr(a, "labels", None) is not None:
+                names = [x.strip() for x in a.labels.split(",")]
+                if len(names) < 2 or any(not x for x in names) or len(set(names)) != len(names):
+                    raise UserError(f"--labels {a.labels!r}: give two or more distinct, non-empty labels, comma-separated")
+            full = load_text_file(a.data, text_column=a.text_column, label_column=a.label_column, label_names=names)
+            if names is None:  # (review, round 37: the label set is read from the data; say when a row alone decides it)
+                counts = [0] * len(full.label_names)
+                for y in full.labels:
+                    counts[y] += 1
+                single = [n for n, c in zip(full.label_names, counts) if c == 1]
+                if single:
+                    print(f"pdpsgd: warning: labels {single[:5]} occur in one row of {a.data} only: the label set is "
+                          "read from the data and taken as public, so the trained model (its head has one output "
+                          "per label) and report.json reveal that such a row exists; pass --labels with the public "
+                          "label set, or drop those rows", file=sys.stderr)
             if a.test_data is not None:
                 train = full
                 test = load_text_file(a.test_data, text_column=a.text_column, label_column=a.label_column,

@@ -32,7 +32,7 @@ __all__ = [
 
 #: In the embedded BBC News split, article k (0-based, files sorted by name) of each topic goes
 #: to the test set iff ``k % BBC_TEST_EVERY == BBC_TEST_EVERY - 1``: a stratified 80/20 split
-#: (1,780 train / 445 test articles).
+#: (1,781 train / 444 test articles).
 BBC_TEST_EVERY = 5
 
 
@@ -239,7 +239,8 @@ def load_text_file(path: os.PathLike, *, text_column: str = "text", label_column
     index = {_label_key(n): i for i, n in enumerate(label_names)}
     unknown = sorted(set(raw) - set(index))
     if unknown:
-        raise DataError(f"{path}: labels {unknown[:5]} do not occur in the training data")
+        raise DataError(f"{path}: labels {unknown[:5]} are not among the label names ({list(label_names)[:10]}: the "
+                        "training data's, or those given)")
     return TextDataset(texts, [index[y] for y in raw], list(label_names), path.name)
 
 

@@ -563,6 +563,8 @@ class DPTrainer:
             self.released = before[1]
             raise
         self._load_failed = False
+        # (review, round 37: left None, a resumed finished run's final evaluation recorded ε as null)
+        self.last_epsilon = self.epsilon().upper if self.dp and self.released > 0 else None
         if state.get("run_id") is not None:
             self.run_id = state["run_id"]  # (this trainer continues that run)
         return out

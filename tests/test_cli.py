@@ -576,3 +576,27 @@ def test_a_cap_on_the_training_rows_says_what_it_does_to_the_guarantee(tmp_path,
     n = len(_load_data(argparse.Namespace(**base, max_train_examples=None))[0])
     _load_data(argparse.Namespace(**base, max_train_examples=n))
     assert "groups of two" in capsys.readouterr().err
+
+
+def test_a_label_one_row_alone_has_is_flagged_and_labels_can_be_given(tmp_path, capsys):
+    """The label set is read from the data and taken as public: a label that one row alone has is
+    revealed by the head's size (review, round 37: nothing said so). The CLI warns; --labels gives a
+    public label set (in the head's order), and a row with another label is an error."""
+    import argparse
+
+    from pdpsgd.cli import UserError, _load_data
+
+    f = tmp_path / "d.jsonl"
+    rows = [{"text": f"row {i}", "label": ["neg", "pos"][i % 2]} for i in range(40)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows + [{"text": "Alice has X", "label": "rare"}]))
+    base = dict(data=str(f), test_data=None, text_column="text", label_column="label", max_test_examples=None,
+                max_train_examples=None)
+    _load_data(argparse.Namespace(**base, labels=None))
+    assert "['rare'] occur in one row" in capsys.readouterr().err
+    train, _ = _load_data(argparse.Namespace(**base, labels="rare,neg,pos,other"))
+    assert train.label_names == ["rare", "neg", "pos", "other"]
+    assert "one row" not in capsys.readouterr().err
+    with pytest.raises(UserError, match="not among the label names"):
+        _load_data(argparse.Namespace(**base, labels="neg,pos"))
+    with pytest.raises(UserError, match="two or more distinct"):
+        _load_data(argparse.Namespace(**base, labels="neg,neg"))

@@ -72,6 +72,7 @@ def test_a_fresh_trainer_refuses_a_ledger_that_counts_releases(tmp_path):
     done, *_ = _mlp_setup(ledger=ledger)
     done.load_state_dict(final)
     assert done.done and done.epsilon().upper == again.epsilon().upper
+    assert done.last_epsilon == again.epsilon().upper  # (round 37: None, a resumed run's last evaluation said null)
     with pytest.raises(ValueError, match="no random streams"):
         _mlp_setup(ledger=tmp_path / "other.json")[0].load_state_dict({**mid, "rng": None})
     with pytest.raises(ValueError, match="sampler has drawn 5 batch"):  # (round 36: refused before that)
@@ -337,7 +338,7 @@ def test_text_files_and_errors(tmp_path):
     with pytest.raises(DataError, match="unknown data format"):
         (tmp_path / "x.parquet").write_text("")
         load_text_file(tmp_path / "x.parquet")
-    with pytest.raises(DataError, match="do not occur in the training data"):
+    with pytest.raises(DataError, match="are not among the label names"):
         load_text_file(num, text_column="t", label_column="y", label_names=["2"])
 
 
