@@ -46,11 +46,13 @@ to cancellation (crafted inputs) is replaced by an upper bound (``_Guard``).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import dataclasses
 import functools
 import math
+import numbers
 import threading
 import types
 from dataclasses import dataclass, field
@@ -1064,8 +1066,9 @@ _PLAIN = (int, float, bool, str, type(None))
 
 
 def _plain(v: Any, depth: int = 0) -> Any:
-    """``v`` if it is a plain value (a number, string, None, or a tuple / list of them), else a marker."""
-    if isinstance(v, _PLAIN):
+    """``v`` if it is a plain value (a number, numpy's included, a string, None, or a tuple / list of
+    them, torch.Size and named tuples included), else a marker."""
+    if isinstance(v, (numbers.Number, str, bytes, type(None))):
         return v
     if isinstance(v, (tuple, list)) and depth < 2:
         return tuple(_plain(x, depth + 1) for x in v)
@@ -1074,6 +1077,7 @@ def _plain(v: Any, depth: int = 0) -> Any:
 
 _NOT_PLAIN = object()
 _PLAIN_TYPES = frozenset(_PLAIN)
+_SKIP_TYPES = frozenset({dict, collections.OrderedDict, set})  # (a module's own tables: parameters, hooks, ...)
 
 
 def _settings(module: nn.Module) -> Tuple[Any, ...]:
@@ -1087,7 +1091,7 @@ def _settings(module: nn.Module) -> Tuple[Any, ...]:
         t = type(v)
         if t in _PLAIN_TYPES:
             attrs.append((k, v))
-        elif t is tuple or t is list:
+        elif t not in _SKIP_TYPES:  # (numpy scalars, tuples, torch.Size, ...: review, round 37)
             v = _plain(v)
             if v is not _NOT_PLAIN:
                 attrs.append((k, v))

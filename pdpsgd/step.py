@@ -442,8 +442,8 @@ class DPStep:
                 # (review, round 37: a float or index mask was cast to bool: [0.5, 2.0, 0.0] -> [T, T, F])
                 raise ValueError(f"mask must be a bool tensor of shape [{B}] (the batch size), got "
                                  f"{getattr(mask, 'dtype', type(mask).__name__)} {getattr(mask, 'shape', mask)}")
-            if self.expected_batch_size is None and not self._padding_warned and mask.device.type == "cpu" \
-                    and not bool(mask.all()):  # (a CPU mask: no device sync; review, round 37: said nowhere)
+            if self.expected_batch_size is None and self.noise_std > 0 and not self._padding_warned \
+                    and mask.device.type == "cpu" and not bool(mask.all()):  # (a CPU mask: no device sync; round 37)
                 self._padding_warned = True
                 warn(f"the batch has padding rows (mask False) and no expected_batch_size was given: the step "
                      f"divides by the batch's size, {B}, padding rows included; pass expected_batch_size (q·N "
@@ -596,7 +596,7 @@ def make_dp_step(
         noise_multiplier: σ; noise std per coordinate is σC.
         expected_batch_size: the divisor (q·N under Poisson sampling); default: the batch's size, for
             fixed-size batches only (a divisor that follows a random batch size reveals it; a warning
-            says so when the size changes between steps).
+            says so when the size changes between steps), padding rows (mask False) included.
         method: "vmap" (exact per-example gradients, any model), "bk" (book-keeping: one
             forward/backward, per-layer ghost or explicit norms) or "auto" (bk with a per-layer
             cost model; both fall back to exact vmap for layers without a rule).

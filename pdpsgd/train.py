@@ -547,7 +547,7 @@ class DPTrainer:
         # of its run without a ledger, it forgot the steps it had released itself); a load that fails
         # part-way puts them back and leaves the trainer refusing to step until a load goes through
         live = self._ledger() if self.dp and self.released > 0 else None
-        if live is not None and state.get("run_id") is not None and state["run_id"] != self.run_id:
+        if live is not None and state.get("run_id") != self.run_id:  # (a state without one: before round 37, unknown)
             raise ValueError(f"this trainer released {self.released} step(s) of its own run, and the state is of "
                              "another run: its count would leave them out (they spent ε on the same data). Load it "
                              "into a fresh trainer, and count both runs' ε")

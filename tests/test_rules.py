@@ -744,8 +744,11 @@ class _SharedAtrous(nn.Module):
 
     def forward(self, x):
         h = self.c(x)
-        if self.kind == "conv":
+        if self.kind in ("conv", "conv_numpy"):
+            import numpy as np
+
             d = 2 if self.atrous else 1
+            d = np.int64(d) if self.kind == "conv_numpy" else d  # (numpy scalars: review, round 37)
             self.c.dilation, self.c.padding = (d, d), (d, d)
             b = self.c(x)
             self.c.dilation, self.c.padding = (1, 1), (1, 1)
@@ -761,7 +764,7 @@ class _SharedAtrous(nn.Module):
         return torch.cat([a.flatten(1), b.flatten(1)], 1)
 
 
-@pytest.mark.parametrize("kind", ["conv", "batchnorm"])
+@pytest.mark.parametrize("kind", ["conv", "conv_numpy", "batchnorm"])
 @pytest.mark.parametrize("check_order", [True, False])
 def test_a_layer_whose_settings_change_between_its_calls_is_exact(kind, check_order):
     """Rules read a layer's settings (stride, padding, dilation; running statistics) when its
@@ -788,3 +791,39 @@ def test_a_layer_whose_settings_change_between_its_calls_is_exact(kind, check_or
     torch.testing.assert_close(out.per_sample_norms, norms, rtol=1e-9, atol=0)
     for n in sums:
         torch.testing.assert_close(out.sums[n], sums[n], rtol=1e-9, atol=1e-12)
+
+
+def test_a_users_rmsnorm_warns_once_and_takes_a_registered_rule():
+    """A user's (or remote code's) RMS norm class is not name-matched since round 37: a warning says
+    so once per class, and registering the rule for it, as the warning says, puts it back on the rule
+    (still checked against the output on each call)."""
+    import warnings
+
+    import pdpsgd
+    from pdpsgd.rules import default_registry
+    from pdpsgd.rules.rmsnorm import CustomRMSNormRule
+    from pdpsgd.testing import assert_exact
+
+    class OwnRMSNorm(nn.Module):
+        def __init__(self, d, eps=1e-6):
+            super().__init__()
+            self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+            self.variance_epsilon = eps
+
+        def forward(self, x):
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), OwnRMSNorm(6), nn.Linear(6, 3))
+    b = {"x": torch.randn(4, 2, 5)}
+    loss = lambda m, bb: m(bb["x"]).pow(2).sum((1, 2))
+    with pytest.warns(UserWarning, match="OwnRMSNorm looks like an RMS norm"):
+        r = assert_exact(model, loss, b, method="bk", max_grad_norm=0.1)
+    assert r.routes["1.weight"] == "vmap"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (once per class)
+        pdpsgd.make_dp_step(model, loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk").plan(b)
+    reg = default_registry().copy()
+    reg.register(OwnRMSNorm, CustomRMSNormRule())
+    r = assert_exact(model, loss, b, method="bk", max_grad_norm=0.1, bk_options={"registry": reg})
+    assert r.routes["1.weight"] == "explicit"

@@ -1063,15 +1063,22 @@ def test_finalize_refuses_a_sum_clipped_by_another_step():
 
 
 def test_a_mask_with_padding_and_no_expected_batch_size_warns_about_the_divisor():
-    """Without expected_batch_size the divisor is the batch's size, padding rows included: said once
-    (review, round 37: a padded last batch had its mean scaled by real/padded, silently)."""
+    """Without expected_batch_size a noised step divides by the batch's size, padding rows included:
+    said once (review, round 37: a padded last batch had its mean scaled by real/padded, silently);
+    not for check_sensitivity's own masks (`pdpsgd check` printed it for batches without padding),
+    after which it stays armed for the user's batches; not at σ = 0."""
+    from pdpsgd.testing import check_sensitivity
+
     torch.manual_seed(0)
     m = mlp()
     b = {"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))}
     params = pdpsgd.trainable_params(m)
-    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0)
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0)
+    pad = torch.tensor([True, False, False, False])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step(params, b)
+        check_sensitivity(step, params, b)
+        pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0)(params, b, pad)
     with pytest.warns(UserWarning, match="padding rows"):
-        step(params, b, torch.tensor([True, False, False, False]))
+        step(params, b, pad)

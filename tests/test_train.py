@@ -847,6 +847,8 @@ def test_a_trainer_that_released_steps_refuses_another_runs_state():
         b.step()
     with pytest.raises(ValueError, match="another run"):
         a.load_state_dict(b.state_dict())
+    with pytest.raises(ValueError, match="another run"):  # (a state without a run id: before round 37, unknown)
+        a.load_state_dict({k: v for k, v in b.state_dict().items() if k != "run_id"})
     assert a.released == 2 and a.accountant.num_steps == 2
     fresh, *_ = _mlp_setup(epochs=2)
     assert fresh.load_state_dict(b.state_dict()) is not None  # (a fresh trainer released nothing: no ledger, re-seeded)

@@ -16,6 +16,7 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor, nn
 
+from .._warn import warn
 from .base import Explicit, Rule, Use, first_input, transformers_own_class
 
 
@@ -54,15 +55,30 @@ def is_custom_rmsnorm(module: nn.Module) -> bool:
     verified against the output; a user's own class takes the exact fallback, or a rule registered
     for it.)"""
     w = getattr(module, "weight", None)
-    name = type(module).__name__
-    return (
+    cls = type(module)
+    name = cls.__name__
+    shaped = (
         ("RMSNorm" in name or name.endswith("T5LayerNorm"))
-        and transformers_own_class(type(module))
         and isinstance(w, Tensor)
         and w.dim() == 1
         and set(module._parameters) <= {"weight"}
         and isinstance(getattr(module, "variance_epsilon", getattr(module, "eps", None)), float)
     )
+    if not shaped:
+        return False
+    if transformers_own_class(cls):
+        return True
+    if cls not in _DECLINED:  # (once per class: e.g. a trust_remote_code model's, whose module is transformers_modules.*)
+        _DECLINED.add(cls)
+        warn(f"{cls.__module__}.{name} looks like an RMS norm but is not a class of transformers' own, so its "
+             "weight takes the exact per-example fallback (slower): a value check cannot tell whether its forward "
+             "stops the gradient somewhere (review, round 37). If its forward is w ⊙ x̂ (LLaMA / T5) or (1 + w) ⊙ x̂ "
+             "(Gemma), register the rule for it: reg = pdpsgd.rules.default_registry().copy(); reg.register("
+             f"{name}, pdpsgd.rules.rmsnorm.CustomRMSNormRule()); make_dp_step(..., bk_options={{'registry': reg}})")
+    return False
+
+
+_DECLINED: set = set()
 
 
 class CustomRMSNormRule(Rule):
