@@ -98,7 +98,13 @@ def file_lock(path: os.PathLike) -> Iterator[None]:
     Path(path).parent.mkdir(parents=True, exist_ok=True)  # (as the atomic writes do)
     fd = os.open(f"{os.fspath(path)}.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as err:  # (a file system without flock, e.g. some network mounts: the check runs unlocked)
+            from ._warn import warn
+
+            warn(f"could not lock {path}.lock ({err.strerror or err}): the ledger's check and write run unlocked, "
+                 "so two processes resumed from one checkpoint at the same moment are not kept apart")
         yield
     finally:
         os.close(fd)  # (releases the lock)
