@@ -913,6 +913,25 @@ KAPPA_MAX_PER_T = 16
 # summation order). Ordinary examples (κ ≤ 1.3·n) get ~5·u·n relative: 2e-5 of a norm at n = 128
 # in float32, 4e-14 in float64 (inside the oracle tests' 1e-9).
 ROUNDING_ALLOWANCE = 4.0
+# Review, round 37: structured inputs (rows of one constant value) round one-sided in the Gram dot
+# products, ~100·u relative at p = 4096-16384 in float32, which κ then multiplies: a contribution
+# 0.03-0.4 % over C in float32 just under the threshold, and 2.4 % in float64, whose threshold lets κ
+# reach 2²⁹·16·n. In float64 the allowance is now a proof for any summation order, at no cost to
+# ordinary examples (~1e-10 relative): a Gram entry ⟨x, y⟩ of length P is off by at most γ_P·‖x‖‖y‖,
+# so S = Σ_ts A_ts B_ts is off by at most (γ_P0 + γ_P1 + γ_P0·γ_P1)·b² from the Grams, γ_n·b² from its
+# sum of n = (Σ_u T_u)² products and u·b² from the products themselves, and b, from the Gram
+# diagonals, is low by at most ((P0 + P1)/2 + Σ_u T_u + 2)·u relative: RIGOROUS_ALLOWANCE(P0 + P1, ΣT)
+# (``_rigorous_allowance``) covers all of it, and the cap at b² is raised by b's own error. In float32
+# the same proof costs ordinary examples ~(2(P0 + P1) + T²)·u·κ relative (1-7 % of the squared norm at
+# T = 128-512), so float32 keeps the empirical allowance, whose margin the structured inputs above
+# exceed by up to ~0.4 % of C: a limit left open (float64 Grams for float32 models, or the proof's
+# allowance for the few examples whose κ is large, would close it).
+
+
+def _rigorous_allowance(dims: int, rows: int) -> Tuple[float, float]:
+    """(the squared norm's allowance, the cap's) in units of u·b² for Grams over ``dims`` = P0 + P1
+    coordinates and ``rows`` = Σ_u T_u rows (float64; see above)."""
+    return float(2 * dims + rows * rows + 2 * rows + 16), float(dims + 2 * rows + 8)
 
 
 class _Guard:
@@ -941,23 +960,30 @@ class _Guard:
         slack = None
         if sl:
             slack = sl[0] if len(sl) == 1 else torch.stack(sl).sqrt().sum(0) ** 2
+        dims = max((_factor_dims(u) for u in uses), default=0)
+        rows = sum(int(getattr(u, "T", 1)) for u in uses)
         self.groups.setdefault((tot.dtype, tot.device, "per example" if per_example else T), []).append(
-            (n, tot, b, T if per_example else None, slack))
+            (n, tot, b, T if per_example else None, slack, _rigorous_allowance(dims, rows)))
 
     def done(self, sq: Dict[str, Tensor]) -> None:
         for (_, _, T), items in self.groups.items():
             # a sum of squares; rounding may dip below 0 only when ~0
-            S = torch.stack([t for _, t, _, _, _ in items], 1).clamp_min_(0)  # m x (B,) -> (B, m)
+            S = torch.stack([it[1] for it in items], 1).clamp_min_(0)  # m x (B,) -> (B, m)
             if T:  # T = 0: no bounds (a use without one): the norms as they are
-                b = torch.stack([b for _, _, b, _, _ in items], 1)
+                b = torch.stack([it[2] for it in items], 1)
                 b2 = b * b
                 if T == "per example":
                     # counts (int64, ≤ T: exact in float32), stacked first: one conversion, not one per parameter
-                    T = torch.stack([t.to(S.device) for _, _, _, t, _ in items], 1).to(S.dtype).clamp_min_(1)  # (B, m)
+                    T = torch.stack([it[3].to(S.device) for it in items], 1).to(S.dtype).clamp_min_(1)  # (B, m)
                 u = torch.finfo(S.dtype).eps / 2
                 kmax = KAPPA_MAX_PER_T * max(1.0, 2.0 ** -24 / u)  # float64: 2²⁹·16 (its rounding is 2⁻²⁹ float32's)
-                S = torch.where(S * (kmax * T) < b2, b2, torch.minimum(S + (ROUNDING_ALLOWANCE * u) * b2, b2))
-            if any(it[4] is not None for it in items):
+                if S.dtype == torch.float64:  # the proof's allowance (see RIGOROUS_ALLOWANCE above)
+                    k = torch.tensor([it[5] for it in items], dtype=S.dtype, device=S.device)  # (m, 2)
+                    allow, cap = (k[:, 0] * u) * b2, b2 * (1 + k[:, 1] * u)
+                else:
+                    allow, cap = (ROUNDING_ALLOWANCE * u) * b2, b2
+                S = torch.where(S * (kmax * T) < b2, cap, torch.minimum(S + allow, cap))
+            if any(it[4] is not None for it in items):  # (it: name, S, b, T, slack, allowances)
                 # + what underflow can have taken (float64; a sum beyond S's range becomes inf: the example
                 # is then dropped as non-finite)
                 zero = torch.zeros(S.shape[0], dtype=torch.float64, device=S.device)
@@ -966,6 +992,15 @@ class _Guard:
             for j, item in enumerate(items):
                 sq[item[0]] = S[:, j]
         self.groups.clear()
+
+
+def _factor_dims(u: Use) -> int:
+    """P0 + P1: the lengths of the dot products in a use's two Grams (an Index use's id Gram is exact)."""
+    if isinstance(u, Dense):
+        return int(u.L.shape[-1]) + (int(u.R.shape[-1]) if u.R is not None else 0)
+    if isinstance(u, Index):
+        return int(u.R.shape[-1])
+    return 0
 
 
 def _zero_rows(x: Tensor, keep: Tensor) -> Tensor:

@@ -4489,3 +4489,39 @@ def test_a_ruled_layer_called_under_vmap_inside_the_forward_falls_back():
         assert rep.routes["l.weight"] == "vmap" and rep.routes["h.weight"] in ("ghost", "explicit"), rep.routes
         step = make_dp_step(m, loss, max_grad_norm=0.3, noise_multiplier=0.0, method=method)
         assert "torch.func transform" in step.fallback_reasons(b)["l.weight"]
+
+
+@pytest.mark.parametrize("T,p", [(64, 4096), (2, 16384)])
+def test_float64_ghost_norm_of_structured_cancelling_rows_never_understates(T, p):
+    """Review, round 37: rows of one constant value round one-sided in the Gram dot products, and κ
+    just under float64's threshold (2²⁹·16·n) multiplied it: a contribution 2.4 % over C with the
+    ghost route. The float64 allowance is now a bound for any summation order: every example's
+    contribution stays within C."""
+    import math
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(p, 1, bias=False)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    B, C = 8, 1e-3
+    model = M().double()
+    loss = lambda m, b: m(b["x"]).sum((1, 2))
+    step = make_dp_step(model, loss, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=1.0, method="auto",
+                        bk_options={"routes": {"lin.weight": "ghost"}})
+    params = trainable_params(model)
+    step.clipped_sum(params, {"x": torch.randn(B, T, p, dtype=torch.float64)})  # (the shape's checks, on plain data)
+    g = torch.Generator().manual_seed(1)
+    k = math.sqrt(16 * 2 ** 29 * T)
+    rmax = (k - 1) / (k + 1)
+    r = rmax - (0.01 + 0.2 * torch.rand(B, generator=g, dtype=torch.float64)) * (1 - rmax)
+    base = 1 + torch.randint(1, 2 ** 12, (B,), generator=g).double() * 2 ** -49
+    x = base.view(B, 1, 1).expand(B, T, p).clone()
+    x[:, T // 2:] *= -r.view(B, 1, 1)
+    out = step.clipped_sum(params, {"x": x})
+    assert out.routes["lin.weight"] == "ghost"
+    exact = torch.tensor([math.sqrt(p) * abs(math.fsum(x[i, :, 0].tolist())) for i in range(B)], dtype=torch.float64)
+    assert bool((out.per_sample_norms >= exact).all()), (exact / out.per_sample_norms).max()
