@@ -3207,8 +3207,12 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
         if raise_failed:
             raise _CheckRunFailed() from err
         # (not memoised: a batch whose loss fails, a corrupt label say, must not decide later ones)
+        msg = str(err)
+        hint = ("; the check runs the batch in another order, which pack_padded_sequence(enforce_sorted=True) "
+                "refuses: pass enforce_sorted=False (the same result, sorted inside)") \
+            if "must be sorted" in msg else ""  # (review, round 37: the reason was buried in torch's text)
         return ({n: ("the example-order check (eval-mode forward) failed: "
-                    f"{type(err).__name__}: {str(err)[:120]}; bk_options={{'check_order': False}} skips it")
+                    f"{type(err).__name__}: {msg[:120]}{hint}; bk_options={{'check_order': False}} skips it")
                 for n in params}, set(), set()), None
 
     def differ(x: Tensor, y: Tensor, n: str) -> Tensor:  # per example, beyond rounding

@@ -761,14 +761,19 @@ def preserve_module_state(model: nn.Module) -> Iterator[None]:
     train a different, untied model. This puts back whatever it left behind; and each
     ``nn.RNNBase``'s cached ``_flat_weights`` list, which a forward with substituted weights leaves
     holding them (review, round 35: vmap's functorch wrappers, or the capture's detached copies,
-    stayed there after the step, kept alive, and were what ``deepcopy``/``replicate`` saw)."""
+    stayed there after the step, kept alive, and were what ``deepcopy``/``replicate`` saw), and its
+    weights kept as plain attributes rather than parameters, as they were before the block."""
     rnns = []
     for name, m in model.named_modules():
         if isinstance(m, torch.jit.ScriptModule):
             raise TypeError(f"{name or 'the model'} is a TorchScript module ({type(m).__name__}), which the DP step "
                             "cannot run functionally; pass the eager nn.Module (before torch.jit.script)")
         if isinstance(m, nn.RNNBase) and hasattr(m, "_init_flat_weights"):
-            rnns.append(m)
+            # weights kept as plain attributes (AWD-LSTM's WeightDrop sets them in its forward): what
+            # the forward set them to is the step's substitute (review, round 37: a functorch wrapper
+            # stayed after an eval-mode step, and deepcopy failed)
+            plain = {n: m.__dict__[n] for n in getattr(m, "_flat_weights_names", ()) if n in m.__dict__}
+            rnns.append((m, plain))
     saved = [(d, k, v) for m in model.modules() for d in (m._parameters, m._buffers) for k, v in d.items()]
     try:
         yield
@@ -778,5 +783,6 @@ def preserve_module_state(model: nn.Module) -> Iterator[None]:
                 d[k] = v
         if rnns:
             with torch.no_grad():
-                for m in rnns:
+                for m, plain in rnns:
+                    m.__dict__.update(plain)
                     m._init_flat_weights()

@@ -1,6 +1,7 @@
 """BK rule for nn.LSTM / nn.GRU / nn.RNN (pdpsgd/rules/rnn.py): exact against the naive float64 oracle."""
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -279,3 +280,73 @@ def test_packed_with_computed_initial_state_exact(kind):
     torch.manual_seed(3)
     r = assert_exact(PackedWithComputedState(kind), loss, _padded_batch(5, 6, 1), method="bk", max_grad_norm=0.05)
     assert "vmap" not in r.routes.values()  # every parameter by a rule, init.* through dh0/dc0
+
+
+def test_enforce_sorted_packing_says_how_to_fix_the_order_check():
+    """pack_padded_sequence(enforce_sorted=True) (torch's default) on a length-sorted batch: the
+    example-order check runs the batch in another order, which torch refuses, and every parameter
+    then needs the fallback, which cannot run packed input. The error says to pass
+    enforce_sorted=False (review, round 37: the reason was buried in torch's text)."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.r, self.out = nn.Embedding(20, 3, padding_idx=0), nn.LSTM(3, 3, batch_first=True), nn.Linear(3, 3)
+
+        def forward(self, x):
+            _, (h, _) = self.r(pack_padded_sequence(self.emb(x), (x != 0).sum(1), batch_first=True))
+            return self.out(h[-1])
+
+    torch.manual_seed(0)
+    x = torch.randint(1, 20, (4, 5))
+    x[torch.arange(5)[None] >= torch.tensor([5, 4, 2, 1])[:, None]] = 0
+    b = {"x": x, "y": torch.tensor([0, 1, 2, 0])}
+    m = M()
+    loss = lambda mod, bb: F.cross_entropy(mod(bb["x"]), bb["y"], reduction="none")
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    with pytest.raises(RuntimeError, match="runs the batch in another order.*enforce_sorted=False"):
+        step.clipped_sum(pdpsgd.trainable_params(m), b)
+
+
+def test_an_rnn_weight_kept_as_a_plain_attribute_is_put_back_after_the_step():
+    """AWD-LSTM's WeightDrop keeps a recurrent weight as a plain attribute it sets in each forward:
+    after a step the attribute is what it was before, not the step's substitute (review, round 37:
+    a functorch wrapper stayed after an eval-mode step, and deepcopy failed)."""
+    import copy
+
+    class WeightDrop(nn.Module):
+        def __init__(self, module, weights, dropout):
+            super().__init__()
+            self.module, self.weights, self.dropout = module, weights, dropout
+            for n in weights:
+                w = getattr(module, n)
+                del module._parameters[n]
+                module.register_parameter(n + "_raw", nn.Parameter(w.data))
+                setattr(module, n, w.data.clone())
+
+        def forward(self, *args):
+            for n in self.weights:
+                setattr(self.module, n, F.dropout(getattr(self.module, n + "_raw"), p=self.dropout, training=self.training))
+            return self.module.forward(*args)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(20, 3)
+            self.r = WeightDrop(nn.LSTM(3, 3, batch_first=True), ["weight_hh_l0"], 0.3)
+            self.out = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.out(self.r(self.emb(x))[0].mean(1))
+
+    torch.manual_seed(0)
+    b = {"x": torch.randint(0, 20, (3, 4)), "y": torch.tensor([0, 1, 2])}
+    m = M().eval()
+    before = m.r.module.weight_hh_l0
+    loss = lambda mod, bb: F.cross_entropy(mod(bb["x"]), bb["y"], reduction="none")
+    for method in ("bk", "vmap"):
+        pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method=method).clipped_sum(
+            pdpsgd.trainable_params(m), b)
+        assert m.r.module.weight_hh_l0 is before
+        copy.deepcopy(m)
