@@ -1934,7 +1934,7 @@ def _probe_custom_forward(rule: Rule, module: nn.Module, *args, **kwargs):
     """A custom-forward rule's forward in the batch-dimension probe: its output (the layer's own
     forward where the rule declines the call)."""
     res = rule.forward(module, args, kwargs)
-    return type(module).forward(module, *args, **kwargs) if res is None else res[0]
+    return type(module).forward(module, *args, **kwargs) if res is None or isinstance(res, str) else res[0]
 
 
 def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
@@ -2082,10 +2082,11 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                     output = inner(*args, **kwargs)
                 else:
                     res = rule.forward(module, args, kwargs)
-                    if res is None:  # the rule declines this call: original forward, exact fallback
+                    if res is None or isinstance(res, str):  # declined (a str: why): original forward, exact fallback
                         mname, _, local = ruled[module]
+                        why = f": {res}" if res else ""
                         for c in local.values():
-                            fallback.setdefault(c, f"{rule.name} rule declined a call of {mname or '<root>'}")
+                            fallback.setdefault(c, f"{rule.name} rule declined a call of {mname or '<root>'}{why}")
                         pending.setdefault(module, []).append(None)
                         output = inner(*args, **kwargs)
                     else:

@@ -350,3 +350,25 @@ def test_an_rnn_weight_kept_as_a_plain_attribute_is_put_back_after_the_step():
             pdpsgd.trainable_params(m), b)
         assert m.r.module.weight_hh_l0 is before
         copy.deepcopy(m)
+
+
+def test_a_declined_rnn_call_says_why():
+    """The RNN rule's reason for declining a call reaches fallback_reasons (review, round 37: only
+    "rnn rule declined a call of r" was said; a packed multi-layer LSTM with dropout in training
+    mode cannot run on the rules, nor under the fallback)."""
+    torch.manual_seed(0)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.r, self.out = nn.LSTM(3, 4, num_layers=2, dropout=0.3, batch_first=True), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.out(self.r(x)[0].mean(1))
+
+    m = M().train()
+    b = {"x": torch.randn(3, 5, 3), "y": torch.tensor([0, 1, 0])}
+    loss = lambda mod, bb: F.cross_entropy(mod(bb["x"]), bb["y"], reduction="none")
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    reasons = step.fallback_reasons(b)
+    assert any("inter-layer dropout in training mode" in v for k, v in reasons.items() if k.startswith("r.")), reasons

@@ -122,7 +122,7 @@ class Rule:
     name = "rule"
     # A rule whose layer hides the activations it needs (e.g. an LSTM's gates) sets this and
     # implements ``forward(module, args, kwargs) -> (output, capture) | None`` (run instead of the
-    # layer's forward while the engine captures; None declines the call) and
+    # layer's forward while the engine captures; None, or a str saying why, declines the call) and
     # ``custom_uses(module, capture, grads, batch_size)``, where ``capture.targets`` are the tensors
     # whose gradients the engine passes back as ``grads`` (None where one does not reach the loss).
     custom_forward = False

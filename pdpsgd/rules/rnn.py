@@ -171,30 +171,33 @@ class RNNRule(Rule):
         return None
 
     def forward(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
-        """(output as the module returns it, RNNCapture), or None to decline this call."""
+        """(output as the module returns it, RNNCapture), or why it declines this call (a str)."""
         x = args[0] if args else kwargs.get("input")
         hx = args[1] if len(args) > 1 else kwargs.get("hx")
         if module.dropout > 0 and module.training and module.num_layers > 1:
-            return None  # inter-layer dropout: leave it to the exact fallback
+            # (review, round 37: the reason was not said; the fallback cannot run packed input either)
+            return ("inter-layer dropout in training mode (num_layers > 1, dropout > 0) has no rule: the exact "
+                    "fallback runs it, which cannot take packed input; set dropout=0, stack one-layer RNNs with "
+                    "nn.Dropout between them, or pad the sequences")
         mode, H, L = module.mode, module.hidden_size, module.num_layers
         D = 2 if module.bidirectional else 1
         packed = isinstance(x, PackedSequence)
         mask = None
         if packed:
             if x.data.dim() != 2:
-                return None
+                return "packed input whose data is not 2-d"
             xb, mask = _unpack(x)  # (B, T, F) sorted by length, (B, T)
         elif isinstance(x, Tensor) and x.dim() == 3:
             xb = x if module.batch_first else x.transpose(0, 1)  # (B, T, F)
         else:
-            return None  # unbatched input
+            return "unbatched (2-d) input: the rule reads a batch"
         B, T = xb.shape[0], xb.shape[1]
         if hx is None:
             z = torch.zeros(L * D, B, H, dtype=xb.dtype, device=xb.device)
             hx = (z, z) if mode == "LSTM" else z
         h0s = hx if mode == "LSTM" else (hx,)  # each (L·D, B, H)
         if any(not isinstance(h, Tensor) or h.dim() != 3 or h.shape[1] != B for h in h0s):
-            return None
+            return "an initial state that is not (layers·directions, B, hidden)"
         if packed and x.sorted_indices is not None:
             h0s = tuple(h.index_select(1, x.sorted_indices) for h in h0s)  # as nn.RNNBase.permute_hidden
         targets: List[Tensor] = []
