@@ -916,12 +916,16 @@ ROUNDING_ALLOWANCE = 4.0
 # Review, round 37: structured inputs (rows of one constant value) round one-sided in the Gram dot
 # products, ~100·u relative at p = 4096-16384 in float32, which κ then multiplies: a contribution
 # 0.03-0.4 % over C in float32 just under the threshold, and 2.4 % in float64, whose threshold lets κ
-# reach 2²⁹·16·n. In float64 the allowance is now a proof for any summation order, at no cost to
-# ordinary examples (~1e-10 relative): a Gram entry ⟨x, y⟩ of length P is off by at most γ_P·‖x‖‖y‖,
-# so S = Σ_ts A_ts B_ts is off by at most (γ_P0 + γ_P1 + γ_P0·γ_P1)·b² from the Grams, γ_n·b² from its
-# sum of n = (Σ_u T_u)² products and u·b² from the products themselves, and b, from the Gram
-# diagonals, is low by at most ((P0 + P1)/2 + Σ_u T_u + 2)·u relative: RIGOROUS_ALLOWANCE(P0 + P1, ΣT)
-# (``_rigorous_allowance``) covers all of it, and the cap at b² is raised by b's own error. In float32
+# reach 2²⁹·16·n. In float64 the allowance now follows a bound, at little cost to ordinary examples
+# (~1e-11-1e-10 of a norm at T = 128-512): a Gram entry ⟨x, y⟩ of length P is off by at most
+# γ_P·‖x‖‖y‖ whatever the summation order (BLAS blocks), so S = Σ_ts A_ts B_ts is off by at most
+# (γ_P0 + γ_P1 + γ_P0·γ_P1)·b² from the Grams and u·b² from the products, plus its own sum of
+# n = (Σ_u T_u)² products, which torch reduces by cascade (pairwise) summation: ~log₂(n)·u·b² (a
+# sequential sum would need n·u·b², T³·u relative: the 1e-9 oracle checks failed at T = 512 with it;
+# review of round 37's diff); and b, from the Gram diagonals, is low by at most ((P0 + P1)/2 + Σ_u T_u
+# + 2)·u relative: ``_rigorous_allowance(P0 + P1, ΣT)`` covers it, and the cap at b² is raised by b's
+# own error. (A norm from a materialised G, an explicit route's whose G is not kept, is a sum of
+# P0·P1 squares, cascade-summed as well.) In float32
 # the same proof costs ordinary examples ~(2(P0 + P1) + T²)·u·κ relative (1-7 % of the squared norm at
 # T = 128-512), so float32 keeps the empirical allowance, whose margin the structured inputs above
 # exceed by up to ~0.4 % of C: a limit left open (float64 Grams for float32 models, or the proof's
@@ -930,8 +934,10 @@ ROUNDING_ALLOWANCE = 4.0
 
 def _rigorous_allowance(dims: int, rows: int) -> Tuple[float, float]:
     """(the squared norm's allowance, the cap's) in units of u·b² for Grams over ``dims`` = P0 + P1
-    coordinates and ``rows`` = Σ_u T_u rows (float64; see above)."""
-    return float(2 * dims + rows * rows + 2 * rows + 16), float(dims + 2 * rows + 8)
+    coordinates and ``rows`` = Σ_u T_u rows (float64; see above: the sum of rows² products and of a
+    materialised G's squares cascade-summed, ~2·log₂ of their count each)."""
+    sums = 2 * (max(1, rows * rows).bit_length() + max(1, dims * dims).bit_length())
+    return float(2 * dims + sums + 2 * rows + 16), float(dims + 2 * rows + 8)
 
 
 class _Guard:

@@ -16,6 +16,7 @@ re-seeded from fresh entropy; the CLI refuses a private checkpoint without its l
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -85,6 +86,9 @@ def atomic_write_text(path: os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+_NO_FLOCK = {getattr(errno, n) for n in ("ENOLCK", "EOPNOTSUPP", "ENOTSUP", "ENOSYS", "EINVAL") if hasattr(errno, n)}
+
+
 @contextlib.contextmanager
 def file_lock(path: os.PathLike) -> Iterator[None]:
     """An exclusive advisory lock (``flock``) on ``<path>.lock`` while the block runs: processes (and
@@ -101,6 +105,8 @@ def file_lock(path: os.PathLike) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as err:  # (a file system without flock, e.g. some network mounts: the check runs unlocked)
+            if err.errno not in _NO_FLOCK:
+                raise
             from ._warn import warn
 
             warn(f"could not lock {path}.lock ({err.strerror or err}): the ledger's check and write run unlocked, "

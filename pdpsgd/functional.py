@@ -772,8 +772,10 @@ def preserve_module_state(model: nn.Module) -> Iterator[None]:
             # weights kept as plain attributes (AWD-LSTM's WeightDrop sets them in its forward): what
             # the forward set them to is the step's substitute (review, round 37: a functorch wrapper
             # stayed after an eval-mode step, and deepcopy failed)
-            plain = {n: m.__dict__[n] for n in getattr(m, "_flat_weights_names", ()) if n in m.__dict__}
-            rnns.append((m, plain))
+            names = getattr(m, "_flat_weights_names", ())
+            plain = {n: m.__dict__[n] for n in names if n in m.__dict__}
+            absent = [n for n in names if n not in m.__dict__ and n not in m._parameters]  # (set by the forward)
+            rnns.append((m, plain, absent))
     saved = [(d, k, v) for m in model.modules() for d in (m._parameters, m._buffers) for k, v in d.items()]
     try:
         yield
@@ -783,6 +785,8 @@ def preserve_module_state(model: nn.Module) -> Iterator[None]:
                 d[k] = v
         if rnns:
             with torch.no_grad():
-                for m, plain in rnns:
+                for m, plain, absent in rnns:
                     m.__dict__.update(plain)
+                    for n in absent:  # (review of round 37's diff: WeightDrop sets it in its first forward only)
+                        m.__dict__.pop(n, None)
                     m._init_flat_weights()

@@ -4491,6 +4491,16 @@ def test_a_ruled_layer_called_under_vmap_inside_the_forward_falls_back():
         assert "torch.func transform" in step.fallback_reasons(b)["l.weight"]
 
 
+def test_float64_ghost_norms_at_long_t_stay_within_the_oracle_checks():
+    """The float64 allowance keeps ordinary ghost norms within the oracle's 1e-9 at T = 512 (review of
+    round 37's diff: a sequential-sum term, T³·u relative, failed it with 8.4e-9)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16, bias=False))
+    b = {"x": torch.randn(2, 512, 16), "w": torch.randn(2, 512, 16)}  # (output gradients of random sign: κ ≈ T)
+    assert_exact(m, lambda mod, bb: (mod(bb["x"]) * bb["w"]).sum((1, 2)), b, method="bk", max_grad_norm=1e6,
+                 bk_options={"routes": {"0.weight": "ghost"}})
+
+
 @pytest.mark.parametrize("T,p", [(64, 4096), (2, 16384)])
 def test_float64_ghost_norm_of_structured_cancelling_rows_never_understates(T, p):
     """Review, round 37: rows of one constant value round one-sided in the Gram dot products, and κ

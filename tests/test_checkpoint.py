@@ -282,3 +282,11 @@ def test_file_lock_where_flock_is_not_supported(tmp_path, monkeypatch):
         with file_lock(tmp_path / "d" / "ledger.json"):
             ran.append(1)
     assert ran == [1] and (tmp_path / "d" / "ledger.json.lock").exists()
+
+    def io_error(fd, op):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(fcntl, "flock", io_error)
+    with pytest.raises(OSError, match="Input/output"):  # (any other failure is raised, not run unlocked)
+        with file_lock(tmp_path / "d" / "ledger.json"):
+            pass
