@@ -867,3 +867,62 @@ def test_data_tensors_must_share_their_first_dimension():
     bad = {"x": data["x"], "y": data["y"][:30]}
     with pytest.raises(ValueError, match="'y' has 30 rows.*'x' 40"):
         DPTrainer(model, tr.loss_fn, bad, optimizer=tr.optimizer, plan=plan, max_grad_norm=1.0, max_physical_batch=4)
+
+
+_TWO_PROCESS_TRAINER = r"""
+import json, os, sys, time
+import torch, torch.nn.functional as F
+from torch import nn
+from pdpsgd.checkpoint import load_checkpoint, save_checkpoint
+from pdpsgd.train import DPTrainer, plan_training
+torch.set_num_threads(1)
+d, role = sys.argv[1], sys.argv[2]
+ledger = os.path.join(d, "ledger.json")
+torch.manual_seed(0)
+data = {"x": torch.randn(40, 5), "y": torch.randint(0, 3, (40,))}
+model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+loss = lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none")
+plan = plan_training(40, batch_size=8, epochs=2, target_epsilon=2.0, delta=1e-5)
+tr = DPTrainer(model, loss, data, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), plan=plan,
+               max_grad_norm=1.0, max_physical_batch=4, ledger_path=ledger)
+if role == "init":
+    for _ in range(3):
+        tr.step()
+    save_checkpoint(os.path.join(d, "c.pt"), {"trainer": tr.state_dict()})
+    sys.exit(0)
+tr.load_state_dict(load_checkpoint(os.path.join(d, "c.pt"))["trainer"], ledger=json.loads(open(ledger).read()))
+open(os.path.join(d, role + ".ready"), "w").close()
+deadline = time.time() + 120
+while not os.path.exists(os.path.join(d, "go")) and time.time() < deadline:
+    time.sleep(0.001)
+try:
+    tr.step()
+    print("released", tr.released)
+except ValueError as e:
+    print("refused", str(e)[:60])
+"""
+
+
+def test_two_processes_resumed_from_one_checkpoint_release_the_step_once(tmp_path):
+    """Across processes (the flock on <ledger>.lock): two processes that load one checkpoint and its
+    ledger, then step at once, release that step once; the other is refused before its update
+    (round 37)."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "run.py"
+    script.write_text(_TWO_PROCESS_TRAINER)
+    run = lambda role: subprocess.Popen([sys.executable, str(script), str(tmp_path), role], stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, text=True)
+    assert run("init").wait(timeout=300) == 0
+    procs = [run("A"), run("B")]
+    deadline = time.time() + 300
+    while not all((tmp_path / f"{r}.ready").exists() for r in "AB") and time.time() < deadline:
+        assert all(p.poll() is None for p in procs), "a trainer process ended before it was ready"
+        time.sleep(0.05)
+    (tmp_path / "go").touch()
+    outs = sorted(p.communicate(timeout=300)[0].strip() for p in procs)
+    assert outs[0].startswith("refused"), outs
+    assert outs[1] == "released 4", outs
+    assert json.loads((tmp_path / "ledger.json").read_text())["steps_released"] == 4
