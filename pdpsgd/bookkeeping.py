@@ -926,8 +926,8 @@ ROUNDING_ALLOWANCE = 4.0
 # + 2)·u relative: ``_rigorous_allowance(P0 + P1, ΣT)`` covers it, and the cap at b² is raised by b's
 # own error. (A norm from a materialised G, an explicit route's whose G is not kept, is a sum of
 # P0·P1 squares, cascade-summed as well.) In float32
-# the same proof costs ordinary examples ~(2(P0 + P1) + T²)·u·κ relative (1-7 % of the squared norm at
-# T = 128-512), so float32 keeps the empirical allowance, whose margin the structured inputs above
+# the same bound costs ordinary examples ~(2(P0 + P1) + 2T)·u·κ relative (κ ≈ n: 2-11 % of the
+# squared norm at T = 128-512 for GPT-2's widths), so float32 keeps the empirical allowance, whose margin the structured inputs above
 # exceed by up to ~0.4 % of C: a limit left open (float64 Grams for float32 models, or the proof's
 # allowance for the few examples whose κ is large, would close it).
 
@@ -966,10 +966,12 @@ class _Guard:
         slack = None
         if sl:
             slack = sl[0] if len(sl) == 1 else torch.stack(sl).sqrt().sum(0) ** 2
-        dims = max((_factor_dims(u) for u in uses), default=0)
-        rows = sum(int(getattr(u, "T", 1)) for u in uses)
+        allow = None  # (float64 only: see ``_rigorous_allowance``)
+        if tot.dtype == torch.float64:
+            allow = _rigorous_allowance(max((_factor_dims(u) for u in uses), default=0),
+                                        sum(int(getattr(u, "T", 1)) for u in uses))
         self.groups.setdefault((tot.dtype, tot.device, "per example" if per_example else T), []).append(
-            (n, tot, b, T if per_example else None, slack, _rigorous_allowance(dims, rows)))
+            (n, tot, b, T if per_example else None, slack, allow))
 
     def done(self, sq: Dict[str, Tensor]) -> None:
         for (_, _, T), items in self.groups.items():
@@ -983,7 +985,7 @@ class _Guard:
                     T = torch.stack([it[3].to(S.device) for it in items], 1).to(S.dtype).clamp_min_(1)  # (B, m)
                 u = torch.finfo(S.dtype).eps / 2
                 kmax = KAPPA_MAX_PER_T * max(1.0, 2.0 ** -24 / u)  # float64: 2²⁹·16 (its rounding is 2⁻²⁹ float32's)
-                if S.dtype == torch.float64:  # the proof's allowance (see RIGOROUS_ALLOWANCE above)
+                if S.dtype == torch.float64:  # the bound's allowance (``_rigorous_allowance``)
                     k = torch.tensor([it[5] for it in items], dtype=S.dtype, device=S.device)  # (m, 2)
                     allow, cap = (k[:, 0] * u) * b2, b2 * (1 + k[:, 1] * u)
                 else:
@@ -1103,9 +1105,6 @@ def _weighted_use_sum(u: Use, w: Tensor, keep: Optional[Tensor], shape: torch.Si
 # ------------------------------------------------------------------------------------------------
 
 
-_PLAIN = (int, float, bool, str, type(None))
-
-
 def _plain(v: Any, depth: int = 0) -> Any:
     """``v`` if it is a plain value (a number, numpy's included, a string, None, or a tuple / list of
     them, torch.Size and named tuples included), else a marker."""
@@ -1117,7 +1116,7 @@ def _plain(v: Any, depth: int = 0) -> Any:
 
 
 _NOT_PLAIN = object()
-_PLAIN_TYPES = frozenset(_PLAIN)
+_PLAIN_TYPES = frozenset({int, float, bool, str, type(None)})  # (the common case, by exact type)
 _SKIP_TYPES = frozenset({dict, collections.OrderedDict, set})  # (a module's own tables: parameters, hooks, ...)
 
 

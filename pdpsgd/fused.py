@@ -103,6 +103,7 @@ def noise_chunk(gdev: torch.device) -> Optional[int]:
 
 
 RNGS = ("auto", "torch", "mkl", "native", "numpy")
+CPU_RNGS = ("mkl", "native", "numpy")  # the sources keyed from a CPU generator, drawing on the CPU
 
 # torch's CPU ``normal_`` is Box–Muller on the generator's own mt19937 words, and mt19937 is linear
 # over GF(2): every coordinate released as noise alone (an embedding row no example of the batch
@@ -152,12 +153,7 @@ class NumpyStream:
     def fill_(self, out: Tensor, std: float) -> Tensor:
         if out.device.type != "cpu":
             raise ValueError("noise_rng='numpy' draws on the CPU")
-        flat = out.view(-1)
-        for a in range(0, flat.numel(), WIDE_PIECE):
-            part = flat[a:a + WIDE_PIECE]
-            z = torch.from_numpy(self._gen.standard_normal(part.numel()))  # float64
-            part.copy_(z.mul_(std))
-        return out
+        return _fill_wide(out, lambda n: torch.from_numpy(self._gen.standard_normal(n)).mul_(std))
 
     def close(self) -> None:
         pass
@@ -201,14 +197,28 @@ def _open(rng: str, generator: Optional[torch.Generator]):
 WIDE_PIECE = 1 << 22
 
 
-def _wide_normal_(buf: Tensor, std: float, generator: Optional[torch.Generator]) -> Tensor:
-    if buf.dtype == torch.float64:
-        return buf.normal_(0.0, std, generator=generator)
+def _fill_wide(buf: Tensor, draw) -> Tensor:
+    """``buf`` filled with ``draw(n)`` (n float64 normals) piece by piece, cast to its dtype."""
     flat = buf.view(-1)
     for a in range(0, flat.numel(), WIDE_PIECE):
         part = flat[a:a + WIDE_PIECE]
-        part.copy_(torch.empty(part.shape, dtype=torch.float64, device=buf.device).normal_(0.0, std, generator=generator))
+        part.copy_(draw(part.numel()))
     return buf
+
+
+def _wide_normal_(buf: Tensor, std: float, generator: Optional[torch.Generator]) -> Tensor:
+    if buf.dtype == torch.float64:
+        return buf.normal_(0.0, std, generator=generator)
+    return _fill_wide(buf, lambda n: torch.empty(n, dtype=torch.float64, device=buf.device).normal_(
+        0.0, std, generator=generator))
+
+
+def _keyed(generator: Optional[torch.Generator], rng: str, device: torch.device) -> torch.Generator:
+    """``generator``, or (None) a fresh one keyed from OS entropy: never torch's global generator, whose
+    seed keeps 32 bits (review, round 37); on the CPU for the CPU sources."""
+    if generator is not None:
+        return generator
+    return entropy_generator(torch.device("cpu") if rng in CPU_RNGS else device)
 
 
 def draw_noise(shapes: Mapping[str, torch.Size], generator: Optional[torch.Generator], dtype: torch.dtype,
@@ -219,8 +229,7 @@ def draw_noise(shapes: Mapping[str, torch.Size], generator: Optional[torch.Gener
     Its default is the step's, "auto" (round 37: "torch", whose CPU stream the released noise gives
     back; ``DPStep.noise_source`` says which). ``generator=None``: a fresh one keyed from OS entropy
     (not torch's global generator)."""
-    if generator is None:  # (never torch's global generator: its seed is 32 bits; review, round 37)
-        generator = entropy_generator(torch.device("cpu") if rng in ("mkl", "native", "numpy") else device)
+    generator = _keyed(generator, rng, device)
     gdev = generator.device
     _check_rng(rng, gdev)
     rng = resolve_rng(rng, gdev, dtype)
@@ -283,8 +292,7 @@ def noise_and_scale(
         return {n: (s * inv).to(dtypes[n]) for n, s in sums.items()}
     ndt = max(acc.values(), key=lambda d: torch.finfo(d).bits)
     zstd = float(std) * inv  # the noise is drawn already divided by denom
-    if generator is None:  # (a fresh keyed one, not torch's global generator: its seed is 32 bits; review, round 37)
-        generator = entropy_generator(torch.device("cpu") if rng in ("mkl", "native", "numpy") else first.device)
+    generator = _keyed(generator, rng, first.device)
     gdev = generator.device
     _check_rng(rng, gdev)
     rng = resolve_rng(rng, gdev, ndt)

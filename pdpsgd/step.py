@@ -21,7 +21,7 @@ from .clipping import MIN_THRESHOLD, Clipping, make_groups, make_weights_fn, sum
 from .functional import (LossModule, ParamIndex, _spectral_norms, advance_spectral_norms, check_no_batch_mixing,
                          model_constants, model_structure, no_rope_mixing, no_writes_to, spectral_norms_held,
                          trainable_params)
-from .fused import RNGS, TORCH_CPU_WARNING, noise_and_scale, resolve_rng
+from .fused import CPU_RNGS, RNGS, TORCH_CPU_WARNING, noise_and_scale, resolve_rng
 from .noise import entropy_generator
 from .per_sample import acc_dtype, batch_chunks, batch_size, vmap_engine
 
@@ -236,12 +236,6 @@ class DPStep:
             else:
                 from . import native_rng as lib
             lib.require()  # a clear error now (and the native build done), not at the first step
-            if generator is not None and generator.device.type != "cpu":
-                raise ValueError(f"noise_rng={noise_rng!r} draws on the CPU: pass a CPU torch.Generator (its draws "
-                                 "key the stream), or use noise_rng='torch'")
-        elif noise_rng == "numpy" and generator is not None and generator.device.type != "cpu":
-            raise ValueError("noise_rng='numpy' draws on the CPU: pass a CPU torch.Generator (its draws key the "
-                             "stream), or use noise_rng='torch'")
         elif noise_rng == "auto" and float(noise_multiplier) > 0 and (generator is None or generator.device.type == "cpu"):
             from . import native_rng
 
@@ -251,6 +245,9 @@ class DPStep:
                      "so the noise is drawn from numpy's Philox, keyed per step as the kernel is (float64 normals: "
                      "the same distribution, another stream, ~5x the kernel's time on the CPU); a C compiler "
                      "($CC or cc) enables it")
+        if noise_rng in CPU_RNGS and generator is not None and generator.device.type != "cpu":
+            raise ValueError(f"noise_rng={noise_rng!r} draws on the CPU: pass a CPU torch.Generator (its draws key "
+                             "the stream), or use noise_rng='torch'")
         if noise_rng == "torch" and float(noise_multiplier) > 0:
             gdev = generator.device if generator is not None else next(
                 (p.device for p in model.parameters()), torch.device("cpu"))
@@ -326,7 +323,7 @@ class DPStep:
         sources ("mkl", "native", "numpy") are keyed from a CPU generator."""
         if self.generator is not None:
             return self.generator.device
-        on_cpu = device.type == "cpu" or self.noise_rng in ("mkl", "native", "numpy")
+        on_cpu = device.type == "cpu" or self.noise_rng in CPU_RNGS
         return torch.device("cpu") if on_cpu else device
 
     def _generator(self, device: torch.device) -> torch.Generator:

@@ -201,9 +201,8 @@ class DPTrainer:
         n = next(iter(sizes.values()))
         for k, m in sizes.items():  # (review, round 37: N was the first tensor's, the others unchecked)
             if m != n:
-                first = next(iter(sizes))
-                raise ValueError(f"data[{k!r}] has {m} rows but data[{first!r}] {n}: every tensor of data holds "
-                                 f"one row per example ('{k}' has {m} rows, '{first}' {n})")
+                raise ValueError(f"every tensor of data holds one row per example: '{k}' has {m} rows, "
+                                 f"'{next(iter(sizes))}' {n}")
         if n != plan.num_examples:
             raise ValueError(f"data has {n} examples, the plan {plan.num_examples}")
         self.model, self.loss_fn, self.data = model, loss_fn, data
@@ -551,7 +550,8 @@ class DPTrainer:
             raise ValueError(f"this trainer released {self.released} step(s) of its own run, and the state is of "
                              "another run: its count would leave them out (they spent ε on the same data). Load it "
                              "into a fresh trainer, and count both runs' ε")
-        before = (self.accountant.state_dict(), self.released)  # (put back as a pair if the load fails)
+        # (put back as a pair if the load fails)
+        before = (live["accountant"] if live is not None else self.accountant.state_dict(), self.released)
         try:
             out = self._load_state_dict(state, ledger, live)
             if hasattr(self.telemetry, "load_state_dict") and state.get("telemetry"):
