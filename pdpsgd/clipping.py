@@ -8,12 +8,13 @@ has L2 sensitivity C under adding or removing one example, whatever the grouping
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["ClipGroups", "make_groups", "clip_factor", "make_weights_fn", "sum_sq_norms"]
+__all__ = ["ClipGroups", "as_spec", "make_groups", "clip_factor", "make_weights_fn", "sum_sq_norms"]
 
 Clipping = Union[str, Mapping[str, Sequence[str]], Sequence[Sequence[str]]]
 
@@ -23,12 +24,35 @@ class ClipGroups(NamedTuple):
     thresholds: List[float]  # C_k per group; sqrt(Σ C_k²) == max_grad_norm
 
 
+def as_spec(clipping: Clipping) -> Clipping:
+    """A clipping spec read once into plain containers: a string as is, a dict as a dict of name
+    lists, any other iterable (a generator included: it is read here, once, not at each step) as a
+    list of name lists. A flat list of names is refused: it reads as one group and as one group per
+    name (review, round 38: it was taken as per-name groups, i.e. per-layer clipping)."""
+    if isinstance(clipping, str):
+        return clipping
+    if isinstance(clipping, Mapping):
+        return {k: ([g] if isinstance(g, str) else list(g)) for k, g in clipping.items()}
+    try:
+        groups = list(clipping)
+    except TypeError:
+        raise TypeError(f"clipping must be 'flat', 'per_layer', a dict group -> parameter names or a list of name "
+                        f"lists, got {type(clipping).__name__}") from None
+    if len(groups) > 1 and all(isinstance(g, str) for g in groups):
+        raise ValueError(
+            f"clipping={groups[:3]}{'...' if len(groups) > 3 else ''} is a flat list of parameter names: give a list "
+            "of groups (wrap it in a list, [names], for one group; clipping='flat' for all parameters), or "
+            "clipping='per_layer' for one group per tensor")
+    return [[g] if isinstance(g, str) else list(g) for g in groups]
+
+
 def make_groups(
     param_names: Sequence[str],
     clipping: Clipping,
     max_grad_norm: float,
     *,
     budget: Optional[Sequence[float]] = None,
+    complete: bool = True,
 ) -> ClipGroups:
     """Split ``param_names`` into clipping groups and share the budget C between them.
 
@@ -36,6 +60,8 @@ def make_groups(
     Opacus), or user groups: a dict group -> names or a list of name lists (every trainable
     parameter in exactly one group). ``budget``: relative weights w_k (default equal); group k
     gets C_k = C * sqrt(w_k / Σ w), so Σ_k C_k² = C² and the step's sensitivity stays C.
+    ``complete=False`` skips the check that every name of ``param_names`` is in a group (a spec
+    checked against all of a model's parameters before the step's are known).
     """
     names = list(param_names)
     if isinstance(clipping, str):
@@ -48,19 +74,22 @@ def make_groups(
                 f"clipping={clipping!r} is unknown: use 'flat', 'per_layer', or a dict of parameter groups"
             )
     else:
-        groups = [list(g) for g in (clipping.values() if isinstance(clipping, Mapping) else clipping)]
+        spec = as_spec(clipping)
+        groups = list(spec.values()) if isinstance(spec, Mapping) else spec
+        known = set(names)
         seen: Dict[str, int] = {}
         for k, g in enumerate(groups):
             if not g:
                 raise ValueError(f"clipping group {k} is empty")
             for n in g:
-                if n not in names:
+                if n not in known:
                     raise ValueError(f"clipping group {k} names {n!r}, which is not a trained parameter")
                 if n in seen:
-                    raise ValueError(f"parameter {n!r} is in clipping groups {seen[n]} and {k}; put it in one")
+                    raise ValueError(f"parameter {n!r} is named twice in clipping group {k}; name it once" if seen[n] == k
+                                     else f"parameter {n!r} is in clipping groups {seen[n]} and {k}; put it in one")
                 seen[n] = k
         missing = [n for n in names if n not in seen]
-        if missing:
+        if missing and complete:
             raise ValueError(
                 f"trained parameters {missing[:5]} are in no clipping group; every trained parameter "
                 "must be clipped (add them to a group or freeze them)"
@@ -133,7 +162,8 @@ def make_weights_fn(groups: ClipGroups, *, clip_fn: str = "abadi", gamma: float 
     """
     if clip_fn not in ("abadi", "automatic"):
         raise ValueError(f"clip_fn={clip_fn!r} is unknown: use 'abadi' or 'automatic'")
-    if not (gamma >= MIN_THRESHOLD and math.isfinite(gamma)) and clip_fn == "automatic":
+    if clip_fn == "automatic" and not (isinstance(gamma, numbers.Real) and gamma >= MIN_THRESHOLD
+                                       and math.isfinite(gamma)):
         raise ValueError(f"gamma must be finite and ≥ {MIN_THRESHOLD:g} for automatic clipping (smaller ones let an "
                          f"under-stated, underflowed norm exceed C), got {gamma!r}")
 

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._types import Batch, LossFn, Params, StepOutput
 from ._warn import warn
-from .clipping import MIN_THRESHOLD, Clipping, make_groups, make_weights_fn, sum_sq_norms
+from .clipping import MIN_THRESHOLD, Clipping, as_spec, make_groups, make_weights_fn, sum_sq_norms
 from .functional import (LossModule, ParamIndex, _spectral_norms, advance_spectral_norms, check_no_batch_mixing,
                          model_constants, model_structure, no_rope_mixing, no_writes_to, spectral_norms_held,
                          trainable_params)
@@ -207,6 +207,9 @@ class DPStep:
             raise ValueError(f"noise_multiplier must be a finite number ≥ 0 (σ), got {noise_multiplier}")
         if math.isinf(max_grad_norm) and noise_multiplier > 0:
             raise ValueError("max_grad_norm=inf (no clipping) has unbounded sensitivity; use noise_multiplier=0 for it")
+        if noise_multiplier > 0 and not math.isfinite(noise_multiplier * max_grad_norm):
+            raise ValueError(f"the noise std σ·C = {noise_multiplier:g}·{max_grad_norm:g} overflows float64; scale the "
+                             "loss down (and C with it)")
         if expected_batch_size is not None:
             expected_batch_size = _real("expected_batch_size", expected_batch_size)
             if not (expected_batch_size > 0 and math.isfinite(expected_batch_size)):
@@ -275,9 +278,16 @@ class DPStep:
         self._probe_memo: dict = {}
         self._rope_seen: dict = {}  # (no_rope_mixing: tables taken with shared positions, for its warning)
         self.generator = generator
-        self.clipping = clipping
+        self.clipping = as_spec(clipping)  # (read once: a generator is not used up by the first step; round 38)
+        if clip_budget is not None and not isinstance(clip_budget, (str, bytes, Mapping)):
+            try:
+                clip_budget = list(clip_budget)  # (read once, as the groups)
+            except TypeError:
+                pass  # (make_groups names the problem)
         self.clip_budget = clip_budget
         self.clip_fn = clip_fn
+        if clip_fn == "automatic":
+            gamma = _real("gamma", gamma)
         self.gamma = gamma
         self.on_nonfinite = on_nonfinite
         self.bk_options = dict(bk_options or {})
@@ -293,6 +303,15 @@ class DPStep:
             raise ValueError("clip_fn='automatic' scales each gradient by C/(‖g‖+γ), which is inf for "
                              "max_grad_norm=inf: give a finite C (automatic clipping always rescales), or use "
                              "clip_fn='abadi' for no clipping")
+        # the spec checked now against the model's parameters (names, repeats, budget, γ), not at the first
+        # step; that every trained parameter is in a group is checked per step, against the params passed
+        canon = self._index.canonical_clipping(self.clipping)
+        checked = make_groups(list(self._index.params), canon, self.max_grad_norm, budget=None if isinstance(
+            canon, str) else self.clip_budget, complete=False)
+        make_weights_fn(checked, clip_fn=clip_fn, gamma=self.gamma)
+        # (the clipping as it bounds the sensitivity: groups in order, each a set of canonical names; a dict's
+        # labels, an alias's spelling and the order within a group do not change it)
+        self._clipping_key = canon if isinstance(canon, str) else tuple(tuple(sorted(g)) for g in canon)
 
     # -- self-description -------------------------------------------------------------------
     @property
@@ -300,7 +319,7 @@ class DPStep:
         """What the clipped sums' sensitivity rests on (C, clip function, γ, groups, budget); a
         ``ClippedSum`` carries its step's and ``finalize`` checks it."""
         return (self.max_grad_norm, self.clip_fn, self.gamma if self.clip_fn == "automatic" else None,
-                repr(self.clipping), None if self.clip_budget is None else tuple(self.clip_budget))
+                self._clipping_key, None if self.clip_budget is None else tuple(float(w) for w in self.clip_budget))
 
     @property
     def sensitivity(self) -> float:

@@ -344,6 +344,45 @@ def test_group_clipping_and_budget():
         make_groups(["a", "b"], {"g": ["a"]}, 1.0)
 
 
+def test_a_clipping_spec_is_read_once_and_checked_when_the_step_is_made():
+    """Review, round 38: a flat list of names was taken as one group per name (per-layer clipping, not
+    the one group it reads as); a generator spec was used up by the first step; groups naming unknown
+    or repeated parameters, a budget of the wrong length and a NaN γ passed make_dp_step and failed
+    only at the first step; σ·C could overflow to inf; the same groups spelled as a dict, a list, in
+    another order or by a tied alias gave different clipping keys (their sums refused)."""
+    m, b = mlp_case(3, 6, 4, 5)
+    params = pdpsgd.trainable_params(m)
+    two = [["0.weight", "0.bias"], ["2.weight", "2.bias"]]
+
+    def make(**kw):
+        return pdpsgd.make_dp_step(m, mlp_loss, **{"max_grad_norm": 0.3, "noise_multiplier": 0.0, **kw})
+
+    with pytest.raises(ValueError, match="flat list of parameter names"):
+        make(clipping=["0.weight", "0.bias", "2.weight", "2.bias"])
+    with pytest.raises(ValueError, match="named twice in clipping group 0"):
+        make(clipping=[["0.weight", "0.weight", "0.bias"], ["2.weight", "2.bias"]])
+    with pytest.raises(ValueError, match="'nope', which is not a trained parameter"):
+        make(clipping=[["0.weight", "0.bias"], ["nope"]])
+    with pytest.raises(ValueError, match="budget needs 2 positive"):
+        make(clipping=two, clip_budget=[1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="gamma must be finite"):
+        make(clip_fn="automatic", gamma=float("nan"))
+    with pytest.raises(ValueError, match="overflows"):
+        make(max_grad_norm=1e308, noise_multiplier=2.0)
+    make(gamma="unused")(params, b)  # (γ is automatic clipping's alone)
+    gen = make(clipping=(g for g in two))
+    ref = make(clipping=two)(params, b).grads
+    for _ in range(2):  # (a generator is read once, when the step is made)
+        out = gen(params, b).grads
+        for n in params:
+            torch.testing.assert_close(out[n], ref[n], rtol=0, atol=0)
+    same = [make(clipping=two), make(clipping={"a": ["0.bias", "0.weight"], "b": ["2.weight", "2.bias"]}),
+            make(clipping=[["0.bias", "0.weight"], ("2.bias", "2.weight")])]
+    assert len({s.clipping_key for s in same}) == 1
+    same[0].finalize(same[1].clipped_sum(params, b) + same[2].clipped_sum(params, b))
+    assert make(clipping=two[::-1]).clipping_key != same[0].clipping_key  # (group order: the budget's order)
+
+
 @given(seed=st.integers(0, 10_000), B=st.integers(2, 9), split=st.integers(1, 8), sigma=st.sampled_from([0.0, 1.1]))
 def test_logical_batch_split_equals_one_physical_batch(seed, B, split, sigma):
     """Accumulating clipped sums over physical batches and adding noise once == one big batch."""
@@ -957,6 +996,7 @@ def test_clipping_groups_may_name_a_tied_weight_by_any_alias(method):
     got = step.clipped_sum(params, b)
     for n in ref.sums:
         torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-12, atol=1e-15)
+    assert got.clipping == ref.clipping  # (the same groups: their sums add; round 38)
     assert_exact(model, loss, b, max_grad_norm=0.1, method=method, clipping=alias)
     both = {"a": ["head.weight"], "b": ["emb.weight", "mid.weight", "mid.bias"]}
     with pytest.raises(ValueError, match="head.weight.*emb.weight|emb.weight.*head.weight"):
