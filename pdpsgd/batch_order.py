@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["ReorderWatch"]
+__all__ = ["ReorderWatch", "DrawWatch"]
 
 # ops whose integer outputs are an order, or positions found by value
 ORDERINGS = frozenset({"sort", "argsort", "msort", "topk", "kthvalue", "randperm", "nonzero", "nonzero_static",
@@ -188,3 +188,106 @@ class ReorderWatch(TorchFunctionMode):
             if (name.endswith("_") or name == "__setitem__") and args and isinstance(args[0], Tensor):
                 self._mark(args[0])  # (an in-place write of marked values: the written tensor)
         return out
+
+
+# random ops that draw for the tensor they are given (its shape): name -> how to read "does it draw"
+_DROPOUTS = frozenset({"dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d",
+                       "native_dropout", "feature_dropout"})
+_DRAWS_LIKE = frozenset({"bernoulli", "bernoulli_", "uniform_", "normal_", "exponential_", "cauchy_", "log_normal_",
+                         "geometric_", "random_", "poisson", "rand_like", "randn_like", "randint_like", "multinomial",
+                         "binomial", "_standard_gamma", "_sample_dirichlet"})
+_FACTORIES = frozenset({"rand", "randn", "randint", "randperm"})
+
+
+class DrawWatch(TorchFunctionMode):
+    """A TorchFunctionMode for one forward of a batch of ``B`` examples (its tensor leaves with B rows):
+    ``found`` describes the first random draw that is not one per example on the batch's leading
+    dimension (None: none), i.e. whose values ``vmap(..., randomness="different")`` over the examples
+    would not reproduce: a draw for a tensor that does not come from the batch (a dropout on position
+    embeddings: one mask shared by the batch, where vmap draws one per example), for a batch-derived
+    tensor whose first dimension is not the batch (a time-major (T, B, d): drawn in another layout),
+    or a random factory call (``torch.rand(shape)``) of another first size. Tensors are followed from
+    the batch through every op of the forward (any input from the batch: its outputs are)."""
+
+    def __init__(self, B: int, batch: Any):
+        super().__init__()
+        self.B = B
+        self.found: Optional[str] = None
+        self._from_batch: Dict[int, "weakref.ref[Tensor]"] = {}
+        for x in tree_flatten(batch)[0]:
+            if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == B:
+                self._from_batch[id(x)] = weakref.ref(x)
+
+    def _batched(self, x: Any) -> bool:
+        r = self._from_batch.get(id(x)) if isinstance(x, Tensor) else None
+        return r is not None and r() is x
+
+    def _draw_of(self, name: str, args, kwargs) -> Optional[str]:
+        """Why this call's draw is not per example on dim 0 (None: it is, or it draws nothing)."""
+        x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+        if name in _DROPOUTS:
+            p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+            train = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train", True))
+            if not train or (isinstance(p, (int, float)) and p == 0):
+                return None
+        elif name == "rrelu" or name == "rrelu_":
+            if not (args[3] if len(args) > 3 else kwargs.get("training", False)):
+                return None
+        elif name == "normal":
+            if not any(isinstance(a, Tensor) for a in (*args[:2], kwargs.get("mean"), kwargs.get("std"))):
+                size = args[2] if len(args) > 2 else kwargs.get("size")
+                return None if _first(size) == self.B else f"normal(size={tuple(size) if size else size})"
+            x = next(a for a in (*args[:2], kwargs.get("mean"), kwargs.get("std")) if isinstance(a, Tensor))
+        elif name in _FACTORIES:
+            if name == "randperm":
+                return "randperm"
+            if name == "randint":
+                size = next((a for a in args if isinstance(a, (list, tuple))), kwargs.get("size"))
+            else:
+                size = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else (
+                    args or kwargs.get("size"))
+            return None if _first(size) == self.B else f"{name}(size={tuple(size) if size else size})"
+        elif name not in _DRAWS_LIKE:
+            return None
+        if not isinstance(x, Tensor):
+            return None
+        if not self._batched(x):
+            return f"{name} on a {tuple(x.shape)} tensor that does not come from the batch"
+        if x.dim() == 0 or x.shape[0] != self.B:
+            return f"{name} on a {tuple(x.shape)} tensor from the batch whose first dimension is not the batch's"
+        return None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if self.found is None and (name in _DROPOUTS or name in _DRAWS_LIKE or name in _FACTORIES
+                                   or name in ("normal", "rrelu", "rrelu_")):
+            why = self._draw_of(name, args, kwargs)
+            if why is not None:
+                caller = sys._getframe(1)
+                while caller.f_back is not None and (_in_torch(caller.f_code.co_filename)
+                                                     or _exempt(caller.f_code.co_filename)):
+                    caller = caller.f_back  # (the model's line, not torch's dropout module or overrides)
+                self.found = f"{why} ({os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})"
+        out = func(*args, **kwargs)
+        if any(self._batched(a) for a in tree_flatten((args, kwargs))[0]):
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, Tensor):
+                    self._from_batch[id(t)] = weakref.ref(t)
+            if (name.endswith("_") or name == "__setitem__") and args and isinstance(args[0], Tensor):
+                self._from_batch[id(args[0])] = weakref.ref(args[0])  # (written with the batch's values)
+        return out
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def _in_torch(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_TORCH_DIR)
+
+
+def _first(size: Any) -> Optional[int]:
+    try:
+        return int(size[0]) if size is not None and len(size) else None
+    except (TypeError, ValueError):
+        return None

@@ -83,7 +83,7 @@ _gradient_edge = _edge_fn()
 from ._compat import mha_fastpath_off
 from ._types import Batch, EngineResult, Params, WeightsFn
 from ._warn import warn
-from .batch_order import ReorderWatch
+from .batch_order import DrawWatch, ReorderWatch
 from .clipping import MIN_THRESHOLD, sum_sq_norms
 from .functional import LossModule, ParamIndex, model_constants, preserve_module_state
 from .per_sample import (_LOW, DETACHED_LOSS, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks,
@@ -2992,6 +2992,52 @@ def _watch_order(loss_module: LossModule, params: Params, constants: Mapping[str
     return watch.found
 
 
+def _one_network(col: "_Collected", loss_module: LossModule, params: Params, constants: Mapping[str, Tensor],
+                 batch: Batch, B: int, overrides: Mapping[str, str], probe_memo: Optional[Dict]) -> None:
+    """Every parameter to the exact fallback (``col.fallback``) when some take it, the model draws at
+    random in its forward, and vmap's per-example draws would not be the batch's (``DrawWatch``: a
+    dropout on a tensor without the batch dimension, as Funnel's on its position encodings or XLNet's
+    on its relative positions). The fallback replays the capture's random streams (``_rng_replay``),
+    which gives each example the batch forward's draws only where each draw is one per example on the
+    batch's first dimension; else the ruled parameters' gradients would come from the batch forward's
+    network and the fallback's from other dropout masks, an example's gradient not that of one network
+    (review, round 38: Funnel's and XLNet's fallback sums 0.8-2.7 off the batch's gradient). All on the
+    fallback, each example's gradient is that of one network, its own draws, as in ``method="vmap"``.
+    Decided once per batch shape and mode by one extra forward (without gradients, on forked random
+    streams), only when some parameter takes the fallback in training mode."""
+    if B < 2 or not any(m.training for m in loss_module.model.modules()):
+        return
+    if not (col.fallback or any(_forced(n, overrides, col) == "vmap" for n in params)):
+        return
+    leaves, spec = tree_flatten(batch)
+    key = ("draws", str(spec), tuple(_leaf_sig(x) for x in leaves), amp_state(),
+           tuple(m.training for m in loss_module.model.modules()))
+    if probe_memo is not None and key in probe_memo:
+        found = probe_memo[key]
+    else:
+        watch = DrawWatch(B, batch)
+        try:
+            with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params, 0):
+                with watch:
+                    _plain_forward(loss_module, params, constants, batch)
+            found = watch.found
+        except Exception as err:  # (the capture's forward ran: this one should; if not, the safe side)
+            if isinstance(err, _OOM):
+                raise
+            found = f"the random-draw check's forward failed ({type(err).__name__}: {str(err)[:120]})"
+        _memo_put(probe_memo, key, found)
+        if found:
+            warn(f"book-keeping: some parameters take the exact vmap fallback and the model draws at random in "
+                 f"training mode where vmap's per-example draws are not the batch's ({found}), so every parameter "
+                 "takes the fallback (each example's gradient from one network, as method='vmap'; slower, and "
+                 "memory ∝ chunk × parameters). Faster: model.eval() or p=0 for that dropout, or rules for the "
+                 "fallback's layers (dp_step.fallback_reasons(batch) names them).")
+    if found:
+        for n in params:
+            col.fallback.setdefault(n, f"the model draws at random where vmap's per-example draws are not the "
+                                       f"batch's ({found}) and other parameters take the fallback")
+
+
 class _CheckRunFailed(Exception):
     """The example-order check's float32 run failed (``_order_disagree``)."""
 
@@ -3573,6 +3619,7 @@ def plan(model: nn.Module, loss_fn, params: Mapping[str, Tensor], batch: Batch, 
     col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides, probe_memo,
                    check_order=_check_order(bk_options))
     _settle_pending(col, params, batch_size(batch), clip_groups)
+    _one_network(col, LossModule(model, loss_fn), params, constants, batch, batch_size(batch), overrides, probe_memo)
     dev = next(iter(params.values())).device
     return _plan(col, params, batch_size(batch), cm, overrides, bk_options, dev)[0]
 
@@ -3589,6 +3636,7 @@ def fallback_reasons(model: nn.Module, loss_fn, params: Mapping[str, Tensor], ba
     col = _collect(LossModule(model, loss_fn), params, constants, batch, registry, overrides, probe_memo,
                    check_order=_check_order(bk_options))
     _settle_pending(col, params, batch_size(batch), clip_groups)
+    _one_network(col, LossModule(model, loss_fn), params, constants, batch, batch_size(batch), overrides, probe_memo)
     return {n: col.fallback[n] for n in params if n in col.fallback}
 
 
@@ -3720,6 +3768,7 @@ def _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registr
         col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
                        check_order=_check_order(opts))
     _settle_pending(col, params, B, getattr(weights_fn, "clip_groups", None))
+    _one_network(col, loss_module, params, constants, batch, B, overrides, probe_memo)
     # routes; compact: id(use) -> its non-zero rows, where they are few (CPU: host reads)
     routes, compact = _plan(col, params, B, cm, overrides, opts, device)
     sq: Dict[str, Tensor] = {}

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import pdpsgd
-from pdpsgd.batch_order import ReorderWatch
+from pdpsgd.batch_order import DrawWatch, ReorderWatch
 from pdpsgd.testing import assert_exact, check_sensitivity
 
 V = 30
@@ -317,3 +317,31 @@ def test_the_watch_sees_parts_of_an_order_and_its_entries_through_select_and_nar
     assert _watch(lambda: torch.randn(5, 3)[torch.argsort(torch.randn(5))[:2]], 4) is None
     assert _watch(lambda: torch.stack([x.select(0, k) for k in range(4)]), 4) is None
     assert _watch(lambda: x.narrow(0, 1, 2), 4) is None
+
+
+def _draw_found(fn, x):
+    watch = DrawWatch(x.shape[0], {"x": x})
+    with torch.no_grad(), watch:
+        fn(x)
+    return watch.found
+
+
+def test_draw_watch_tells_per_example_draws_from_the_others():
+    """``DrawWatch`` (round 38): draws one per example on the batch's first dimension are what vmap's
+    per-example draws reproduce; a draw for a tensor not from the batch, for a batch tensor in
+    another layout, or a factory of another first size is not."""
+    x = torch.randn(3, 5, 4)
+    pos = torch.randn(5, 4)
+    assert _draw_found(lambda x: F.dropout(torch.tanh(x) * 2, 0.3), x) is None
+    assert _draw_found(lambda x: F.dropout(x, 0.3, training=False) + F.dropout(pos, 0.0), x) is None
+    assert _draw_found(lambda x: x + torch.rand(x.shape[0], 5, 4) + torch.rand_like(x), x) is None
+    assert "does not come from the batch" in _draw_found(lambda x: x + F.dropout(pos, 0.3), x)
+    assert "does not come from the batch" in _draw_found(lambda x: x + nn.Dropout(0.1)(pos.expand(3, 5, 4)), x)
+    assert "first dimension is not the batch's" in _draw_found(lambda x: F.dropout(x.transpose(0, 1), 0.3), x)
+    assert "rand(size=(5, 4))" in _draw_found(lambda x: x + torch.rand(5, 4), x)
+    assert "randn(size=(5, 4))" in _draw_found(lambda x: x + torch.randn((5, 4)), x)
+    assert "bernoulli_" in _draw_found(lambda x: x * torch.empty(5, 4).bernoulli_(0.5), x)
+    out = []
+    assert _draw_found(lambda x: out.append(pos.clone().copy_(x[0]).bernoulli_(0.5)), x) is not None  # (shape (5, 4))
+    y = torch.zeros(3, 5, 4)
+    assert _draw_found(lambda x: y.add_(x).bernoulli_(0.5), x) is None  # (written with the batch's rows)

@@ -1148,6 +1148,80 @@ def test_fallback_parameters_see_the_captures_dropout_masks(method):
         torch.testing.assert_close(sums[n], p.grad, rtol=1e-12, atol=1e-14)
 
 
+class _DroppedPositions(nn.Module):
+    """A position table (a raw parameter: the exact fallback) dropped out before it meets the batch:
+    one (T, d) mask shared by the batch, where vmap draws one per example (Funnel's sinusoid dropout,
+    XLNet's on its relative positions); a batched dropout too; ruled linears."""
+
+    def __init__(self, T=5, d=4, shared=True):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(T, d))
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, 3)
+        self.drop = nn.Dropout(0.5)
+        self.shared = shared
+
+    def forward(self, x):  # x: (B, T, d)
+        pos = self.drop(self.pos) if self.shared else self.pos  # (T, d): one mask for the batch
+        h = self.drop(torch.tanh(self.a(x + pos)))  # (B, T, d): one mask per example
+        return self.b(h).sum(1)  # (B, 3)
+
+
+def _pos_ce(model, b):
+    return F.cross_entropy(model(b["x"]), b["y"], reduction="none")
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(B=st.integers(2, 6), C=st.sampled_from([1e9, 0.3]), method=st.sampled_from(["bk", "auto"]),
+       seed=st.integers(0, 100))
+def test_a_batch_free_random_draw_sends_every_parameter_to_the_fallback(B, C, method, seed):
+    """Review, round 38: a dropout on a tensor without the batch dimension draws one mask for the
+    batch, vmap one per example, so the fallback's replay of the capture's streams gave the fallback
+    parameters other masks than the ruled ones: an example's gradient not that of one network (sums
+    1.98 off for the position table here, 0.8-2.7 for Funnel's and XLNet's relative-position
+    parameters). Now every parameter takes the fallback there, with a warning that names the draw:
+    the step is method="vmap"'s (one network per example, clipped or not), not a mix."""
+    torch.manual_seed(seed)
+    model = _DroppedPositions().double().train()
+    b = {"x": torch.randn(B, 5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (B,))}
+    params = trainable_params(model)
+    step = make_dp_step(model, _pos_ce, max_grad_norm=C, noise_multiplier=0.0, method=method)
+    with pytest.warns(UserWarning, match=r"draws at random .*dropout on a \(5, 4\) tensor that does not come"):
+        step.clipped_sum(params, b)
+    ref_step = make_dp_step(model, _pos_ce, max_grad_norm=C, noise_multiplier=0.0, method="vmap")
+    torch.manual_seed(seed + 1)
+    got = step.clipped_sum(params, b)
+    torch.manual_seed(seed + 1)
+    ref = ref_step.clipped_sum(params, b)
+    assert set(got.routes.values()) == {"vmap"}
+    torch.testing.assert_close(got.per_sample_norms, ref.per_sample_norms, rtol=1e-12, atol=0)
+    for n in params:
+        torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-12, atol=1e-14)
+    assert "dropout on a (5, 4) tensor" in step.fallback_reasons(b)["a.weight"]
+
+
+@pytest.mark.parametrize("mode", ["batched", "eval"])
+def test_batched_draws_keep_the_rules(mode):
+    """Dropout only on the batch's own rows (one mask per example, as vmap draws them), or no draw at
+    all (eval mode): the rules stay, no warning, and the step is the batch's gradient (C = ∞)."""
+    torch.manual_seed(0)
+    model = _DroppedPositions(shared=False).double()
+    model.train(mode == "batched")
+    b = {"x": torch.randn(4, 5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (4,))}
+    params = trainable_params(model)
+    step = make_dp_step(model, _pos_ce, max_grad_norm=1e9, noise_multiplier=0.0, method="bk")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*draws at random")
+        step.clipped_sum(params, b)
+        torch.manual_seed(3)
+        out = step.clipped_sum(params, b)
+    assert out.routes["pos"] == "vmap" and out.routes["a.weight"] != "vmap"
+    torch.manual_seed(3)
+    model.zero_grad()
+    _pos_ce(model, b).sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(out.sums[n], p.grad, rtol=1e-12, atol=1e-14)
+
+
 class _WeightedRows(nn.Module):
     """Per-position weighted read-outs of an embedding ("e") or a linear ("lin"), so a test sets each
     position's output gradient directly."""
