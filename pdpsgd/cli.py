@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-params", default=DEFAULTS["train_params"], metavar="{all,bias,head,top-N,lora}",
                    help="which parameters train: all, bias (BitFit), head, top-N blocks, lora[-R] (peft)")
     g = t.add_argument_group("privacy")
-    g.add_argument("--epsilon", type=float, default=DEFAULTS["epsilon"], help="target ε")
+    g.add_argument("--epsilon", type=float, help=f"target ε (default {DEFAULTS['epsilon']:g}; not with --noise-multiplier)")
     g.add_argument("--delta", type=float, help="δ (default min(1e-5, 1/(10N)))")
     g.add_argument("--clip", type=float, default=DEFAULTS["clip"], help="per-example clipping bound C")
     g.add_argument("--clipping", default="head-body", choices=("head-body", "flat", "per-layer"),
@@ -205,8 +205,28 @@ def _default_model_dir() -> Path:
 
 
 def _check_args(a: argparse.Namespace) -> None:
+    # (review, round 38: --epsilon with --noise-multiplier was dropped silently, and --no-dp ignored both: a
+    # run asked for ε = 1 ended at ε = 8.35 with exit status 0)
+    if getattr(a, "no_dp", False):
+        given = [f for f, v in (("--epsilon", a.epsilon), ("--delta", a.delta), ("--noise-multiplier",
+                                                                                  a.noise_multiplier)) if v is not None]
+        if given:
+            raise UserError(f"--no-dp trains without noise, so {' and '.join(given)} would be ignored: drop "
+                            f"{'them' if len(given) > 1 else 'it'}, or drop --no-dp")
+    elif a.epsilon is not None and a.noise_multiplier is not None:
+        raise UserError(f"give --epsilon (σ is then calibrated to it) or --noise-multiplier (ε is then what it gives, "
+                        f"reported), not both: --epsilon {a.epsilon:g} with --noise-multiplier {a.noise_multiplier:g} "
+                        "would not hold the target")
+    if a.epsilon is None:
+        if getattr(a, "noise_multiplier", None) is not None or getattr(a, "no_dp", False):
+            return _check_rest(a)
+        a.epsilon = DEFAULTS["epsilon"]
     if not (a.epsilon > 0 and math.isfinite(a.epsilon)):
         raise UserError(f"--epsilon must be > 0, got {a.epsilon}")
+    _check_rest(a)
+
+
+def _check_rest(a: argparse.Namespace) -> None:
     if a.delta is not None and not 0 < a.delta < 1:
         raise UserError(f"--delta must be in (0, 1), got {a.delta}")
     from .clipping import MIN_THRESHOLD
@@ -369,6 +389,10 @@ def run_train(a: argparse.Namespace) -> int:
     if not a.no_dp and delta >= 1.0 / N:
         print(f"pdpsgd: warning: δ={delta:g} is not below 1/N={1 / N:.3g}; such a δ permits releasing "
               "an example outright, choose δ ≪ 1/N", file=sys.stderr)
+    elif not a.no_dp and delta > 1.0 / (10 * N):  # (the default is at most 1/(10N); review, round 38)
+        print(f"pdpsgd: warning: δ={delta:g} is not well below 1/N={1 / N:.3g} (it is {delta * N:.2g}/N): a mechanism "
+              "that releases each example outright with probability δ meets it; choose δ ≤ 1/(10N) "
+              f"(={1 / (10 * N):.2g}; the default takes min(1e-5, 1/(10N)))", file=sys.stderr)
 
     # ---- model --------------------------------------------------------------------------------
     model_dir = Path(a.model) if a.model else _default_model_dir()

@@ -251,6 +251,29 @@ def test_delta_at_least_one_over_n_warns(tiny, tmp_path, capsys):
     assert "warning" in err and "1/N" in err
 
 
+def test_delta_not_well_below_one_over_n_warns(tiny, tmp_path, capsys):
+    """Review, round 38: only δ ≥ 1/N was questioned; δ = 1/(2N) passed silently though the warning
+    itself asks for δ ≪ 1/N (the default is at most 1/(10N))."""
+    rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o", "--max-train-examples", "40", "--delta", "0.01",
+                                   "--epochs", "0.25"), capsys)
+    assert rc == 0
+    assert "not well below 1/N" in err and "1/(10N)" in err
+    rc, _, err = run_cli(tiny_args(tiny, tmp_path / "p", "--max-train-examples", "40", "--delta", "0.002",
+                                   "--epochs", "0.25"), capsys)
+    assert rc == 0 and "1/N" not in err
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--epsilon", "1", "--noise-multiplier", "0.6"], "give --epsilon (σ is then calibrated to it) or --noise-multiplier"),
+    (["--no-dp", "--noise-multiplier", "1"], "--no-dp trains without noise, so --noise-multiplier would be ignored"),
+    (["--no-dp", "--epsilon", "2", "--delta", "1e-6"], "so --epsilon and --delta would be ignored")])
+def test_privacy_options_that_would_be_ignored_are_refused(tiny, tmp_path, capsys, extra, needle):
+    """Review, round 38: --epsilon 1 with --noise-multiplier 0.6 ran to ε = 8.35 with exit status 0
+    (the target dropped: --epsilon's default hid whether it was given), and --no-dp ignored σ, ε, δ."""
+    rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o") + extra, capsys)
+    _check_one_line_error(rc, err, needle)
+
+
 def test_unwritable_output_dir(tiny, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")
