@@ -88,10 +88,23 @@ def plan_training(num_examples: int, *, batch_size: float, epochs: float, target
 
     Pass ``noise_multiplier`` to fix σ instead (then ``target_epsilon`` is only recorded).
     """
+    from .accounting._common import check_delta
+
     if num_examples <= 0:
         raise ValueError("the training set is empty")
     if not 0 < batch_size <= num_examples:
         raise ValueError(f"batch size {batch_size} must be in (0, N={num_examples}]")
+    # (review, round 38: epochs ≤ 0 gave one step, a NaN σ and δ = 7 were planned, the δ refused only by
+    # the first step's ε, after its noisy update was applied and on the ledger)
+    if not (isinstance(epochs, (int, float)) and math.isfinite(epochs) and epochs > 0):
+        raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}")
+    delta = check_delta(delta)
+    if noise_multiplier is not None and not (isinstance(noise_multiplier, (int, float))
+                                             and math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+        raise ValueError(f"noise_multiplier must be a finite number ≥ 0 (σ), got {noise_multiplier!r}")
+    if target_epsilon is not None and not (isinstance(target_epsilon, (int, float))
+                                           and math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
     q = float(batch_size) / num_examples
     steps = max(1, int(math.ceil(epochs / q - 1e-9)))
     if noise_multiplier is None:
@@ -205,6 +218,10 @@ class DPTrainer:
                                  f"'{next(iter(sizes))}' {n}")
         if n != plan.num_examples:
             raise ValueError(f"data has {n} examples, the plan {plan.num_examples}")
+        if dp:  # (ε is asked at plan.delta after the first update: a bad δ found then is found too late)
+            from .accounting._common import check_delta
+
+            check_delta(plan.delta)
         self.model, self.loss_fn, self.data = model, loss_fn, data
         self.optimizer, self.plan = optimizer, plan
         self.max_grad_norm, self.max_physical_batch = float(max_grad_norm), int(max_physical_batch)

@@ -289,6 +289,42 @@ def test_heterogeneous_history_equals_steps_given_one_at_a_time(runs):
     assert together.delta(2.0) == one_by_one.delta(2.0)
 
 
+def test_a_schedule_of_many_distinct_noise_levels_keeps_one_transform_per_grid(monkeypatch):
+    """Review, round 38: every distinct (σ, q) of a history kept its full-grid transform cached
+    (2.6 GB for 200 of them at 50 steps each; a MemoryError at 1000). Now the product of the
+    history's finished groups is kept, extended as it grows: with the per-(σ, q) caches cut to one
+    entry, a noise schedule of 12 levels queried after every run keeps one transform of each kind,
+    and gives bit for bit a fresh accountant's answer."""
+    init = prv_module._GridState.__init__
+
+    def tiny_cache(self, grid, max_bytes=1):
+        init(self, grid, max_bytes=1)
+
+    monkeypatch.setattr(prv_module._GridState, "__init__", tiny_cache)
+    acct = PRVAccountant()
+    running = []
+    for k in range(12):
+        acct.step(noise_multiplier=0.8 + 0.05 * k, sample_rate=0.02 if k % 2 else 0.01, num_steps=3 + k)
+        running.append(acct.epsilon(1e-5))
+        for st_ in acct._grids.values():
+            assert len(st_.ffts) <= 1 and len(st_.powers) <= 1
+    monkeypatch.setattr(prv_module._GridState, "__init__", init)
+    fresh = PRVAccountant()
+    for k in range(12):
+        fresh.step(noise_multiplier=0.8 + 0.05 * k, sample_rate=0.02 if k % 2 else 0.01, num_steps=3 + k)
+    assert running[-1] == fresh.epsilon(1e-5)
+    assert all(a.upper <= b.upper for a, b in zip(running, running[1:]))
+
+
+@pytest.mark.parametrize("kw,err", [({"fallback": "no"}, TypeError), ({"fallback": None}, TypeError),
+                                    ({"max_grid_size": -5}, ValueError), ({"max_grid_size": 2.7}, ValueError),
+                                    ({"max_grid_size": True}, ValueError)])
+def test_bad_accountant_options_are_refused(kw, err):
+    """Review, round 38: fallback="no" was taken as True, max_grid_size=-5 sent every query to the PLD."""
+    with pytest.raises(err):
+        PRVAccountant(**kw)
+
+
 def test_heterogeneous_composition_is_exact_not_worst_case():
     # noise decayed every epoch (seed paper 1): σ = 2.0, 1.6, 1.28, 1.02 for 250 steps each
     sigmas = [2.0 * 0.8 ** k for k in range(4)]
@@ -504,6 +540,31 @@ def test_delta_fallback_is_never_looser_than_rdp(monkeypatch):
             assert d.method == method, (eps, d)
             assert 0.0 <= d.lower <= d.upper <= ref * (1 + 1e-4) + 1e-300, (eps, d, ref)
             assert d.upper <= 1.0
+
+
+def test_delta_fallback_mesh_follows_the_history_not_the_queried_epsilon(monkeypatch):
+    """Review, round 38: delta(ε)'s PLD fallback took its mesh from the queried ε, so δ(0) of a
+    history of ε in the hundreds (σ = 0.0126, one step) ran on the finest mesh (107 s). Its mesh now
+    follows the history's RDP ε (as epsilon()'s does); the bounds still contain the exact δ(0) of one
+    subsampled step, q·(2Φ(1/(2σ)) − 1)."""
+    seen = []
+    real = prv_module.pld_delta
+
+    def spy(groups, epsilon, **kw):
+        seen.append(kw["scale"])
+        return real(groups, epsilon, **kw)
+
+    monkeypatch.setattr(prv_module, "pld_delta", spy)
+    monkeypatch.setattr(prv_module, "_discretise", lambda *a, **k: (_ for _ in ()).throw(PRVFailure("forced")))
+    sigma, q = 0.05, 1e-3
+    acct = prv(sigma, q, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        d = acct.delta(0.0)
+    rdp_eps = dp_accounting_rdp(sigma, q, 1, delta=prv_module.DELTA_SCALE_AT)
+    assert seen and seen[0] >= 0.5 * rdp_eps > 1.0
+    exact = q * (2 * special.ndtr(1 / (2 * sigma)) - 1)
+    assert d.method == "pld" and d.lower <= exact * (1 + 1e-9) and exact <= d.upper * (1 + 1e-9), (d, exact)
 
 
 # ----------------------------------------------------------------------------------

@@ -223,6 +223,29 @@ def test_an_fp16_overflow_is_named_in_the_error():
                             on_nonfinite="raise")(params, b)
 
 
+@pytest.mark.parametrize("method", ["vmap", "bk"])
+def test_an_fp16_gradient_that_the_noise_overflows_is_an_error_not_inf(method):
+    """Review, round 38: fp16 loss scaling (loss and C scaled by 2^16 together) put the float32 noisy
+    mean past 65504 and its cast to float16 handed ±inf to the optimizer (9 of 27 coordinates),
+    silently. It is now an OverflowError that says so and how to fix it; float32 params (with float32
+    inputs) give float32 gradients, finite; at a moderate scale fp16 gradients are returned."""
+    torch.manual_seed(0)
+    m = nn.Linear(8, 3).half()
+    S = 2.0 ** 16
+    loss = lambda mod, b: S * F.cross_entropy(mod(b[0]).float(), b[1], reduction="none")
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=S, noise_multiplier=1.0, expected_batch_size=1, method=method,
+                               generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 3, (2,))
+    with pytest.raises(OverflowError, match="'weight' overflows float16 .*scale the loss and max_grad_norm down"):
+        step(pdpsgd.trainable_params(m), (torch.randn(2, 8).half(), y))
+    master = {n: p.detach().float() for n, p in m.named_parameters()}
+    out = step(master, (torch.randn(2, 8), y))
+    assert all(g.dtype == torch.float32 and bool(torch.isfinite(g).all()) for g in out.grads.values())
+    calm = pdpsgd.make_dp_step(m, loss, max_grad_norm=S, noise_multiplier=1.0, expected_batch_size=1e3, method=method)
+    out = calm(pdpsgd.trainable_params(m), (torch.randn(2, 8).half(), y))
+    assert all(g.dtype == torch.float16 and bool(torch.isfinite(g).all()) for g in out.grads.values())
+
+
 def text_batch(seed, B, T, vocab=30, classes=3):
     g = torch.Generator().manual_seed(seed)
     return {"input_ids": torch.randint(0, vocab, (B, T), generator=g), "labels": torch.randint(0, classes, (B,), generator=g)}

@@ -926,3 +926,36 @@ def test_two_processes_resumed_from_one_checkpoint_release_the_step_once(tmp_pat
     assert outs[0].startswith("refused"), outs
     assert outs[1] == "released 4", outs
     assert json.loads((tmp_path / "ledger.json").read_text())["steps_released"] == 4
+
+
+@pytest.mark.parametrize("kw,needle", [({"epochs": 0}, "epochs must be a finite number > 0"),
+                                       ({"epochs": -5}, "epochs must be a finite number > 0"),
+                                       ({"epochs": float("nan")}, "epochs must be a finite number > 0"),
+                                       ({"delta": 7.0}, "delta must be in the open interval"),
+                                       ({"delta": 0.0}, "delta must be in the open interval"),
+                                       ({"noise_multiplier": float("nan")}, "noise_multiplier must be a finite"),
+                                       ({"noise_multiplier": -1.0}, "noise_multiplier must be a finite"),
+                                       ({"target_epsilon": -3.0, "noise_multiplier": None}, "target_epsilon must be"),
+                                       ({"target_epsilon": float("inf"), "noise_multiplier": None}, "target_epsilon")])
+def test_plan_training_refuses_bad_settings(kw, needle):
+    """Review, round 38: epochs ≤ 0 planned one step, a NaN σ and δ = 7 were planned (the δ refused
+    only by the first step's ε, after its noisy update was applied and on the ledger)."""
+    from pdpsgd.train import plan_training
+
+    args = {"batch_size": 10, "epochs": 1.0, "target_epsilon": None, "delta": 1e-5, "noise_multiplier": 1.0, **kw}
+    with pytest.raises(ValueError, match=needle):
+        plan_training(100, **args)
+
+
+def test_a_trainer_refuses_a_plan_with_a_bad_delta_before_any_step():
+    from pdpsgd.train import DPTrainer, TrainingPlan
+
+    model = nn.Linear(4, 2)
+    data = {"x": torch.randn(20, 4), "y": torch.randint(0, 2, (20,))}
+    plan = TrainingPlan(1.0, 0.5, 2, 10.0, 20, None, 7.0)
+    loss = lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none")
+    with pytest.raises(ValueError, match="delta must be in the open interval"):
+        DPTrainer(model, loss, data, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), plan=plan,
+                  max_grad_norm=1.0, max_physical_batch=8)
+    DPTrainer(model, loss, data, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), plan=plan, dp=False,
+              max_grad_norm=1.0, max_physical_batch=8)

@@ -45,9 +45,10 @@ result says so in its ``method`` field.
 from __future__ import annotations
 
 import math
+import numbers
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 from scipy import fft as sfft
@@ -271,6 +272,34 @@ class _GridState:
         self.ffts: "OrderedDict[Tuple[float, float], Tuple[np.ndarray, float, float]]" = OrderedDict()
         self.powers: "OrderedDict[Tuple[float, float, int], Tuple[np.ndarray, float, float]]" = OrderedDict()
         self.max_bytes = max_bytes
+        # (groups[:-1] of the last history composed on this grid, the product of their transforms'
+        # powers in order, Σ n·shift, Σ n·mean): a history that grows by steps of its last (σ, q), or
+        # by a new (σ, q), costs one or two multiplications, and memory stays one transform, however
+        # many distinct (σ, q) it holds (review, round 38: every distinct pair's transform was kept:
+        # 2.6 GB for 200 of them, a MemoryError at 1000)
+        self.prefix: Optional[Tuple[Tuple[Tuple[float, float, int], ...], Optional[np.ndarray], float, float]] = None
+
+    def compose(self, groups: Sequence[Tuple[float, float, int]]) -> Tuple[np.ndarray, float, float]:
+        """(Π_k F_k^{n_k}, Σ n_k·shift_k, Σ n_k·mean_k) over ``groups`` in order: the product of
+        groups[:-1] from the cached prefix (extended by one group when the history added one), the
+        same operations in the same order as a product from scratch, so a result never depends on
+        which histories were composed before."""
+        head = tuple(groups[:-1])
+        pre = self.prefix
+        if pre is None or pre[0] != head:
+            if pre is not None and len(pre[0]) == len(head) - 1 and head[:-1] == pre[0]:
+                start, F, shift, mean = len(pre[0]), pre[1], pre[2], pre[3]
+            else:
+                start, F, shift, mean = 0, None, 0.0, 0.0
+            for s, q, n in head[start:]:
+                Fn, sk, mk = self.power(s, q, n)
+                F = Fn if F is None else F * Fn
+                shift += n * sk
+                mean += n * mk
+            self.prefix = pre = (head, F, shift, mean)
+        s, q, n = groups[-1]
+        Fn, sk, mk = self.power(s, q, n)
+        return (Fn if pre[1] is None else pre[1] * Fn), pre[2] + n * sk, pre[3] + n * mk
 
     def fft_of(self, sigma: float, q: float) -> Tuple[np.ndarray, float, float]:
         """(rfft of the discretised PRV, its mean shift, its continuous truncated mean)."""
@@ -378,6 +407,11 @@ def _pld_pair(groups: Groups, eps_error: float, scale: float = 0.0):
         pess = p if pess is None else pess.compose(p)
         opt = o if opt is None else opt.compose(o)
     return pess, opt
+
+
+#: δ at which the RDP ε of a history sets the PLD fallback's mesh for ``delta`` queries (their ε
+#: need not be the history's scale: ε = 0 asked of a history of ε ~ 100).
+DELTA_SCALE_AT = 1e-5
 
 
 #: Below this δ dp-accounting's PLD is not trusted: its composed PMF is truncated at
@@ -542,7 +576,9 @@ class PRVAccountant(HistoryAccountant):
       reported ``upper - lower`` is about ``2 * eps_error``.
     * ``delta_error`` — δ error; default max(δ/1000, min(1e-12, δ/10)) for
       :meth:`epsilon` and for :meth:`delta` 1e-10, or the same rule applied to the answer when
-      that is finer (round 36: so δ(ε(δ).upper).upper ≤ δ for small δ too).
+      that is finer (round 36: so that δ(ε(δ).upper).upper ≤ δ at small δ in the usual regimes;
+      not a guarantee: where ε(δ).upper is near or below ``eps_error`` the δ at that ε carries the ε
+      discretisation error and comes out larger, never smaller; review, round 38).
     * ``fallback`` — fall back to dp-accounting's PLD when the PRV computation is
       detected to be unreliable (default True); with False such cases raise
       :class:`PRVFailure`.
@@ -577,7 +613,11 @@ class PRVAccountant(HistoryAccountant):
             raise ValueError(f"eps_error must be in (0, 1], got {eps_error!r}.")
         self.eps_error = eps_error
         self.delta_error = optional_delta_error(delta_error)
-        self.fallback = bool(fallback)
+        if not isinstance(fallback, bool):  # (review, round 38: "no" was True, None False)
+            raise TypeError(f"fallback must be True or False, got {fallback!r}")
+        self.fallback = fallback
+        if isinstance(max_grid_size, bool) or not isinstance(max_grid_size, numbers.Integral) or max_grid_size < 1:
+            raise ValueError(f"max_grid_size must be a positive int (PRV grid points), got {max_grid_size!r}")
         self.max_grid_size = int(max_grid_size)
         self._grids: "OrderedDict[float, _GridState]" = OrderedDict()
         self._composed: "OrderedDict[Any, _Composed]" = OrderedDict()
@@ -662,18 +702,8 @@ class PRVAccountant(HistoryAccountant):
             return hit
         state = self._grid_state(groups, delta_error)
         g = state.grid
-        # keep the transforms of every (σ, q) of this history cached (plus slack)
-        state.max_bytes = max(state.max_bytes, int(1.5 * len(groups) * (g.n // 2 + 1) * 16))
-        total = 0
-        shift = 0.0
-        mean = 0.0
-        F = None
-        for s, q, n in groups:
-            Fn, sk, mk = state.power(s, q, n)
-            F = Fn if F is None else F * Fn
-            total += n
-            shift += n * sk
-            mean += n * mk
+        F, shift, mean = state.compose(groups)
+        total = sum(n for _, _, n in groups)
         f = sfft.irfft(F, g.n)
         f = np.roll(f, -(((total - 1) * g.K) % g.n))
         if not np.all(np.isfinite(f)):
@@ -822,7 +852,10 @@ class PRVAccountant(HistoryAccountant):
                     raise
                 raise PRVFailure(f"PRV accounting failed: {exc}") from exc
             self._on_failure(f"{type(exc).__name__}: {exc}")
-            res = pld_delta(groups, epsilon, eps_error=self.eps_error, scale=epsilon)
+            # (the PLD's mesh follows the history's ε scale, not the queried ε: at ε = 0 the mesh was
+            # as fine as for a history of ε ~ 1, 107 s for σ = 0.0126; review, round 38)
+            scale, _ = epsilon_from_rdp(_RDP_ORDERS, self._total_rdp(groups), DELTA_SCALE_AT)
+            res = pld_delta(groups, epsilon, eps_error=self.eps_error, scale=max(epsilon, scale))
         return self._remember(key, res)
 
     def _prv_delta(self, groups: Groups, epsilon: float, delta_error: float) -> DeltaBounds:
