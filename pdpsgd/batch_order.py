@@ -192,10 +192,14 @@ class ReorderWatch(TorchFunctionMode):
 
 # random ops that draw for the tensor they are given (its shape): name -> how to read "does it draw"
 _DROPOUTS = frozenset({"dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d",
-                       "native_dropout", "feature_dropout"})
+                       "native_dropout", "feature_dropout", "dropout_", "alpha_dropout_", "feature_dropout_",
+                       "feature_alpha_dropout_"})
 _DRAWS_LIKE = frozenset({"bernoulli", "bernoulli_", "uniform_", "normal_", "exponential_", "cauchy_", "log_normal_",
                          "geometric_", "random_", "poisson", "rand_like", "randn_like", "randint_like", "multinomial",
-                         "binomial", "_standard_gamma", "_sample_dirichlet"})
+                         "binomial", "_standard_gamma", "_sample_dirichlet", "gumbel_softmax"})
+# fused recurrent kernels: their dropout between layers is drawn inside the kernel, in its own layout,
+# which the fallback's per-example recurrence (``pdpsgd.rnn``) does not reproduce (review, round 38)
+_FUSED_RNNS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
 _FACTORIES = frozenset({"rand", "randn", "randint", "randperm"})
 
 
@@ -225,9 +229,22 @@ class DrawWatch(TorchFunctionMode):
     def _draw_of(self, name: str, args, kwargs) -> Optional[str]:
         """Why this call's draw is not per example on dim 0 (None: it is, or it draws nothing)."""
         x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+        if name in _FUSED_RNNS:  # (input, [batch_sizes,] hx, weights, bias, layers, dropout, train, ...)
+            flt = [i for i, a in enumerate(args) if isinstance(a, float)]
+            if not flt or args[flt[0]] == 0 or not (len(args) > flt[0] + 1 and args[flt[0] + 1] is not False) \
+                    or (flt[0] > 0 and args[flt[0] - 1] == 1):  # (one layer: no dropout between layers)
+                return None
+            return f"{name} with dropout {args[flt[0]]:g} between its layers (drawn inside the fused kernel)"
+        if name == "scaled_dot_product_attention":
+            p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+            if not p or not isinstance(x, Tensor) or x.device.type == "cpu":
+                return None  # (the CPU's math kernel draws as vmap does)
+            return f"scaled_dot_product_attention with dropout_p={p:g} on {x.device.type} (the kernel's own sampling)"
         if name in _DROPOUTS:
             p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
             train = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train", True))
+            if train is None:
+                train = True  # (native_dropout's train=None is training)
             if not train or (isinstance(p, (int, float)) and p == 0):
                 return None
         elif name == "rrelu" or name == "rrelu_":
@@ -261,7 +278,8 @@ class DrawWatch(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if self.found is None and (name in _DROPOUTS or name in _DRAWS_LIKE or name in _FACTORIES
-                                   or name in ("normal", "rrelu", "rrelu_")):
+                                   or name in _FUSED_RNNS or name in ("normal", "rrelu", "rrelu_",
+                                                                      "scaled_dot_product_attention")):
             why = self._draw_of(name, args, kwargs)
             if why is not None:
                 caller = sys._getframe(1)

@@ -53,6 +53,8 @@ import dataclasses
 import functools
 import math
 import numbers
+import random
+import sys
 import threading
 import types
 from dataclasses import dataclass, field
@@ -1747,11 +1749,11 @@ def _first_dim(args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[int
 
 @contextlib.contextmanager
 def _own_rng(params: Params, seed: Optional[int] = None) -> Iterator[None]:
-    """The extra forwards of the checks and probes draw from forked random streams (CPU, and the
-    parameters' CUDA devices; seeded with ``seed`` if given): the user's streams, and so the step's
-    noise, are as without them."""
+    """The extra forwards of the checks and probes draw from forked random streams (CPU, the
+    parameters' CUDA devices, Python's ``random`` and numpy's global one since round 38; seeded with
+    ``seed`` if given): the user's streams, and so the step's noise, are as without them."""
     devs = sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devs):
+    with torch.random.fork_rng(devices=devs), _host_rngs(seed=seed):
         if seed is not None:  # (only the forked streams)
             torch.default_generator.manual_seed(seed)
             for d in devs:
@@ -1763,9 +1765,35 @@ def _rng_devices(params: Params) -> List[int]:
     return sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
 
 
-def _rng_now(params: Params) -> Tuple[Tensor, Dict[int, Tensor]]:
-    """The CPU and the parameters' CUDA random states (what the capture's forward draws from)."""
-    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in _rng_devices(params)}
+def _rng_now(params: Params) -> Tuple[Tensor, Dict[int, Tensor], Any, Any]:
+    """The CPU and the parameters' CUDA random states, Python's ``random`` and numpy's legacy global
+    one (if imported): what the capture's forward draws from (round 38: Python's and numpy's too; a
+    LayerDrop on ``random.random()`` gave the fallback the other branch, 1.27 off)."""
+    np_ = sys.modules.get("numpy")
+    return (torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in _rng_devices(params)},
+            random.getstate(), np_.random.get_state() if np_ is not None else None)
+
+
+@contextlib.contextmanager
+def _host_rngs(state: Optional[Tuple[Any, Any]] = None, seed: Optional[int] = None) -> Iterator[None]:
+    """Python's ``random`` and numpy's legacy global state forked for the block: set to ``state``
+    (``_rng_now``'s last two) or seeded with ``seed``, if given; the caller's put back after."""
+    np_ = sys.modules.get("numpy")
+    saved = (random.getstate(), np_.random.get_state() if np_ is not None else None)
+    try:
+        if state is not None:
+            random.setstate(state[0])
+            if np_ is not None and state[1] is not None:
+                np_.random.set_state(state[1])
+        elif seed is not None:
+            random.seed(seed)
+            if np_ is not None:
+                np_.random.seed(seed % 2 ** 32)
+        yield
+    finally:
+        random.setstate(saved[0])
+        if np_ is not None and saved[1] is not None:
+            np_.random.set_state(saved[1])
 
 
 @contextlib.contextmanager
@@ -1781,7 +1809,7 @@ def _rng_replay(params: Params, state: Optional[Tuple[Tensor, Dict[int, Tensor]]
     if state is None:
         yield
         return
-    with torch.random.fork_rng(devices=_rng_devices(params)):
+    with torch.random.fork_rng(devices=_rng_devices(params)), _host_rngs(state[2:]):
         torch.set_rng_state(state[0])
         for d, st in state[1].items():
             torch.cuda.set_rng_state(st, d)
@@ -2992,6 +3020,11 @@ def _watch_order(loss_module: LossModule, params: Params, constants: Mapping[str
     return watch.found
 
 
+def _rate(v: Any) -> Optional[float]:
+    """A module's dropout rate attribute in a memo key (a number; anything else, a submodule say, None)."""
+    return float(v) if isinstance(v, (int, float)) else None
+
+
 def _one_network(col: "_Collected", loss_module: LossModule, params: Params, constants: Mapping[str, Tensor],
                  batch: Batch, B: int, overrides: Mapping[str, str], probe_memo: Optional[Dict]) -> None:
     """Every parameter to the exact fallback (``col.fallback``) when some take it, the model draws at
@@ -3003,15 +3036,19 @@ def _one_network(col: "_Collected", loss_module: LossModule, params: Params, con
     network and the fallback's from other dropout masks, an example's gradient not that of one network
     (review, round 38: Funnel's and XLNet's fallback sums 0.8-2.7 off the batch's gradient). All on the
     fallback, each example's gradient is that of one network, its own draws, as in ``method="vmap"``.
-    Decided once per batch shape and mode by one extra forward (without gradients, on forked random
-    streams), only when some parameter takes the fallback in training mode."""
-    if B < 2 or not any(m.training for m in loss_module.model.modules()):
+    Decided once per batch shape, size, and modules' modes and dropout rates, by one extra forward
+    (without gradients, on forked random streams), only when some parameter takes the fallback."""
+    if B < 2:
         return
     if not (col.fallback or any(_forced(n, overrides, col) == "vmap" for n in params)):
         return
+    # (per batch size: a draw's first size may meet B by chance, and under Poisson sampling B changes;
+    # per mode and dropout rate of each module: a module in eval mode may still draw, F.dropout's
+    # training=True, and a rate set to 0 draws nothing; review, round 38)
     leaves, spec = tree_flatten(batch)
-    key = ("draws", str(spec), tuple(_leaf_sig(x) for x in leaves), amp_state(),
-           tuple(m.training for m in loss_module.model.modules()))
+    key = ("draws", B, str(spec), tuple(_leaf_sig(x) for x in leaves), amp_state(),
+           tuple((m.training, _rate(getattr(m, "p", None)), _rate(getattr(m, "dropout", None)))
+                 for m in loss_module.model.modules()))
     if probe_memo is not None and key in probe_memo:
         found = probe_memo[key]
     else:
@@ -3027,8 +3064,8 @@ def _one_network(col: "_Collected", loss_module: LossModule, params: Params, con
             found = f"the random-draw check's forward failed ({type(err).__name__}: {str(err)[:120]})"
         _memo_put(probe_memo, key, found)
         if found:
-            warn(f"book-keeping: some parameters take the exact vmap fallback and the model draws at random in "
-                 f"training mode where vmap's per-example draws are not the batch's ({found}), so every parameter "
+            warn(f"book-keeping: some parameters take the exact vmap fallback and the model may draw at random "
+                 f"where vmap's per-example draws are not the batch's ({found}), so every parameter "
                  "takes the fallback (each example's gradient from one network, as method='vmap'; slower, and "
                  "memory ∝ chunk × parameters). Faster: model.eval() or p=0 for that dropout, or rules for the "
                  "fallback's layers (dp_step.fallback_reasons(batch) names them).")

@@ -162,8 +162,10 @@ def make_weights_fn(groups: ClipGroups, *, clip_fn: str = "abadi", gamma: float 
     """
     if clip_fn not in ("abadi", "automatic"):
         raise ValueError(f"clip_fn={clip_fn!r} is unknown: use 'abadi' or 'automatic'")
-    if clip_fn == "automatic" and not (isinstance(gamma, numbers.Real) and gamma >= MIN_THRESHOLD
-                                       and math.isfinite(gamma)):
+    if clip_fn == "automatic" and isinstance(gamma, torch.Tensor) and gamma.numel() == 1 and not gamma.is_complex():
+        gamma = float(gamma)  # (a one-element tensor, as make_dp_step takes it)
+    if clip_fn == "automatic" and not (isinstance(gamma, numbers.Real) and not isinstance(gamma, bool)
+                                       and gamma >= MIN_THRESHOLD and math.isfinite(gamma)):
         raise ValueError(f"gamma must be finite and ≥ {MIN_THRESHOLD:g} for automatic clipping (smaller ones let an "
                          f"under-stated, underflowed norm exceed C), got {gamma!r}")
 

@@ -155,6 +155,19 @@ def _real(name: str, v: Any) -> float:
     raise TypeError(f"{name} must be a real number, got {type(v).__module__}.{type(v).__name__}")
 
 
+def _budget_key(budget: Any) -> Any:
+    """A clip budget as it shares C: relative weights (w / max w), None for equal ones (the default)."""
+    if budget is None:
+        return None
+    try:
+        w = [float(x) for x in budget]
+        top = max(w)
+        rel = tuple(x / top for x in w)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return ("unchecked", repr(budget))
+    return None if all(x == 1.0 for x in rel) else rel
+
+
 def _check_narrow_overflow(grads: Mapping[str, Tensor], zstd: float) -> None:
     """A float16 gradient that the cast of its float32 (noisy, scaled) value overflowed: an error,
     not ±inf handed to the optimizer (review, round 38: fp16 loss scaling with C scaled alike, σC/E[B]
@@ -339,7 +352,7 @@ class DPStep:
         """What the clipped sums' sensitivity rests on (C, clip function, γ, groups, budget); a
         ``ClippedSum`` carries its step's and ``finalize`` checks it."""
         return (self.max_grad_norm, self.clip_fn, self.gamma if self.clip_fn == "automatic" else None,
-                self._clipping_key, None if self.clip_budget is None else tuple(float(w) for w in self.clip_budget))
+                self._clipping_key, _budget_key(self.clip_budget))
 
     @property
     def sensitivity(self) -> float:

@@ -345,3 +345,20 @@ def test_draw_watch_tells_per_example_draws_from_the_others():
     assert _draw_found(lambda x: out.append(pos.clone().copy_(x[0]).bernoulli_(0.5)), x) is not None  # (shape (5, 4))
     y = torch.zeros(3, 5, 4)
     assert _draw_found(lambda x: y.add_(x).bernoulli_(0.5), x) is None  # (written with the batch's rows)
+
+
+def test_draw_watch_sees_fused_rnn_dropout_in_place_dropout_and_gumbel():
+    """Review, round 38: an LSTM's dropout between layers (inside the fused kernel), the in-place
+    dropouts, native_dropout's train=None and gumbel_softmax's draw were not seen."""
+    x = torch.randn(3, 5, 4)
+    pos = torch.randn(5, 4)
+    two = nn.LSTM(4, 4, num_layers=2, dropout=0.5, batch_first=True)
+    one = nn.LSTM(4, 4, num_layers=1, batch_first=True)
+    assert "lstm with dropout 0.5" in _draw_found(lambda x: two(x), x)
+    assert _draw_found(lambda x: one(x), x) is None
+    assert _draw_found(lambda x: two.eval()(x), x) is None
+    assert "gru with dropout" in _draw_found(lambda x: nn.GRU(4, 4, num_layers=3, dropout=0.2)(x.transpose(0, 1)), x)
+    assert "dropout_" in _draw_found(lambda x: torch.dropout_(pos.clone(), 0.3, True), x)
+    assert "native_dropout" in _draw_found(lambda x: torch.native_dropout(pos, 0.3, None), x)
+    assert "gumbel_softmax" in _draw_found(lambda x: x + F.gumbel_softmax(pos), x)
+    assert _draw_found(lambda x: F.gumbel_softmax(x), x) is None

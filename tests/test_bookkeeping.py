@@ -1185,7 +1185,7 @@ def test_a_batch_free_random_draw_sends_every_parameter_to_the_fallback(B, C, me
     b = {"x": torch.randn(B, 5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (B,))}
     params = trainable_params(model)
     step = make_dp_step(model, _pos_ce, max_grad_norm=C, noise_multiplier=0.0, method=method)
-    with pytest.warns(UserWarning, match=r"draws at random .*dropout on a \(5, 4\) tensor that does not come"):
+    with pytest.warns(UserWarning, match=r"may draw at random .*dropout on a \(5, 4\) tensor that does not come"):
         step.clipped_sum(params, b)
     ref_step = make_dp_step(model, _pos_ce, max_grad_norm=C, noise_multiplier=0.0, method="vmap")
     torch.manual_seed(seed + 1)
@@ -1199,6 +1199,113 @@ def test_a_batch_free_random_draw_sends_every_parameter_to_the_fallback(B, C, me
     assert "dropout on a (5, 4) tensor" in step.fallback_reasons(b)["a.weight"]
 
 
+class _SharedDraws(nn.Module):
+    """A position table (the fallback) that meets a random draw shared by the batch, in one of several
+    forms the first review of the draw check missed (round 38)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.pos = nn.Parameter(torch.randn(5, 4))
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.pdrop = nn.Dropout(0.0)
+        if kind == "lstm":
+            self.rnn = nn.LSTM(4, 4, num_layers=2, dropout=0.5, batch_first=True)
+
+    def forward(self, x):  # x: (B, 5, 4)
+        pos = self.pos
+        if self.kind == "factory":  # one (5, 4) mask for the batch, whatever B is
+            pos = pos * (torch.rand(5, 4) < 0.5) * 2
+        elif self.kind == "rate":
+            pos = self.pdrop(pos)
+        elif self.kind == "always":  # on in eval mode too
+            pos = F.dropout(pos, 0.5, training=True)
+        h = torch.tanh(self.a(x + pos))
+        if self.kind == "lstm":  # dropout between its layers, inside the fused kernel
+            h = self.rnn(h)[0]
+        return self.b(h).sum(1)
+
+
+@pytest.mark.parametrize("kind", ["factory", "rate", "always", "lstm"])
+def test_shared_draws_the_first_check_missed_send_everything_to_the_fallback(kind):
+    """Review, round 38 (second pass): the draw check's verdict was kept per batch shape without B
+    (a factory of B rows passed at B = 5 and stood at B = 4), without the dropout rates (a rate set
+    from 0 to 0.5 kept "no draw"), was skipped in eval mode (F.dropout(training=True) still draws),
+    and did not see an LSTM's dropout between layers (drawn inside the fused kernel): each left the
+    fallback parameters' gradients from other masks than the ruled ones'. Each now warns and sends
+    every parameter to the fallback, which then equals method="vmap" under the same seed."""
+    torch.manual_seed(0)
+    model = _SharedDraws(kind).double()
+    model.train(kind != "always")
+    params = trainable_params(model)
+    step = make_dp_step(model, _pos_ce, max_grad_norm=1e9, noise_multiplier=0.0, method="bk")
+    b5 = {"x": torch.randn(5, 5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (5,))}
+    b = {"x": torch.randn(4, 5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (4,))}
+    if kind in ("factory", "rate"):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*may draw at random")
+            step.clipped_sum(params, b5)  # (B = 5 meets the factory's 5 rows; a rate of 0 draws nothing)
+        model.pdrop.p = 0.5
+    with pytest.warns(UserWarning, match="may draw at random"):
+        step.clipped_sum(params, b)
+    torch.manual_seed(3)
+    got = step.clipped_sum(params, b)
+    torch.manual_seed(3)
+    ref = make_dp_step(model, _pos_ce, max_grad_norm=1e9, noise_multiplier=0.0, method="vmap").clipped_sum(params, b)
+    assert set(got.routes.values()) == {"vmap"}
+    for n in params:
+        torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-12, atol=1e-14)
+
+
+class _LayerDrop(nn.Module):
+    """A position table (the fallback) skipped or doubled by Python's ``random`` (LayerDrop written
+    with it), and numpy's: one draw for the batch, as vmap's forward makes it too."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(5, 4))
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        import random
+
+        import numpy as np
+
+        pos = self.pos * (2.0 if random.random() < 0.5 else 0.0) * float(np.random.uniform(0.5, 1.5))
+        return self.b(torch.tanh(self.a(x + pos))).sum(1)
+
+
+def test_python_and_numpy_draws_are_replayed_for_the_fallback():
+    """Review, round 38: the fallback replayed torch's random streams only, so a LayerDrop on
+    ``random.random()`` took the other branch for the fallback parameters (1.27 off the batch's
+    gradient), and the checks' extra forwards moved the caller's Python and numpy streams. Now both
+    are replayed, and forked for the checks: the step leaves them where one forward leaves them."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = _LayerDrop().double().train()
+    b = {"x": torch.randn(4, 5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (4,))}
+    params = trainable_params(model)
+    step = make_dp_step(model, _pos_ce, max_grad_norm=1e9, noise_multiplier=0.0, method="bk")
+    for seed in range(4):  # (both branches)
+        step_ = make_dp_step(model, _pos_ce, max_grad_norm=1e9, noise_multiplier=0.0, method="bk") if seed == 0 \
+            else step  # (a new step: its first call runs the checks, on forked streams)
+        random.seed(seed)
+        np.random.seed(seed)
+        out = step_.clipped_sum(params, b)
+        after = (random.random(), float(np.random.uniform()))
+        random.seed(seed)
+        np.random.seed(seed)
+        model.zero_grad()
+        _pos_ce(model, b).sum().backward()
+        assert after == (random.random(), float(np.random.uniform()))
+        assert out.routes["pos"] == "vmap" and out.routes["a.weight"] != "vmap"
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(out.sums[n], p.grad, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("mode", ["batched", "eval"])
 def test_batched_draws_keep_the_rules(mode):
     """Dropout only on the batch's own rows (one mask per example, as vmap draws them), or no draw at
@@ -1210,7 +1317,7 @@ def test_batched_draws_keep_the_rules(mode):
     params = trainable_params(model)
     step = make_dp_step(model, _pos_ce, max_grad_norm=1e9, noise_multiplier=0.0, method="bk")
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*draws at random")
+        warnings.filterwarnings("error", message=".*may draw at random")
         step.clipped_sum(params, b)
         torch.manual_seed(3)
         out = step.clipped_sum(params, b)

@@ -404,6 +404,12 @@ def test_a_clipping_spec_is_read_once_and_checked_when_the_step_is_made():
     assert len({s.clipping_key for s in same}) == 1
     same[0].finalize(same[1].clipped_sum(params, b) + same[2].clipped_sum(params, b))
     assert make(clipping=two[::-1]).clipping_key != same[0].clipping_key  # (group order: the budget's order)
+    # (a budget shares C by its ratios: equal weights are the default's; round 38, second review)
+    assert make(clipping=two, clip_budget=[2, 2]).clipping_key == same[0].clipping_key
+    assert make(clipping=two, clip_budget=[1, 3]).clipping_key == make(clipping=two, clip_budget=(2.0, 6.0)).clipping_key
+    assert make(clipping=two, clip_budget=[1, 3]).clipping_key != same[0].clipping_key
+    from pdpsgd.clipping import make_groups, make_weights_fn
+    make_weights_fn(make_groups(["a"], "flat", 1.0), clip_fn="automatic", gamma=torch.tensor(0.05))
 
 
 @given(seed=st.integers(0, 10_000), B=st.integers(2, 9), split=st.integers(1, 8), sigma=st.sampled_from([0.0, 1.1]))
