@@ -89,7 +89,7 @@ from .batch_order import DrawWatch, ReorderWatch
 from .clipping import MIN_THRESHOLD, sum_sq_norms
 from .functional import LossModule, ParamIndex, model_constants, preserve_module_state
 from .per_sample import (_LOW, DETACHED_LOSS, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks,
-                         per_sample_grads, slice_batch, sq_norm_per_example, stray_parameter_error, trainable_parameters, weighted_dot, weighted_sum)
+                         per_sample_grads, slice_batch, sq_norm_per_example, stray_parameter_error, trainable_parameters, watch_stray, weighted_dot, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
 from .rules.base import Dense, Explicit, Index, Rule, Use, module_attr
 
@@ -2325,7 +2325,8 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         # a checkpoint recomputation runs its whole segment (no early stop), so every layer's
         # parameter swap is undone as its forward returns before anything else is recomputed
         # (preserve_module_state: also undoes a parameter swap a failing forward left half done)
-        with _no_checkpoint_early_stop(), preserve_module_state(model), _adapted(model, registry, B):
+        with _no_checkpoint_early_stop(), preserve_module_state(model), _adapted(model, registry, B), \
+                watch_stray(stray):
             losses, grads, early, call_targets = functional_call(
                 scope, {"m." + k: v for k, v in LossModule.prefixed({**constants, **leaves}).items()},
                 (forward_backward,))

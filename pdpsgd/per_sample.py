@@ -46,6 +46,48 @@ def batch_size(batch: Batch) -> int:
     return next(iter(sizes))
 
 
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+
+
+def check_batch_entries(batch: Batch, B: int) -> None:
+    """A clear error for a batch entry that reads as one value per example but is not a tensor (a
+    Python list or tuple of B numbers or strings, a NumPy array of B rows): the step cuts only
+    tensors per example, so each example's loss would see all B values, its neighbours' included
+    (under vmap; in book-keeping's checks and fallback), and an example could move the others'
+    gradients past C (review, round 38: lengths from a collate function, 1.25 C)."""
+    if B < 2:
+        return
+
+    def walk(x: Any, path: str) -> None:
+        if isinstance(x, Tensor):
+            return
+        if isinstance(x, Mapping):
+            for k, v in x.items():
+                walk(v, f"{path}[{k!r}]")
+            return
+        np_ = sys.modules.get("numpy")
+        if np_ is not None and isinstance(x, np_.ndarray):
+            if x.ndim >= 1 and x.shape[0] == B:
+                raise ValueError(_PER_EXAMPLE.format(path=path or "the batch", what=f"a NumPy array of {B} rows", B=B))
+            return
+        if isinstance(x, (list, tuple)):
+            if len(x) == B and all(isinstance(v, _SCALARS) or (np_ is not None and isinstance(v, np_.generic))
+                                   for v in x):
+                raise ValueError(_PER_EXAMPLE.format(path=path or "the batch", what=f"a {type(x).__name__} of {B} "
+                                                     "numbers or strings", B=B))
+            for i, v in enumerate(x):
+                walk(v, f"{path}[{i}]")
+
+    walk(batch, "")
+
+
+_PER_EXAMPLE = ("batch entry {path} is {what}, one per example? The step cuts only tensors per example, so each "
+                "example's loss would see all {B} (its neighbours' values too) and one example could move the "
+                "others' gradients. Pass it as a tensor whose first dimension is the batch (torch.tensor(...)); "
+                "if it is one value shared by every example, keep it out of the batch (in the model or the "
+                "loss_fn's closure). Every tensor in the batch is taken as one row per example.")
+
+
 def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
     """Examples start..stop-1 of the batch (tensor leaves sliced, others kept)."""
     return tree_map(lambda x: x[start:stop] if isinstance(x, Tensor) else x, batch)
@@ -313,8 +355,13 @@ def per_sample_grads(
     mixed = _mixed_layer_norm_wanted(model)
     while True:
         try:
-            with vmap_context(model, mixed), preserve_module_state(model), torch.enable_grad():
+            with vmap_context(model, mixed), preserve_module_state(model), torch.enable_grad(), watch_stray(stray):
                 grads, losses = fn(params, batch)
+                if losses.requires_grad and stray:  # (inside the watch: the paths to frozen strays need it)
+                    found = torch.autograd.grad(losses.sum(), [p for _, p in stray], allow_unused=True)
+                    used = [n for (n, _), g in zip(stray, found) if g is not None]
+                    if used:
+                        raise stray_parameter_error(used)
             break
         except RuntimeError as err:
             if not mixed and _is_mixed_layer_norm_error(err):  # (autocast entered inside loss_fn)
@@ -322,12 +369,8 @@ def per_sample_grads(
                 mixed = True
                 continue
             raise _explain_vmap_error(err) from err
-    if losses.requires_grad and stray:
-        found = torch.autograd.grad(losses.sum(), [p for _, p in stray], allow_unused=True)
-        used = [n for (n, _), g in zip(stray, found) if g is not None]
-        if used:
-            raise stray_parameter_error(used)
-    return losses.detach(), grads
+    # (values: a batch input that requires grad left a graph on them back to it; review, round 38)
+    return losses.detach(), {n: g.detach() for n, g in grads.items()}
 
 
 DETACHED_LOSS = ("loss_fn's per-example losses do not depend on the trained parameters (they do not require grad: "
@@ -348,9 +391,26 @@ def stray_parameter_error(used: Sequence[str]) -> ValueError:
 
 
 def trainable_parameters(model: torch.nn.Module, names: Optional[Mapping[str, Any]] = None) -> List[Tuple[str, Tensor]]:
-    """The model's own Parameter objects that require grad (read before a capture swaps them out),
-    those whose (first, canonical) name is in ``names`` when given: the ones the step trains."""
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and (names is None or n in names)]
+    """The model's own Parameter objects the step trains (read before a capture swaps them out):
+    those whose (first, canonical) name is in ``names`` when given, whatever their ``requires_grad``
+    (round 38: a parameter passed in params but frozen on the model escaped the stray-use check;
+    ``watch_stray`` lets autograd see it for the block), else those that require grad."""
+    return [(n, p) for n, p in model.named_parameters() if (p.requires_grad if names is None else n in names)]
+
+
+@contextlib.contextmanager
+def watch_stray(stray: Sequence[Tuple[str, Tensor]]) -> Iterator[None]:
+    """The ``stray`` Parameters that do not require grad do for the block, so that a forward's use
+    of one other than through its module (a reference in a list or a closure) leaves a path autograd
+    can find; put back after."""
+    off = [p for _, p in stray if not p.requires_grad]
+    for p in off:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in off:
+            p.requires_grad_(False)
 
 
 _ACC: Dict[torch.dtype, torch.dtype] = {}
