@@ -78,7 +78,10 @@ def run(cfg, seed, broken: bool):
         "labels": torch.cat([torch.tensor(tr.labels), torch.tensor(held.labels)[ci]]),
         "canary": torch.cat([torch.full((len(tr),), -1), ci]),
     }
-    n = n_of(train)
+    # q, T and σ from the public size n_real + m/2 (the expected count of included canaries), not the
+    # count included: which canaries are in is the audit's secret, and a T that moves with it gives
+    # neighbours transcripts of different lengths, which no (ε, δ) covers (review, round 38)
+    n = len(tr) + m // 2
     q = cfg["batch"] / n
     steps = round(cfg["epochs"] * n / cfg["batch"])
     sigma = calibrate_noise(target_epsilon=cfg["eps"], delta=DELTA, sample_rate=q, steps=steps)
@@ -97,7 +100,8 @@ def run(cfg, seed, broken: bool):
                             generator=noise_gen, noise_rng="torch")  # the stored results' noise stream
     scores = torch.zeros(m, dtype=torch.float64)
     t0 = time.perf_counter()
-    sampler = iter(PoissonSampler(n, q, steps, generator=g))  # (inclusion probability never above q)
+    # (over the rows there are: each in with probability q, whatever their count; never above q)
+    sampler = iter(PoissonSampler(n_of(train), q, steps, generator=g))
     for _ in range(steps):
         idx = next(sampler)
         if idx.numel() == 0:

@@ -426,9 +426,14 @@ def poisson_batches(n: int, q: float, steps: int, gen: torch.Generator):
 
 
 def train(task_or_model, loss_fn, data, *, epochs: int, batch_size: int, lr: float, seed: int,
-          dp: Optional[DPConfig] = None, optimizer: str = "adam", on_step=None) -> Dict[str, Any]:
+          dp: Optional[DPConfig] = None, optimizer: str = "adam", on_step=None,
+          public_n: Optional[int] = None) -> Dict[str, Any]:
     """Train in place. Non-private: shuffled mini-batches. DP: Poisson sampling at q = B/N,
     round(N/B) steps per epoch, ``make_dp_step`` gradients, epoch e uses ``noise_multipliers[e]``.
+    ``public_n``: the N that q, the steps and the divisor are planned from, when the data's own size
+    is secret (a membership experiment's random subset: a size that depends on who is in would
+    change the number of released steps between neighbours, which no accountant covers); default
+    the data's size.
 
     Returns {"epoch_times": [...], "steps_per_epoch", "sample_rate"}.
     """
@@ -436,11 +441,12 @@ def train(task_or_model, loss_fn, data, *, epochs: int, batch_size: int, lr: flo
 
     model = task_or_model
     n = n_of(data)
+    plan_n = n if public_n is None else int(public_n)
     gen = torch.Generator().manual_seed(seed + 1)
     params = trainable_params(model)
     opt = (torch.optim.Adam if optimizer == "adam" else torch.optim.SGD)(list(params.values()), lr=lr)
-    steps = max(1, round(n / batch_size))
-    q = min(1.0, batch_size / n)
+    steps = max(1, round(plan_n / batch_size))
+    q = min(1.0, batch_size / plan_n)
     times = []
     model.train()
     steps_done = 0
@@ -460,7 +466,7 @@ def train(task_or_model, loss_fn, data, *, epochs: int, batch_size: int, lr: flo
                     on_step(steps_done, None)
         else:
             step = make_dp_step(model, loss_fn, max_grad_norm=dp.max_grad_norm,
-                                noise_multiplier=float(dp.noise_multipliers[e]), expected_batch_size=q * n,
+                                noise_multiplier=float(dp.noise_multipliers[e]), expected_batch_size=q * plan_n,
                                 method=dp.method, chunk_size=dp.chunk_size,
                                 generator=torch.Generator().manual_seed(seed * 1000 + e + 7), clipping=dp.clipping,
                                 bk_options=dp.bk_options if dp.method != "vmap" else None,

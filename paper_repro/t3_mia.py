@@ -60,7 +60,9 @@ def main(argv=None):
             for k in range(K):
                 idx = torch.from_numpy(np.nonzero(IN[k])[0])
                 data = take(pool, idx)
-                n = len(idx)
+                # q, the steps and σ from the public size N/2, not this model's random half (whose size
+                # depends on who is in: neighbours would see different numbers of steps; review, round 38)
+                n = N // 2
                 steps = max(1, round(n / trkw["batch_size"]))
                 q = trkw["batch_size"] / n
                 dp = None
@@ -71,7 +73,7 @@ def main(argv=None):
                     eps_acc.append(float(acc.epsilon(DELTA).upper))
                     dp = DPConfig([sigma] * trkw["epochs"], max_grad_norm=1.0, method=method)
                 m = task.make_model(a.seed * 100 + k)
-                train(m, task.loss_fn, data, seed=a.seed * 100 + k, dp=dp, **trkw)
+                train(m, task.loss_fn, data, seed=a.seed * 100 + k, dp=dp, public_n=n, **trkw)
                 ev = evaluate(m, task.loss_fn, pool)
                 losses[k] = ev["losses"]
                 accs.append(ev["accuracy"])

@@ -267,6 +267,8 @@ def empirical_epsilon(tpr: float, fpr: float, delta: float = 0.0) -> float:
     without confidence: for a statistically valid lower bound use :func:`one_run_audit_epsilon`.
     """
     tpr, fpr, delta = float(tpr), float(fpr), float(delta)
+    if not (0.0 <= tpr <= 1.0 and 0.0 <= fpr <= 1.0 and 0.0 <= delta < 1.0):  # (review, round 38: TPR 1.5 gave inf)
+        raise ValueError(f"need TPR and FPR in [0, 1] and δ in [0, 1), got tpr={tpr}, fpr={fpr}, delta={delta}")
     cands = [0.0]
     if tpr - delta > 0:
         cands.append(math.inf if fpr == 0 else math.log((tpr - delta) / fpr))
@@ -343,6 +345,9 @@ def one_run_audit_epsilon(
     0 when nothing can be rejected. With δ = 0 the p-value increases with ε (bisection to
     ``tol``); with δ > 0 its δ term need not be monotone in ε, so the first crossing is located
     by a scan on a grid of ``grid_step`` followed by bisection inside the crossing cell.
+
+    The δ term adds up to 2·m·δ to the p-value, so a bound above 0 needs m·δ ≪ 1 − confidence:
+    with m = 1000 canaries and δ = 1e-3 nothing can be certified, whatever the mechanism.
     """
     v, r, m = _check_counts(num_correct, num_guesses, num_canaries)
     if not 0 < confidence < 1:
@@ -439,6 +444,8 @@ def one_run_audit(
     kp = [int(k) for k in (k_pos if isinstance(k_pos, Iterable) else [k_pos])]
     kn = [int(k) for k in (k_neg if isinstance(k_neg, Iterable) else [k_neg])]
     combos = [(a, b) for a in kp for b in kn]
+    if not combos:  # (review, round 38: ZeroDivisionError)
+        raise ValueError(f"k_pos and k_neg need at least one value each, got k_pos={kp}, k_neg={kn}")
     for a, b in combos:
         if a < 0 or b < 0 or a + b > m or a + b == 0:
             raise ValueError(f"need k_pos, k_neg ≥ 0 with 0 < k_pos + k_neg ≤ m={m}, got ({a}, {b})")

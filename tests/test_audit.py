@@ -199,3 +199,20 @@ def test_one_run_audit_from_scores():
     assert single.epsilon_lower_bound >= strong.epsilon_lower_bound
     with pytest.raises(ValueError):
         A.one_run_audit(np.zeros(5), np.zeros(5, bool), k_pos=4, k_neg=4)
+
+
+def test_bad_audit_inputs_are_refused():
+    """Review, round 38: an empty k grid raised ZeroDivisionError; TPR 1.5 gave ε = inf, δ < 0 a finite ε."""
+    import numpy as np
+
+    from pdpsgd import audit as A
+
+    s, inc = np.arange(10.0), np.arange(10) % 2 == 0
+    with pytest.raises(ValueError, match="at least one value"):
+        A.one_run_audit(s, inc, k_pos=[])
+    with pytest.raises(ValueError, match="at least one value"):
+        A.one_run_audit(s, inc, k_pos=5, k_neg=[])
+    for args in ((1.5, 0.1), (0.9, 0.1, -0.5), (0.5, -0.1), (0.5, 0.1, 1.0)):
+        with pytest.raises(ValueError, match="TPR and FPR in"):
+            A.empirical_epsilon(*args)
+    assert A.empirical_epsilon(0.5, 0.1) == pytest.approx(math.log(5))
