@@ -217,6 +217,9 @@ class DrawWatch(TorchFunctionMode):
         super().__init__()
         self.B = B
         self.found: Optional[str] = None
+        # a verdict that rests on a size meeting B (a factory of B rows, taken as one per example): it
+        # stands for this B alone
+        self.fragile = False
         self._from_batch: Dict[int, "weakref.ref[Tensor]"] = {}
         for x in tree_flatten(batch)[0]:
             if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == B:
@@ -253,7 +256,10 @@ class DrawWatch(TorchFunctionMode):
         elif name == "normal":
             if not any(isinstance(a, Tensor) for a in (*args[:2], kwargs.get("mean"), kwargs.get("std"))):
                 size = args[2] if len(args) > 2 else kwargs.get("size")
-                return None if _first(size) == self.B else f"normal(size={tuple(size) if size else size})"
+                if _first(size) == self.B:
+                    self.fragile = True
+                    return None
+                return f"normal(size={tuple(size) if size else size})"
             x = next(a for a in (*args[:2], kwargs.get("mean"), kwargs.get("std")) if isinstance(a, Tensor))
         elif name in _FACTORIES:
             if name == "randperm":
@@ -263,7 +269,10 @@ class DrawWatch(TorchFunctionMode):
             else:
                 size = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else (
                     args or kwargs.get("size"))
-            return None if _first(size) == self.B else f"{name}(size={tuple(size) if size else size})"
+            if _first(size) == self.B:
+                self.fragile = True
+                return None
+            return f"{name}(size={tuple(size) if size else size})"
         elif name not in _DRAWS_LIKE:
             return None
         if not isinstance(x, Tensor):
@@ -272,6 +281,8 @@ class DrawWatch(TorchFunctionMode):
             return f"{name} on a {tuple(x.shape)} tensor that does not come from the batch"
         if x.dim() == 0 or x.shape[0] != self.B:
             return f"{name} on a {tuple(x.shape)} tensor from the batch whose first dimension is not the batch's"
+        if self.B in x.shape[1:]:  # ((T, B, d) with T = B reads as batch-first: so at this B only)
+            self.fragile = True
         return None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -3021,6 +3021,9 @@ def _watch_order(loss_module: LossModule, params: Params, constants: Mapping[str
     return watch.found
 
 
+_UNSEEN, _FRAGILE = object(), object()  # (draw-check memo: no verdict yet; verdicts kept per batch size)
+
+
 def _rate(v: Any) -> Optional[float]:
     """A module's dropout rate attribute in a memo key (a number; anything else, a submodule say, None)."""
     return float(v) if isinstance(v, (int, float)) else None
@@ -3043,15 +3046,20 @@ def _one_network(col: "_Collected", loss_module: LossModule, params: Params, con
         return
     if not (col.fallback or any(_forced(n, overrides, col) == "vmap" for n in params)):
         return
-    # (per batch size: a draw's first size may meet B by chance, and under Poisson sampling B changes;
-    # per mode and dropout rate of each module: a module in eval mode may still draw, F.dropout's
+    # (per batch shape; per batch size too where the verdict rested on a size meeting B (a factory of B
+    # rows), since under Poisson sampling B changes; per mode and dropout rate of each module: a module in eval mode may still draw, F.dropout's
     # training=True, and a rate set to 0 draws nothing; review, round 38)
     leaves, spec = tree_flatten(batch)
-    key = ("draws", B, str(spec), tuple(_leaf_sig(x) for x in leaves), amp_state(),
+    key = ("draws", str(spec), tuple(_leaf_sig(x) for x in leaves), amp_state(),
            tuple((m.training, _rate(getattr(m, "p", None)), _rate(getattr(m, "dropout", None)))
                  for m in loss_module.model.modules()))
-    if probe_memo is not None and key in probe_memo:
-        found = probe_memo[key]
+    memo = probe_memo if probe_memo is not None else {}
+    hit = memo.get(key, _UNSEEN)
+    if hit is _FRAGILE:  # (the verdict at another B rested on a size meeting that B: per B here)
+        key = key + (B,)
+        hit = memo.get(key, _UNSEEN)
+    if hit is not _UNSEEN:
+        found = hit
     else:
         watch = DrawWatch(B, batch)
         try:
@@ -3059,6 +3067,9 @@ def _one_network(col: "_Collected", loss_module: LossModule, params: Params, con
                 with watch:
                     _plain_forward(loss_module, params, constants, batch)
             found = watch.found
+            if watch.fragile and len(key) == 5:  # (the shape's verdict says "per B"; this B's is kept beside it)
+                _memo_put(probe_memo, key, _FRAGILE)
+                key = key + (B,)
         except Exception as err:  # (the capture's forward ran: this one should; if not, the safe side)
             if isinstance(err, _OOM):
                 raise

@@ -1257,6 +1257,22 @@ def test_shared_draws_the_first_check_missed_send_everything_to_the_fallback(kin
         torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-12, atol=1e-14)
 
 
+def test_the_draw_check_runs_once_per_batch_shape_not_per_batch_size():
+    """Its verdict stands for every B unless it rested on a size meeting B (round 38): under Poisson
+    sampling B changes every step, and one extra forward per size would be paid again and again."""
+    torch.manual_seed(0)
+    model = _DroppedPositions(shared=False).double().train()
+    seen = []
+    model.register_forward_pre_hook(lambda mod, args: seen.append((torch.is_grad_enabled(), args[0].shape[0])))
+    params = trainable_params(model)
+    step = make_dp_step(model, _pos_ce, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    step.clipped_sum(params, {"x": torch.randn(3, 5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (3,))})
+    seen.clear()
+    for B in (4, 5, 6, 7):
+        step.clipped_sum(params, {"x": torch.randn(B, 5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (B,))})
+    assert [b for grad_on, b in seen if not grad_on and b > 2] == []  # (no full-batch check forward)
+
+
 class _LayerDrop(nn.Module):
     """A position table (the fallback) skipped or doubled by Python's ``random`` (LayerDrop written
     with it), and numpy's: one draw for the batch, as vmap's forward makes it too."""
