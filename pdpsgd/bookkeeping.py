@@ -88,7 +88,7 @@ from ._warn import warn
 from .batch_order import DrawWatch, ReorderWatch
 from .clipping import MIN_THRESHOLD, sum_sq_norms
 from .functional import LossModule, ParamIndex, model_constants, preserve_module_state
-from .per_sample import (_LOW, DETACHED_LOSS, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks,
+from .per_sample import (_LOW, DETACHED_LOSS, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks, check_batch_entries,
                          per_sample_grads, slice_batch, sq_norm_per_example, stray_parameter_error, trainable_parameters, watch_stray, weighted_dot, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
 from .rules.base import Dense, Explicit, Index, Rule, Use, module_attr
@@ -4000,6 +4000,7 @@ def bk_engine(
     """
     registry, overrides, cm = _options(method, bk_options, loss_module.model)
     B = batch_size(batch)
+    check_batch_entries(batch, B)
     chunk = chunk_size or B
     device = _device_of(params, mask)
     losses_all: List[Tensor] = []

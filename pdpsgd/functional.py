@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterable, Iterator, Mapping, Optional, Set, Tuple
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.utils._pytree import tree_flatten
 from torch.nn.parameter import is_lazy
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.parametrize import ParametrizationList
@@ -800,7 +801,9 @@ def preserve_module_state(model: nn.Module) -> Iterator[None]:
                 same = False
             if same:
                 continue
-            if any(isinstance(v, Tensor) and before.get(k, _ABSENT) is not v for k, v in now.items()):
+            if any(before.get(k, _ABSENT) is not v and (isinstance(v, Tensor) or (
+                    isinstance(v, (tuple, list, dict)) and any(isinstance(t, Tensor) for t in tree_flatten(v)[0])))
+                   for k, v in now.items()):  # (a tensor, or a tuple / list / dict holding one: a KV cache)
                 for k in [k for k in now if k not in before]:
                     del now[k]
                 now.update(before)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 import os
 import secrets
 import statistics
@@ -82,6 +83,18 @@ def default_delta(num_examples: int) -> float:
     return min(1e-5, 1.0 / (10.0 * max(1, num_examples)))
 
 
+def _real_or_none(v: Any) -> Optional[float]:
+    """A real number (Python, NumPy, a one-element tensor, a Fraction) as a float; None otherwise
+    (a bool, a string, ...)."""
+    if isinstance(v, bool) or (hasattr(v, "dtype") and str(getattr(v, "dtype", "")) == "bool"):
+        return None
+    if isinstance(v, torch.Tensor):
+        return float(v) if v.numel() == 1 and not v.is_complex() and v.dtype != torch.bool else None
+    if isinstance(v, numbers.Real):
+        return float(v)
+    return None
+
+
 def plan_training(num_examples: int, *, batch_size: float, epochs: float, target_epsilon: Optional[float],
                   delta: float, noise_multiplier: Optional[float] = None) -> TrainingPlan:
     """σ, q = batch_size/N and T = ceil(epochs/q) for a target ε at δ (σ from ``calibrate_noise``).
@@ -96,15 +109,18 @@ def plan_training(num_examples: int, *, batch_size: float, epochs: float, target
         raise ValueError(f"batch size {batch_size} must be in (0, N={num_examples}]")
     # (review, round 38: epochs ≤ 0 gave one step, a NaN σ and δ = 7 were planned, the δ refused only by
     # the first step's ε, after its noisy update was applied and on the ledger)
-    if not (isinstance(epochs, (int, float)) and math.isfinite(epochs) and epochs > 0):
+    epochs = _real_or_none(epochs)
+    if not (epochs is not None and math.isfinite(epochs) and epochs > 0):
         raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}")
     delta = check_delta(delta)
-    if noise_multiplier is not None and not (isinstance(noise_multiplier, (int, float))
-                                             and math.isfinite(noise_multiplier) and noise_multiplier >= 0):
-        raise ValueError(f"noise_multiplier must be a finite number ≥ 0 (σ), got {noise_multiplier!r}")
-    if target_epsilon is not None and not (isinstance(target_epsilon, (int, float))
-                                           and math.isfinite(target_epsilon) and target_epsilon > 0):
-        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
+    if noise_multiplier is not None:
+        noise_multiplier = _real_or_none(noise_multiplier)
+        if not (noise_multiplier is not None and math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+            raise ValueError(f"noise_multiplier must be a finite number ≥ 0 (σ), got {noise_multiplier!r}")
+    if target_epsilon is not None:
+        target_epsilon = _real_or_none(target_epsilon)
+        if not (target_epsilon is not None and math.isfinite(target_epsilon) and target_epsilon > 0):
+            raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
     q = float(batch_size) / num_examples
     steps = max(1, int(math.ceil(epochs / q - 1e-9)))
     if noise_multiplier is None:

@@ -323,6 +323,7 @@ def test_bad_accountant_options_are_refused(kw, err):
     """Review, round 38: fallback="no" was taken as True, max_grid_size=-5 sent every query to the PLD."""
     with pytest.raises(err):
         PRVAccountant(**kw)
+    assert PRVAccountant(max_grid_size=2e7, fallback=np.True_).max_grid_size == 20_000_000
 
 
 def test_heterogeneous_composition_is_exact_not_worst_case():

@@ -252,12 +252,13 @@ class _Caching(nn.Module):
     def __init__(self):
         super().__init__()
         self.l = nn.Linear(5, 3)
-        self.cache = None
+        self.cache = self.kv = None
         self.table, self.table_len = torch.zeros(2), 2
 
     def forward(self, x):
         y = self.l(x)
         self.cache = y.detach()
+        self.kv = (y.detach(), {"v": y.detach()})
         if x.shape[0] > self.table_len:
             self.table, self.table_len = torch.arange(float(x.shape[0])), int(x.shape[0])
         return y
@@ -291,6 +292,7 @@ def test_the_step_leaves_no_tensor_attributes_graphs_or_missed_strays(method):
     xr = x.clone().requires_grad_()
     out = step(pdpsgd.trainable_params(m), {"x": xr, "y": y})
     assert m.cache is None and m.table_len == 2 and torch.equal(m.table, torch.zeros(2))  # (as before, as a pair)
+    assert m.kv is None  # (a tensor inside a tuple / dict: a KV cache)
     copy.deepcopy(m)
     torch.save(m, io.BytesIO())
     assert not any(g.requires_grad for g in out.grads.values())
@@ -325,7 +327,11 @@ def test_a_per_example_entry_that_is_not_a_tensor_is_refused(method):
     for lens in ([2, 2, 2, 6], np.array([2, 2, 2, 6]), (2, 2, 2, 6)):
         with pytest.raises(ValueError, match=r"batch entry \['lens'\] is .* one per example\? .*torch.tensor"):
             step(params, {"x": x, "y": y, "lens": lens})
-    step(params, {"x": x, "y": y, "lens": [6], "mode": "mean", "scale": 2.0})
+    with pytest.raises(ValueError, match=r"batch entry \['toks'\] is a list of 4 items without tensors"):
+        step(params, {"x": x, "y": y, "toks": [[1], [1, 2], [3], [4] * 9]})  # (per-example lists; round 38)
+    with pytest.raises(ValueError, match=r"batch entry \['rows'\]"):
+        step(params, {"x": x, "y": y, "rows": [{"n": 1}, {"n": 2}, {"n": 3}, {"n": 4}]})
+    step(params, {"x": x, "y": y, "lens": [6], "mode": "mean", "scale": 2.0, "shape": torch.Size([4, 6, 3, 1])})
     step(params, {"x": x[:1], "y": y[:1], "lens": [6]})  # (B = 1: nothing to mix)
 
 

@@ -947,6 +947,20 @@ def test_plan_training_refuses_bad_settings(kw, needle):
         plan_training(100, **args)
 
 
+def test_plan_training_takes_numpy_and_torch_numbers():
+    import numpy as np
+
+    from pdpsgd.train import plan_training
+
+    a = plan_training(100, batch_size=10, epochs=np.int64(2), target_epsilon=np.float32(3.0), delta=np.float64(1e-5))
+    b = plan_training(100, batch_size=10, epochs=torch.tensor(2.0), target_epsilon=3.0, delta=1e-5)
+    assert a.steps == b.steps == 20 and a.noise_multiplier == b.noise_multiplier
+    assert plan_training(100, batch_size=10, epochs=2, target_epsilon=None, delta=1e-5,
+                         noise_multiplier=np.float32(1.5)).noise_multiplier == 1.5
+    with pytest.raises(ValueError, match="epochs must be"):
+        plan_training(100, batch_size=10, epochs=True, target_epsilon=3.0, delta=1e-5)
+
+
 def test_a_trainer_refuses_a_plan_with_a_bad_delta_before_any_step():
     from pdpsgd.train import DPTrainer, TrainingPlan
 

@@ -613,11 +613,12 @@ class PRVAccountant(HistoryAccountant):
             raise ValueError(f"eps_error must be in (0, 1], got {eps_error!r}.")
         self.eps_error = eps_error
         self.delta_error = optional_delta_error(delta_error)
-        if not isinstance(fallback, bool):  # (review, round 38: "no" was True, None False)
+        if not isinstance(fallback, (bool, np.bool_)):  # (review, round 38: "no" was True, None False)
             raise TypeError(f"fallback must be True or False, got {fallback!r}")
-        self.fallback = fallback
-        if isinstance(max_grid_size, bool) or not isinstance(max_grid_size, numbers.Integral) or max_grid_size < 1:
-            raise ValueError(f"max_grid_size must be a positive int (PRV grid points), got {max_grid_size!r}")
+        self.fallback = bool(fallback)
+        if isinstance(max_grid_size, (bool, np.bool_)) or not isinstance(max_grid_size, numbers.Real) \
+                or not float(max_grid_size).is_integer() or max_grid_size < 1:
+            raise ValueError(f"max_grid_size must be a positive whole number (PRV grid points), got {max_grid_size!r}")
         self.max_grid_size = int(max_grid_size)
         self._grids: "OrderedDict[float, _GridState]" = OrderedDict()
         self._composed: "OrderedDict[Any, _Composed]" = OrderedDict()
