@@ -753,6 +753,18 @@ def no_rope_mixing(model: nn.Module, *, seen: Optional[dict] = None) -> Iterator
 
 
 _ABSENT = object()
+_IS_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+
+
+def _holds_wrapper(v: Any) -> bool:
+    """A functorch wrapper (vmap / grad), or a tuple / list / dict holding one."""
+    if _IS_WRAPPED is None:
+        return False
+    if isinstance(v, Tensor):
+        return bool(_IS_WRAPPED(v))
+    if isinstance(v, (tuple, list, dict)):
+        return any(isinstance(t, Tensor) and _IS_WRAPPED(t) for t in tree_flatten(v)[0])
+    return False
 
 
 @contextlib.contextmanager
@@ -790,10 +802,11 @@ def preserve_module_state(model: nn.Module) -> Iterator[None]:
         for d, k, v in saved:
             if d.get(k) is not v:
                 d[k] = v
-        # a tensor the forward kept as a plain attribute (a cache: self.cache = y.detach()) is the step's
-        # value, under vmap a functorch wrapper that deepcopy / torch.save / any later use refuse, and
-        # it holds the chunk's activations: such a module's plain attributes as they were before, all of
-        # them (a cached table and the length it was cached for stay a pair; review, round 38)
+        # a tensor the forward kept as a plain attribute (a cache: self.cache = y.detach(), a KV cache's
+        # tuple) under vmap is a functorch wrapper that deepcopy / torch.save / any later use refuse, and
+        # holds the chunk's activations: such a module's plain attributes as they were before, all of
+        # them (a cached table and the length it was cached for stay a pair; review, round 38). A plain
+        # tensor (book-keeping's batched forward) stays, as the model's own forward would leave it.
         for now, before in plain_before:
             try:
                 same = now == before  # (C-level; the same objects compare equal without __eq__)
@@ -801,9 +814,7 @@ def preserve_module_state(model: nn.Module) -> Iterator[None]:
                 same = False
             if same:
                 continue
-            if any(before.get(k, _ABSENT) is not v and (isinstance(v, Tensor) or (
-                    isinstance(v, (tuple, list, dict)) and any(isinstance(t, Tensor) for t in tree_flatten(v)[0])))
-                   for k, v in now.items()):  # (a tensor, or a tuple / list / dict holding one: a KV cache)
+            if any(before.get(k, _ABSENT) is not v and _holds_wrapper(v) for k, v in now.items()):
                 for k in [k for k in now if k not in before]:
                     del now[k]
                 now.update(before)
