@@ -3044,7 +3044,7 @@ def _one_network(col: "_Collected", loss_module: LossModule, params: Params, con
     (without gradients, on forked random streams), only when some parameter takes the fallback."""
     if B < 2:
         return
-    if not (col.fallback or any(_forced(n, overrides, col) == "vmap" for n in params)):
+    if not (col.fallback or (overrides and any(_forced(n, overrides, col) == "vmap" for n in params))):
         return
     # (per batch shape; per batch size too where the verdict rested on a size meeting B (a factory of B
     # rows), since under Poisson sampling B changes; per mode and dropout rate of each module: a module in eval mode may still draw, F.dropout's
