@@ -213,13 +213,14 @@ class DrawWatch(TorchFunctionMode):
     or a random factory call (``torch.rand(shape)``) of another first size. Tensors are followed from
     the batch through every op of the forward (any input from the batch: its outputs are)."""
 
-    def __init__(self, B: int, batch: Any):
+    def __init__(self, B: int, batch: Any, fixed_sizes: Any = ()):
         super().__init__()
         self.B = B
         self.found: Optional[str] = None
-        # a verdict that rests on a size meeting B (a factory of B rows, taken as one per example): it
-        # stands for this B alone
-        self.fragile = False
+        # a verdict that rests on a size meeting B (a factory of B rows, taken as one per example; a
+        # batch tensor whose first size is B while B is also one of the model's or the batch's fixed
+        # sizes, ``fixed_sizes``: (T, d) from x[0] at B = T): it stands for this B alone (final review)
+        self.fragile = B in set(fixed_sizes)
         self._from_batch: Dict[int, "weakref.ref[Tensor]"] = {}
         for x in tree_flatten(batch)[0]:
             if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == B:

@@ -3040,7 +3040,8 @@ def _one_network(col: "_Collected", loss_module: LossModule, params: Params, con
     network and the fallback's from other dropout masks, an example's gradient not that of one network
     (review, round 38: Funnel's and XLNet's fallback sums 0.8-2.7 off the batch's gradient). All on the
     fallback, each example's gradient is that of one network, its own draws, as in ``method="vmap"``.
-    Decided once per batch shape, size, and modules' modes and dropout rates, by one extra forward
+    Decided once per batch shape and modules' modes and dropout rates (per batch size too where B meets
+    a fixed size of the batch or the parameters, or a draw's size), by one extra forward
     (without gradients, on forked random streams), only when some parameter takes the fallback."""
     if B < 2:
         return
@@ -3061,7 +3062,9 @@ def _one_network(col: "_Collected", loss_module: LossModule, params: Params, con
     if hit is not _UNSEEN:
         found = hit
     else:
-        watch = DrawWatch(B, batch)
+        fixed = {int(d) for x in leaves if isinstance(x, Tensor) for d in x.shape[1:]}
+        fixed |= {int(d) for p in params.values() for d in p.shape}
+        watch = DrawWatch(B, batch, fixed)
         try:
             with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params, 0):
                 with watch:

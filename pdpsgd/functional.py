@@ -8,6 +8,7 @@ weight is *one* parameter whose per-example gradient is summed over every use.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 from typing import Any, Dict, Iterable, Iterator, Mapping, Optional, Set, Tuple
@@ -762,13 +763,15 @@ def _holds_wrapper(v: Any) -> bool:
         return False
     if isinstance(v, Tensor):
         return bool(_IS_WRAPPED(v))
+    if isinstance(v, collections.deque):
+        v = list(v)
     if isinstance(v, (tuple, list, dict)):
         return any(isinstance(t, Tensor) and _IS_WRAPPED(t) for t in tree_flatten(v)[0])
     return False
 
 
 @contextlib.contextmanager
-def preserve_module_state(model: nn.Module) -> Iterator[None]:
+def preserve_module_state(model: nn.Module, *, containers: bool = False) -> Iterator[None]:
     """Every module's own parameters and buffers are the same objects after the block as before.
 
     ``torch.func.functional_call`` restores them itself, except (torch 2.13 and earlier) when a
@@ -796,9 +799,22 @@ def preserve_module_state(model: nn.Module) -> Iterator[None]:
     saved = [(d, k, v) for m in mods for d in (m._parameters, m._buffers) for k, v in d.items()]
     # each module's plain attributes (a shallow copy of its __dict__: C-level, ~1 µs a module)
     plain_before = [(m.__dict__, dict(m.__dict__)) for m in mods]
+    # ``containers`` (the vmap engine): the contents of each list / dict / deque attribute too, which a
+    # forward may fill in place (self.hist.append(y), self.kv["k"] = y: the same object, so the
+    # identity comparison below cannot see it; final review, round 38)
+    held = [(v, list(v) if isinstance(v, (list, collections.deque)) else dict(v))
+            for m in mods for v in m.__dict__.values()
+            if isinstance(v, (list, dict, collections.deque)) and not isinstance(v, nn.Module)] if containers else []
     try:
         yield
     finally:
+        for v, contents in held:
+            if _holds_wrapper(v):
+                v.clear()
+                if isinstance(v, dict):
+                    v.update(contents)
+                else:
+                    v.extend(contents)
         for d, k, v in saved:
             if d.get(k) is not v:
                 d[k] = v

@@ -88,7 +88,8 @@ def check_batch_entries(batch: Batch, B: int) -> None:
 
 _PER_EXAMPLE = ("batch entry {path} is {what}, one per example? The step cuts only tensors per example, so each "
                 "example's loss would see all {B} (its neighbours' values too) and one example could move the "
-                "others' gradients. Pass it as a tensor whose first dimension is the batch (torch.tensor(...)); "
+                "others' gradients. Pass it as a tensor whose first dimension is the batch (torch.tensor(...); "
+                "texts: tokenize them into tensors, or drop them from the batch); "
                 "if it is one value shared by every example, keep it out of the batch (in the model or the "
                 "loss_fn's closure). Every tensor in the batch is taken as one row per example.")
 
@@ -360,7 +361,8 @@ def per_sample_grads(
     mixed = _mixed_layer_norm_wanted(model)
     while True:
         try:
-            with vmap_context(model, mixed), preserve_module_state(model), torch.enable_grad(), watch_stray(stray):
+            with vmap_context(model, mixed), preserve_module_state(model, containers=True), torch.enable_grad(), \
+                    watch_stray(stray):
                 grads, losses = fn(params, batch)
                 if losses.requires_grad and stray:  # (inside the watch: the paths to frozen strays need it)
                     found = torch.autograd.grad(losses.sum(), [p for _, p in stray], allow_unused=True)

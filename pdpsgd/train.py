@@ -91,7 +91,10 @@ def _real_or_none(v: Any) -> Optional[float]:
     if isinstance(v, torch.Tensor):
         return float(v) if v.numel() == 1 and not v.is_complex() and v.dtype != torch.bool else None
     if isinstance(v, numbers.Real):
-        return float(v)
+        try:
+            return float(v)
+        except OverflowError:  # (an int past float's range)
+            return None
     return None
 
 
@@ -109,18 +112,19 @@ def plan_training(num_examples: int, *, batch_size: float, epochs: float, target
         raise ValueError(f"batch size {batch_size} must be in (0, N={num_examples}]")
     # (review, round 38: epochs ≤ 0 gave one step, a NaN σ and δ = 7 were planned, the δ refused only by
     # the first step's ε, after its noisy update was applied and on the ledger)
+    given = epochs
     epochs = _real_or_none(epochs)
     if not (epochs is not None and math.isfinite(epochs) and epochs > 0):
-        raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}")
+        raise ValueError(f"epochs must be a finite number > 0, got {given!r}")
     delta = check_delta(delta)
     if noise_multiplier is not None:
-        noise_multiplier = _real_or_none(noise_multiplier)
+        given, noise_multiplier = noise_multiplier, _real_or_none(noise_multiplier)
         if not (noise_multiplier is not None and math.isfinite(noise_multiplier) and noise_multiplier >= 0):
-            raise ValueError(f"noise_multiplier must be a finite number ≥ 0 (σ), got {noise_multiplier!r}")
+            raise ValueError(f"noise_multiplier must be a finite number ≥ 0 (σ), got {given!r}")
     if target_epsilon is not None:
-        target_epsilon = _real_or_none(target_epsilon)
+        given, target_epsilon = target_epsilon, _real_or_none(target_epsilon)
         if not (target_epsilon is not None and math.isfinite(target_epsilon) and target_epsilon > 0):
-            raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
+            raise ValueError(f"target_epsilon must be a finite number > 0, got {given!r}")
     q = float(batch_size) / num_examples
     steps = max(1, int(math.ceil(epochs / q - 1e-9)))
     if noise_multiplier is None:

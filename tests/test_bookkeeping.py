@@ -1266,11 +1266,47 @@ def test_the_draw_check_runs_once_per_batch_shape_not_per_batch_size():
     model.register_forward_pre_hook(lambda mod, args: seen.append((torch.is_grad_enabled(), args[0].shape[0])))
     params = trainable_params(model)
     step = make_dp_step(model, _pos_ce, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
-    step.clipped_sum(params, {"x": torch.randn(3, 5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (3,))})
+    # (B = 6 meets none of the model's or the batch's fixed sizes, 3, 4, 5: a verdict for every B)
+    step.clipped_sum(params, {"x": torch.randn(6, 5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (6,))})
     seen.clear()
-    for B in (4, 5, 6, 7):
+    for B in (7, 8, 9, 10):
         step.clipped_sum(params, {"x": torch.randn(B, 5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (B,))})
     assert [b for grad_on, b in seen if not grad_on and b > 2] == []  # (no full-batch check forward)
+
+
+class _SharedMaskFromBatch(nn.Module):
+    """One (T, d) dropout mask for the batch, made from the batch itself (x[0]): at B = T its first
+    size meets B by chance."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(5, 4))
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        mask = F.dropout(torch.ones_like(x[0]), 0.5, self.training)
+        return self.b(torch.tanh(self.a(x + self.pos * mask))).sum(1)
+
+
+def test_a_verdict_taken_where_b_meets_a_fixed_size_is_not_reused_at_other_sizes():
+    """Final review, round 38: at B = T = 5 a (T, d) mask made from x[0] reads as one per example; the
+    verdict was kept for every batch size, so at B = 4 the fallback parameter got other masks than
+    the ruled ones. Where B meets a fixed size of the batch or the parameters the verdict is per B."""
+    torch.manual_seed(0)
+    model = _SharedMaskFromBatch().double().train()
+    params = trainable_params(model)
+    step = make_dp_step(model, _pos_ce, max_grad_norm=1e9, noise_multiplier=0.0, method="bk")
+    step.clipped_sum(params, {"x": torch.randn(5, 5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (5,))})
+    b = {"x": torch.randn(4, 5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (4,))}
+    with pytest.warns(UserWarning, match="may draw at random"):
+        step.clipped_sum(params, b)
+    torch.manual_seed(3)
+    got = step.clipped_sum(params, b)
+    torch.manual_seed(3)
+    ref = make_dp_step(model, _pos_ce, max_grad_norm=1e9, noise_multiplier=0.0, method="vmap").clipped_sum(params, b)
+    assert set(got.routes.values()) == {"vmap"}
+    for n in params:
+        torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-12, atol=1e-14)
 
 
 class _LayerDrop(nn.Module):

@@ -253,12 +253,15 @@ class _Caching(nn.Module):
         super().__init__()
         self.l = nn.Linear(5, 3)
         self.cache = self.kv = None
+        self.hist, self.store = [], {}  # (filled in place: the same objects)
         self.table, self.table_len = torch.zeros(2), 2
 
     def forward(self, x):
         y = self.l(x)
         self.cache = y.detach()
         self.kv = (y.detach(), {"v": y.detach()})
+        self.hist.append(y.detach())
+        self.store["k"] = y.detach()
         if x.shape[0] > self.table_len:
             self.table, self.table_len = torch.arange(float(x.shape[0])), int(x.shape[0])
         return y
@@ -293,6 +296,7 @@ def test_the_step_leaves_no_tensor_attributes_graphs_or_missed_strays(method):
     out = step(pdpsgd.trainable_params(m), {"x": xr, "y": y})
     if method == "vmap":  # (functorch wrappers: put back, as a pair, and inside a tuple / dict: a KV cache)
         assert m.cache is None and m.kv is None and m.table_len == 2 and torch.equal(m.table, torch.zeros(2))
+        assert m.hist == [] and m.store == {}  # (containers filled in place: their contents put back)
     else:  # (the batched forward's plain tensors stay, as the model's own forward leaves them)
         assert m.table_len == 4 and m.cache.shape[1:] == (3,) and not m.cache.requires_grad
     copy.deepcopy(m)
