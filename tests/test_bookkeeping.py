@@ -1226,6 +1226,20 @@ class _SharedDraws(nn.Module):
         return self.b(h).sum(1)
 
 
+def _warns_then_equals_vmap(step, model, params, b):
+    """The step warns of a draw vmap does not reproduce, sends every parameter to the fallback and
+    then equals method="vmap" under the same seed."""
+    with pytest.warns(UserWarning, match="may draw at random"):
+        step.clipped_sum(params, b)
+    torch.manual_seed(3)
+    got = step.clipped_sum(params, b)
+    torch.manual_seed(3)
+    ref = make_dp_step(model, _pos_ce, max_grad_norm=1e9, noise_multiplier=0.0, method="vmap").clipped_sum(params, b)
+    assert set(got.routes.values()) == {"vmap"}
+    for n in params:
+        torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("kind", ["factory", "rate", "always", "lstm"])
 def test_shared_draws_the_first_check_missed_send_everything_to_the_fallback(kind):
     """Review, round 38 (second pass): the draw check's verdict was kept per batch shape without B
@@ -1246,15 +1260,7 @@ def test_shared_draws_the_first_check_missed_send_everything_to_the_fallback(kin
             warnings.filterwarnings("error", message=".*may draw at random")
             step.clipped_sum(params, b5)  # (B = 5 meets the factory's 5 rows; a rate of 0 draws nothing)
         model.pdrop.p = 0.5
-    with pytest.warns(UserWarning, match="may draw at random"):
-        step.clipped_sum(params, b)
-    torch.manual_seed(3)
-    got = step.clipped_sum(params, b)
-    torch.manual_seed(3)
-    ref = make_dp_step(model, _pos_ce, max_grad_norm=1e9, noise_multiplier=0.0, method="vmap").clipped_sum(params, b)
-    assert set(got.routes.values()) == {"vmap"}
-    for n in params:
-        torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-12, atol=1e-14)
+    _warns_then_equals_vmap(step, model, params, b)
 
 
 def test_the_draw_check_runs_once_per_batch_shape_not_per_batch_size():
@@ -1298,15 +1304,7 @@ def test_a_verdict_taken_where_b_meets_a_fixed_size_is_not_reused_at_other_sizes
     step = make_dp_step(model, _pos_ce, max_grad_norm=1e9, noise_multiplier=0.0, method="bk")
     step.clipped_sum(params, {"x": torch.randn(5, 5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (5,))})
     b = {"x": torch.randn(4, 5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (4,))}
-    with pytest.warns(UserWarning, match="may draw at random"):
-        step.clipped_sum(params, b)
-    torch.manual_seed(3)
-    got = step.clipped_sum(params, b)
-    torch.manual_seed(3)
-    ref = make_dp_step(model, _pos_ce, max_grad_norm=1e9, noise_multiplier=0.0, method="vmap").clipped_sum(params, b)
-    assert set(got.routes.values()) == {"vmap"}
-    for n in params:
-        torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-12, atol=1e-14)
+    _warns_then_equals_vmap(step, model, params, b)
 
 
 class _LayerDrop(nn.Module):
