@@ -771,7 +771,7 @@ def _holds_wrapper(v: Any) -> bool:
 
 
 @contextlib.contextmanager
-def preserve_module_state(model: nn.Module, *, containers: bool = False) -> Iterator[None]:
+def preserve_module_state(model: nn.Module, *, vmap: bool = False) -> Iterator[None]:
     """Every module's own parameters and buffers are the same objects after the block as before.
 
     ``torch.func.functional_call`` restores them itself, except (torch 2.13 and earlier) when a
@@ -797,14 +797,15 @@ def preserve_module_state(model: nn.Module, *, containers: bool = False) -> Iter
             rnns.append((m, plain, absent))
     mods = list(model.modules())
     saved = [(d, k, v) for m in mods for d in (m._parameters, m._buffers) for k, v in d.items()]
-    # each module's plain attributes (a shallow copy of its __dict__: C-level, ~1 µs a module)
-    plain_before = [(m.__dict__, dict(m.__dict__)) for m in mods]
-    # ``containers`` (the vmap engine): the contents of each list / dict / deque attribute too, which a
-    # forward may fill in place (self.hist.append(y), self.kv["k"] = y: the same object, so the
-    # identity comparison below cannot see it; final review, round 38)
+    # ``vmap`` (the block runs the model under torch.func transforms, the only place functorch wrappers
+    # arise): each module's plain attributes (a shallow copy of its __dict__), and the contents of each
+    # list / dict / deque attribute, which a forward may fill in place (self.hist.append(y),
+    # self.kv["k"] = y: the same object, which the identity comparison below cannot see; final review,
+    # round 38). Book-keeping's forwards leave plain tensors and skip both (its hot path).
+    plain_before = [(m.__dict__, dict(m.__dict__)) for m in mods] if vmap else []
     held = [(v, list(v) if isinstance(v, (list, collections.deque)) else dict(v))
             for m in mods for v in m.__dict__.values()
-            if isinstance(v, (list, dict, collections.deque)) and not isinstance(v, nn.Module)] if containers else []
+            if isinstance(v, (list, dict, collections.deque)) and not isinstance(v, nn.Module)] if vmap else []
     try:
         yield
     finally:
@@ -821,8 +822,7 @@ def preserve_module_state(model: nn.Module, *, containers: bool = False) -> Iter
         # a tensor the forward kept as a plain attribute (a cache: self.cache = y.detach(), a KV cache's
         # tuple) under vmap is a functorch wrapper that deepcopy / torch.save / any later use refuse, and
         # holds the chunk's activations: such a module's plain attributes as they were before, all of
-        # them (a cached table and the length it was cached for stay a pair; review, round 38). A plain
-        # tensor (book-keeping's batched forward) stays, as the model's own forward would leave it.
+        # them (a cached table and the length it was cached for stay a pair; review, round 38).
         for now, before in plain_before:
             try:
                 same = now == before  # (C-level; the same objects compare equal without __eq__)

@@ -47,9 +47,6 @@ def batch_size(batch: Batch) -> int:
     return next(iter(sizes))
 
 
-_SCALARS = (bool, int, float, complex, str, bytes, type(None))
-
-
 def check_batch_entries(batch: Batch, B: int) -> None:
     """A clear error for a batch entry that reads as one value per example but is not a tensor (a
     Python list or tuple of B numbers or strings, a NumPy array of B rows): the step cuts only
@@ -361,7 +358,7 @@ def per_sample_grads(
     mixed = _mixed_layer_norm_wanted(model)
     while True:
         try:
-            with vmap_context(model, mixed), preserve_module_state(model, containers=True), torch.enable_grad(), \
+            with vmap_context(model, mixed), preserve_module_state(model, vmap=True), torch.enable_grad(), \
                     watch_stray(stray):
                 grads, losses = fn(params, batch)
                 if losses.requires_grad and stray:  # (inside the watch: the paths to frozen strays need it)

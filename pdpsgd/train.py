@@ -23,10 +23,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import numbers
 import os
 import secrets
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
@@ -84,18 +84,16 @@ def default_delta(num_examples: int) -> float:
 
 
 def _real_or_none(v: Any) -> Optional[float]:
-    """A real number (Python, NumPy, a one-element tensor, a Fraction) as a float; None otherwise
-    (a bool, a string, ...)."""
-    if isinstance(v, bool) or (hasattr(v, "dtype") and str(getattr(v, "dtype", "")) == "bool"):
+    """``step._real``'s reading of a number (Python, NumPy, a one-element tensor, a Fraction) as a
+    float; None for anything else, a bool included."""
+    from .step import _real
+
+    if isinstance(v, bool) or getattr(v, "dtype", None) in (torch.bool, getattr(sys.modules.get("numpy"), "bool_", None)):
         return None
-    if isinstance(v, torch.Tensor):
-        return float(v) if v.numel() == 1 and not v.is_complex() and v.dtype != torch.bool else None
-    if isinstance(v, numbers.Real):
-        try:
-            return float(v)
-        except OverflowError:  # (an int past float's range)
-            return None
-    return None
+    try:
+        return _real("value", v)
+    except (TypeError, OverflowError):
+        return None
 
 
 def plan_training(num_examples: int, *, batch_size: float, epochs: float, target_epsilon: Optional[float],
