@@ -6,6 +6,11 @@ state (sampling, noise, dropout). It is a ``torch.save`` file of plain container
 numbers only, loaded with ``torch.load(weights_only=True)``: loading never unpickles arbitrary
 objects. Writes go to a temporary file in the same folder, are fsync'ed, then renamed over the
 old file (``os.replace`` is atomic), so a crash mid-write leaves the previous checkpoint intact.
+The file starts with one line, ``pdpsgd-checkpoint sha256:<hex digest>``, the SHA-256 of the
+``torch.save`` bytes after it: a bit flipped anywhere (a tensor's data or the accountant's history,
+which ``torch.load`` reads without complaint) is refused on load (review, round 39: one flipped bit
+in the stored history made a resumed run count 6 of its 10 released steps). Files written before
+round 39 have no such line and are read unchecked.
 
 Formal guarantee (with ``pdpsgd.train``): RNG *states* are saved and restored, never re-derived
 from a seed, so a resumed run continues each random stream where it stopped and never repeats
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import io
 import json
 import math
 import os
@@ -39,6 +46,9 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+# the checkpoint file's first line: this prefix, the hex SHA-256 of the rest of the file, "\n"
+_DIGEST_PREFIX = b"pdpsgd-checkpoint sha256:"
+_DIGEST_LINE = len(_DIGEST_PREFIX) + 64 + 1
 
 
 class CheckpointError(RuntimeError):
@@ -160,7 +170,16 @@ def save_checkpoint(path: os.PathLike, state: Mapping[str, Any]) -> None:
     Tensors are moved to CPU. Use ``load_checkpoint`` to read it back safely.
     """
     payload = {"format": "pdpsgd-checkpoint", "format_version": FORMAT_VERSION, **_to_cpu(dict(state))}
-    _atomic(path, lambda f: torch.save(payload, f))
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    data = buf.getbuffer()
+    head = _DIGEST_PREFIX + hashlib.sha256(data).hexdigest().encode("ascii") + b"\n"
+
+    def write(f):
+        f.write(head)
+        f.write(data)
+
+    _atomic(path, write)
 
 
 def _to_cpu(x: Any) -> Any:
@@ -177,13 +196,29 @@ def load_checkpoint(path: os.PathLike) -> Dict[str, Any]:
     """Load a checkpoint written by ``save_checkpoint`` with ``torch.load(weights_only=True)``.
 
     Raises ``CheckpointError`` (never a silent fallback) if the file is missing, truncated,
-    corrupt, not a pdpsgd checkpoint or from an unknown format version.
+    corrupt (its SHA-256 line disagrees with its content), not a pdpsgd checkpoint or from an
+    unknown format version.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     try:
-        state = torch.load(str(path), map_location="cpu", weights_only=True)
+        with open(path, "rb") as f:
+            head = f.read(_DIGEST_LINE)
+            body = f.read() if head.startswith(_DIGEST_PREFIX[:10]) else b""
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable ({e.strerror or e})") from None
+    src: Any = str(path)  # (a file written before round 39: a bare torch.save zip, read unchecked)
+    if head.startswith(_DIGEST_PREFIX[:10]):
+        want = head[len(_DIGEST_PREFIX):-1]
+        if not head.startswith(_DIGEST_PREFIX) or not head.endswith(b"\n") \
+                or hashlib.sha256(body).hexdigest().encode("ascii") != want:
+            raise CheckpointError(f"checkpoint {path} is corrupt (its SHA-256 does not match its content: a damaged "
+                                  "or edited file); resume from an intact copy, or start a new run in a new "
+                                  "--output-dir")
+        src = io.BytesIO(body)
+    try:
+        state = torch.load(src, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, bad pickle opcode, disallowed global, ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({first[:200]})") from None

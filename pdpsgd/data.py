@@ -59,10 +59,28 @@ class TextDataset:
         return TextDataset(self.texts[:n], self.labels[:n], list(self.label_names), self.name)
 
     def fingerprint(self) -> str:
-        """sha256 of the texts and labels (order included): identifies the exact dataset."""
+        """sha256 of the texts and labels (order included): identifies the exact dataset.
+
+        Each row is hashed as ``text NUL label SOH``, which reads back one way only while no text
+        holds a NUL and every text encodes as UTF-8 (every ordinary dataset: their fingerprints are
+        those of earlier rounds). Otherwise (review, round 39: ``["a\\x001\\x01b", "c"]`` and
+        ``["a", "b\\x002\\x01c"]`` with labels [2, 3] and [1, 3] shared one fingerprint) each text is
+        hashed with its length, after a prefix no row of the first form can start with."""
         h = hashlib.sha256()
+        try:
+            plain = not any("\x00" in t for t in self.texts) and [t.encode("utf-8") for t in self.texts]
+        except UnicodeEncodeError:  # (lone surrogates: "replace" would read them as "?")
+            plain = False
+        if plain:
+            for b, y in zip(plain, self.labels):
+                h.update(b)
+                h.update(b"\x00%d\x01" % y)
+            return h.hexdigest()
+        h.update(b"\x00\x02pdpsgd-fingerprint-2\x00")  # (a first row "text NUL digits" cannot start so)
         for t, y in zip(self.texts, self.labels):
-            h.update(t.encode("utf-8", "replace"))
+            b = t.encode("utf-8", "surrogatepass")
+            h.update(b"%d\x00" % len(b))
+            h.update(b)
             h.update(b"\x00%d\x01" % y)
         return h.hexdigest()
 

@@ -180,6 +180,36 @@ def _history_prefix(small: Any, large: Any) -> bool:
         return True
 
 
+def _same_history(a: Any, b: Any) -> bool:
+    """Whether two accountant states hold the same run-length history (a missing one says nothing)."""
+    try:
+        return [[float(s), float(q), int(n)] for s, q, n in a["history"]] == \
+            [[float(s), float(q), int(n)] for s, q, n in b["history"]]
+    except (KeyError, TypeError, ValueError):
+        return True
+
+
+def _history_problem(state: Any, released: int, sigma: float, q: float) -> Optional[str]:
+    """What is wrong with accountant state ``state`` as the record of ``released`` steps of this plan
+    (σ, q), or None: its last run must be (σ, q) and count them all (review, round 39: a flipped bit
+    in a stored history, 5 steps read as 1, went unseen and the resumed run reported a smaller ε).
+    An accountant state without a run-length history (another kind of accountant) is not checked."""
+    try:
+        hist = [list(r) for r in state["history"]]
+        if released <= 0:
+            return None
+        if not hist:
+            return f"it records no step, where {released} were released"
+        s, r, n = float(hist[-1][0]), float(hist[-1][1]), int(hist[-1][2])
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None
+    if not (math.isclose(s, sigma, rel_tol=1e-12) and math.isclose(r, q, rel_tol=1e-12)):
+        return f"its last steps were taken at σ = {s!r}, q = {r!r}, not this plan's σ = {sigma!r}, q = {q!r}"
+    if n < released:
+        return f"it records {n} step(s) at this plan's σ and q, where {released} were released"
+    return None
+
+
 def _derive_seed(seed: int, what: str) -> int:
     return int.from_bytes(hashlib.sha256(f"pdpsgd:{seed}:{what}".encode()).digest()[:8], "little") >> 1
 
@@ -614,6 +644,25 @@ class DPTrainer:
             raise ValueError(f"the state was saved by a trainer with other privacy settings ({diff}): its steps "
                              "would be counted under this one's plan (a dp=False state's steps as private ones). "
                              "Build the trainer with the state's settings")
+        # the privacy history must count every release, before anything is loaded
+        acc_state = json.loads(state["accountant"])
+        released = int(state.get("released", state["step"]))
+        if self.dp:
+            sigma, q = float(self.plan.noise_multiplier), float(self.plan.sample_rate)
+            why = _history_problem(acc_state, released, sigma, q)
+            if why is not None:
+                raise ValueError(f"the state's privacy history does not count its releases ({why}): the checkpoint "
+                                 "was damaged or edited; refusing to resume. Resume from an intact checkpoint")
+            if ledger is not None:
+                why = _history_problem(ledger.get("accountant"), int(ledger.get("steps_released", 0)), sigma, q)
+                if why is not None:
+                    raise ValueError(f"the privacy ledger's history does not count its releases ({why}): it was "
+                                     "damaged or edited; refusing to resume")
+                if int(ledger.get("steps_released", 0)) == released \
+                        and not _same_history(ledger.get("accountant"), acc_state):
+                    raise ValueError("the state and the privacy ledger count the same releases with different "
+                                     "histories: one of them was damaged or edited, or they are different runs'; "
+                                     "refusing to resume")
         smp = state.get("sampler")
         if isinstance(smp, Mapping) and "position" in smp and int(smp["position"]) != int(state["step"]):
             # (a step that raised after its draw, before round 36: the plan's last step has no draw left)
@@ -630,10 +679,10 @@ class DPTrainer:
                 p.copy_(params[n])
         self.optimizer.load_state_dict(state["optimizer"])
 
-        self.accountant.load_state_dict(json.loads(state["accountant"]))
+        self.accountant.load_state_dict(acc_state)
         self.sampler.load_state_dict(state["sampler"])
         self.step_count = int(state["step"])
-        self.released = int(state.get("released", self.step_count))
+        self.released = released
         self.step_times = [float(x) for x in state.get("step_times", torch.zeros(0)).tolist()]
         rng = state.get("rng")
         if rng is None and not self.done:

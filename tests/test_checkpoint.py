@@ -194,6 +194,36 @@ def test_checkpoint_loading_is_weights_only(tmp_path):
         load_checkpoint(tmp_path / "missing.pt")
 
 
+def test_a_flipped_bit_anywhere_in_a_checkpoint_is_refused(tmp_path):
+    """torch.load reads a checkpoint whose tensor data or strings were damaged without complaint
+    (review, round 39: one flipped bit turned the stored history's 5 steps into 1, and a resumed
+    run counted 6 of its 10 released steps): the file's SHA-256 line catches any flip."""
+    import random
+
+    p = tmp_path / "ck.pt"
+    hist = json.dumps({"history": [[1.0, 0.2, 5]]})
+    save_checkpoint(p, {"step": 5, "w": torch.arange(4096, dtype=torch.float32), "accountant": hist})
+    good = p.read_bytes()
+    assert torch.equal(load_checkpoint(p)["w"], torch.arange(4096, dtype=torch.float32))
+    at = {"tensor data": good.index(torch.arange(4096, dtype=torch.float32).numpy().tobytes()[4000:4008]),
+          "history": good.index(b"0.2, 5]") + 5}
+    rng = random.Random(0)
+    at.update({f"byte {i}": rng.randrange(len(good)) for i in range(8)})
+    for what, i in at.items():
+        for bit in (0, 2):
+            bad = bytearray(good)
+            bad[i] ^= 1 << bit
+            p.write_bytes(bytes(bad))
+            with pytest.raises(CheckpointError, match="corrupt"):
+                load_checkpoint(p)
+    p.write_bytes(good[:-1])  # truncated by one byte
+    with pytest.raises(CheckpointError, match="SHA-256"):
+        load_checkpoint(p)
+    # a file written before round 39 (a bare torch.save zip, no digest line) is still read
+    torch.save({"format": "pdpsgd-checkpoint", "format_version": 1, "step": 3}, p)
+    assert load_checkpoint(p)["step"] == 3
+
+
 def test_atomic_write_keeps_old_file_on_failure(tmp_path, monkeypatch):
     p = tmp_path / "ck.pt"
     save_checkpoint(p, {"step": 1, "w": torch.arange(3)})

@@ -19,3 +19,24 @@ def test_a_lone_surrogate_is_a_data_error_naming_the_row(tmp_path, col):
     rows[1][col] = "ok ü 日本"
     p.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
     assert len(load_text_file(p).texts) == 2
+
+
+def test_the_fingerprint_reads_back_one_way():
+    """Review, round 39: rows were hashed as ``text NUL label SOH``, so texts holding those bytes
+    made two datasets of one size share a fingerprint (and a checkpoint resume on the other one).
+    Such datasets (and lone surrogates, once read as "?") are hashed with each text's length; an
+    ordinary dataset keeps the fingerprint it had."""
+    import hashlib
+
+    from pdpsgd.data import TextDataset
+
+    a = TextDataset(["a\x001\x01b", "c"], [2, 3])
+    b = TextDataset(["a", "b\x002\x01c"], [1, 3])
+    assert a.fingerprint() != b.fingerprint()
+    assert TextDataset(["x\ud800"], [0]).fingerprint() != TextDataset(["x?"], [0]).fingerprint()
+    plain = TextDataset(["ok ü 日本", "two\x01"], [0, 1])
+    h = hashlib.sha256()
+    for t, y in zip(plain.texts, plain.labels):
+        h.update(t.encode("utf-8"))
+        h.update(b"\x00%d\x01" % y)
+    assert plain.fingerprint() == h.hexdigest()

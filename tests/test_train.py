@@ -472,6 +472,46 @@ def test_a_stale_or_foreign_ledger_is_not_trusted(tmp_path):
         tr3.load_state_dict(state, ledger=foreign)
 
 
+def test_a_damaged_privacy_history_is_refused_on_resume():
+    """Review, round 39: a checkpoint whose stored history counted 6 of its 10 released steps (one
+    flipped bit) was loaded, ε came out 17 % low and the ledger was rewritten with it. A state's or a
+    ledger's history must count every release at the plan's σ and q, and a state and a ledger of the
+    same count must hold the same history."""
+    import copy
+
+    tr, *_ = _mlp_setup(seed=1, epochs=2)
+    for _ in range(5):
+        tr.step()
+    state, ledger = tr.state_dict(), tr._ledger()
+    hist = json.loads(state["accountant"])["history"]
+    assert [h[2] for h in hist] == [5]
+
+    def with_history(h):
+        st = copy.copy(state)
+        st["accountant"] = json.dumps(dict(json.loads(state["accountant"]), history=h))
+        return st
+
+    sigma, q = hist[0][0], hist[0][1]
+    for h, why in (([[sigma, q, 1]], "records 1 step"), ([], "records no step"),
+                   ([[sigma * 3, q, 5]], "σ = "), ([[sigma, q / 2, 5]], "q = ")):
+        tr2, *_ = _mlp_setup(seed=1, epochs=2)
+        before = [p.detach().clone() for p in tr2.params.values()]
+        with pytest.raises(ValueError, match=f"state's privacy history does not count its releases.*{why}"):
+            tr2.load_state_dict(with_history(h))
+        assert tr2.released == 0 and tr2.accountant.num_steps == 0  # nothing was loaded
+        assert all(torch.equal(a, p) for a, p in zip(before, tr2.params.values()))
+    bad = dict(ledger, steps_released=7, accountant=dict(ledger["accountant"], history=[[sigma, q, 6]]))
+    tr3, *_ = _mlp_setup(seed=1, epochs=2)
+    with pytest.raises(ValueError, match="ledger's history does not count its releases.*records 6 step"):
+        tr3.load_state_dict(state, ledger=bad)
+    other = dict(ledger, accountant=dict(ledger["accountant"], history=[[sigma * 2, q, 1], [sigma, q, 5]]))
+    tr4, *_ = _mlp_setup(seed=1, epochs=2)
+    with pytest.raises(ValueError, match="same releases with different histories"):
+        tr4.load_state_dict(state, ledger=other)
+    tr5, *_ = _mlp_setup(seed=1, epochs=2)
+    assert tr5.load_state_dict(state, ledger=ledger) is None and tr5.accountant.num_steps == 5
+
+
 def test_an_explicit_ledger_does_not_hide_the_trainers_ledger_file(tmp_path):
     """Review, round 36: load_state_dict(state, ledger=<copy taken with the state>) ignored the
     trainer's own ledger file, which counted 2 later releases: the streams were continued, so the next
