@@ -267,9 +267,12 @@ class DPTrainer:
         if n != plan.num_examples:
             raise ValueError(f"data has {n} examples, the plan {plan.num_examples}")
         if dp:  # (ε is asked at plan.delta after the first update: a bad δ found then is found too late)
-            from .accounting._common import check_delta
+            from .accounting._common import check_delta, check_noise_multiplier
 
             check_delta(plan.delta)
+            # (review, round 39: σ = 0 was refused by the accountant's first step, after that step's
+            # gradients were computed)
+            check_noise_multiplier(plan.noise_multiplier)
         self.model, self.loss_fn, self.data = model, loss_fn, data
         self.optimizer, self.plan = optimizer, plan
         self.max_grad_norm, self.max_physical_batch = float(max_grad_norm), int(max_physical_batch)

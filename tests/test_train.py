@@ -472,6 +472,15 @@ def test_a_stale_or_foreign_ledger_is_not_trusted(tmp_path):
         tr3.load_state_dict(state, ledger=foreign)
 
 
+def test_a_private_trainer_refuses_sigma_zero_when_built():
+    """Review, round 39: dp=True with σ = 0 was refused only by the accountant's first step, after
+    that step's clipped gradients had been computed; it is refused when the trainer is built."""
+    with pytest.raises(ValueError, match="noise_multiplier must be a finite number > 0"):
+        _mlp_setup(sigma=0.0)
+    tr, *_ = _mlp_setup(dp=False, sigma=0.0)  # (non-private training takes any σ: it is not used)
+    tr.step()
+
+
 def test_a_damaged_privacy_history_is_refused_on_resume():
     """Review, round 39: a checkpoint whose stored history counted 6 of its 10 released steps (one
     flipped bit) was loaded, ε came out 17 % low and the ledger was rewritten with it. A state's or a
