@@ -182,7 +182,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "check":
             from .check import run_check
 
-            return run_check(args.file, methods=args.method.split(","), rtol=args.rtol, max_grad_norm=args.clip,
+            from .clipping import MIN_THRESHOLD
+
+            # (review, round 39: an empty method list passed having checked nothing, --clip inf passed
+            # with every factor 1, and --rtol nan reported a mismatch of the model's)
+            methods = [m.strip() for m in args.method.split(",") if m.strip()]
+            if not methods:
+                raise UserError(f"--method {args.method!r} names no method: use vmap, bk, auto (comma-separated)")
+            if not (math.isfinite(args.clip) and args.clip >= MIN_THRESHOLD):
+                raise UserError(f"--clip must be a finite number ≥ {MIN_THRESHOLD:g}, got {args.clip}")
+            if not (math.isfinite(args.rtol) and args.rtol > 0):
+                raise UserError(f"--rtol must be a finite number > 0, got {args.rtol}")
+            return run_check(args.file, methods=methods, rtol=args.rtol, max_grad_norm=args.clip,
                              float64=not args.no_float64, sensitivity=not args.no_sensitivity)
     except UserError as e:
         print(f"pdpsgd: error: {e}", file=sys.stderr)
@@ -258,6 +269,17 @@ def _check_rest(a: argparse.Namespace) -> None:
         v = getattr(a, name)
         if v is not None and v <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be > 0, got {v}")
+    if not getattr(a, "no_dp", False) and getattr(a, "noise_rng", None) in ("native", "mkl"):
+        # (review, round 39: a kernel that cannot load was a traceback after the model had loaded)
+        from . import mkl_rng, native_rng
+
+        lib = native_rng if a.noise_rng == "native" else mkl_rng
+        try:
+            lib.require()
+        except (RuntimeError, OSError) as err:
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise UserError(f"--noise-rng {a.noise_rng}: {first[:300]} (--noise-rng auto uses numpy's Philox "
+                            "where the native kernel does not build)") from None
 
 
 def _prepare_output_dir(path: Path) -> None:
@@ -374,6 +396,14 @@ def run_train(a: argparse.Namespace) -> int:
         raise UserError(f"--device {a.device!r} is not a device (use cpu, cuda, cuda:0, ...)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {a.device}: CUDA is not available on this machine")
+    if device.type not in ("cpu", "cuda"):  # (review, round 39: meta, mps, xpu were a traceback after the model loaded)
+        raise UserError(f"--device {a.device}: pdpsgd train runs on cpu or cuda (cuda:0, ...), not {device.type}")
+    if device.type == "cuda":
+        try:
+            torch.empty(1, device=device)
+        except RuntimeError as err:  # (cuda:7 on a machine with one GPU)
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise UserError(f"--device {a.device}: {first[:200]}") from None
     malloc = "left as it is"
     if device.type == "cpu" and a.malloc == "tuned":
         from .malloc import tune_cpu_malloc
@@ -426,7 +456,12 @@ def run_train(a: argparse.Namespace) -> int:
             plan = plan_training(N, batch_size=a.batch_size, epochs=a.epochs, target_epsilon=a.epsilon, delta=delta,
                                  noise_multiplier=a.noise_multiplier)
     except (ValueError, TypeError) as e:
-        raise UserError(f"cannot plan the privacy budget: {e}") from None
+        msg = str(e)
+        if "is unreachable" in msg:  # (the library's advice names its own arguments: here, the flags)
+            msg = msg.split(" The σ search range")[0] + (" Raise --epsilon or --delta, or take fewer steps: fewer "
+                                                         "--epochs, or a smaller --batch-size (a smaller sampling "
+                                                         "rate), or more training data.")
+        raise UserError(f"cannot plan the privacy budget: {msg}") from None
     method = resolve_method(a.method)
 
     head = [p for n, p in model.named_parameters() if p.requires_grad and n.startswith("head.")]

@@ -37,9 +37,12 @@ of 16 counters (64 float32 or 32 float64 normals per block; see the C file's hea
 
 Formal guarantee: each coordinate is an independent N(0, std²) draw up to floating point:
 Box–Muller on uniforms from Philox words (float32: a 40-bit radius uniform, 64-bit in the tail
-beyond 5.77σ, so tails reach 9.42σ; the transform agrees with float64 Box–Muller on the same words
-to < 1e-6 absolute, checked over every quadrant and exponent class; float64: 53-bit uniforms and
-libm, 8.57σ). Before round 33 the float32 radius took 24-bit uniforms (as torch's float32
+beyond 5.77σ, so tails reach 9.42σ; the transform agrees with float64 Box–Muller on the same
+float32 uniform to < 1e-6 absolute, checked over every quadrant and exponent class. The uniform is
+rounded to float32 before the log, so next to r = 0 (u1 within 2⁻²⁵ of 1: one pair in 2²⁵) the
+radius snaps to a grid √(2k·2⁻²⁴)σ, 0 included: up to 2.5e-4·σ from float64 Box–Muller on the
+exact 40-bit uniform there, < 3e-6·σ where r > 0.01 (review, round 39: the claim read "on the same
+words"); float64: 53-bit uniforms and libm, 8.57σ). Before round 33 the float32 radius took 24-bit uniforms (as torch's float32
 ``normal_``): tails ended at 5.77σ, and an output coordinate beyond one dataset's reach but within
 its neighbour's (probability up to ~φ(5.77)·‖Δ‖₁/(σC) per step, Δ the shift) told the two apart, a δ the
 accountant does not count (review, round 33). At 9.42σ that is φ(9.42) ≈ 2e-20 times ‖Δ‖₁/(σC) ≤

@@ -239,7 +239,12 @@ def test_missing_columns_and_one_class_and_empty(tiny, tmp_path, capsys):
                                              ("--lr", "inf", "--lr and --head-lr must be finite numbers > 0"),
                                              ("--head-lr", "nan", "--lr and --head-lr must be finite numbers > 0"),
                                              ("--lr", "0", "--lr and --head-lr must be finite numbers > 0"),
-                                             ("--train-params", "middle", "--train-params 'middle'")])
+                                             ("--train-params", "middle", "--train-params 'middle'"),
+                                             # (review, round 39: tracebacks after the model had loaded)
+                                             ("--device", "meta", "runs on cpu or cuda"),
+                                             ("--device", "mps", "runs on cpu or cuda"),
+                                             # (the library's advice named sigma_range and sample_rate)
+                                             ("--epsilon", "0.001", "Raise --epsilon or --delta")])
 def test_bad_settings(tiny, tmp_path, capsys, opt, val, needle):
     rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o") + [opt, val], capsys)
     _check_one_line_error(rc, err, needle)
@@ -502,6 +507,40 @@ def test_check_user_errors(tmp_path, capsys):
     f.write_text("import torch\nmodel = torch.nn.Linear(2, 2)\nbatch = torch.randn(3, 2)\n")
     rc, _, err = run_cli(["check", str(f)], capsys)
     _check_one_line_error(rc, err, "does not define 'loss_fn'")
+
+
+def test_check_refuses_arguments_under_which_it_checks_nothing(tmp_path, capsys, monkeypatch):
+    """Review, round 39: an empty --method passed having checked nothing ("exact (none)"), --clip inf
+    passed with every clip factor 1, --rtol nan reported the model as a mismatch; and a run whose
+    every method was skipped passed."""
+    ok = tmp_path / "ok_model.py"
+    ok.write_text(CHECK_OK)
+    for extra, needle in ((["--method", ","], "names no method"), (["--method", " "], "names no method"),
+                          (["--clip", "inf"], "--clip must be a finite number"),
+                          (["--clip", "0"], "--clip must be a finite number"),
+                          (["--rtol", "nan"], "--rtol must be a finite number > 0"),
+                          (["--rtol", "-1"], "--rtol must be a finite number > 0")):
+        rc, _, err = run_cli(["check", str(ok)] + extra, capsys)
+        _check_one_line_error(rc, err, needle)
+    import pdpsgd.train as train_mod
+
+    monkeypatch.setattr(train_mod, "resolve_method", lambda m: "vmap")  # (as without book-keeping)
+    rc, out, err = run_cli(["check", str(ok), "--method", "bk,auto"], capsys)
+    assert rc == 1 and "skipped" in out and "FAILED: no method was checked" in out, out + err
+
+
+def test_an_unavailable_noise_kernel_is_a_one_line_error(tiny, tmp_path, capsys, monkeypatch):
+    """Review, round 39: --noise-rng native without a C compiler (or mkl without oneMKL) was a
+    traceback from DPTrainer, after the model had loaded."""
+    from pdpsgd import mkl_rng, native_rng
+
+    def missing():
+        raise RuntimeError("no C compiler found ($CC or cc)\nmore detail")
+
+    for lib, name in ((native_rng, "native"), (mkl_rng, "mkl")):
+        monkeypatch.setattr(lib, "require", missing)
+        rc, _, err = run_cli(tiny_args(tiny, tmp_path / name, "--noise-rng", name), capsys)
+        _check_one_line_error(rc, err, f"--noise-rng {name}: no C compiler found")
 
 
 def test_python_m_pdpsgd_help():
