@@ -88,7 +88,7 @@ from ._warn import warn
 from .batch_order import DrawWatch, ReorderWatch
 from .clipping import MIN_THRESHOLD, sum_sq_norms
 from .functional import LossModule, ParamIndex, model_constants, preserve_module_state
-from .per_sample import (_LOW, DETACHED_LOSS, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks, check_batch_entries,
+from .per_sample import (_LOW, DETACHED_LOSS, _rng_state, _same_state, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks, check_batch_entries,
                          per_sample_grads, slice_batch, sq_norm_per_example, stray_parameter_error, trainable_parameters, watch_stray, weighted_dot, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
 from .rules.base import Dense, Explicit, Index, Rule, Use, module_attr
@@ -4011,21 +4011,30 @@ def bk_engine(
     w_all: Dict[str, List[Tensor]] = {n: [] for n in params}
     total: Dict[str, Tensor] = {}
     routes: Dict[str, str] = {}
+    # A chunk of padding alone is skipped only as the vmap engine skips one: once an earlier chunk of
+    # this call ran without moving the random state, with no module in train mode. The first chunk
+    # of every call runs whatever its mask (review, round 39: an all-padding chunk or physical batch
+    # was skipped in train mode too, so the dropout masks of the chunks and batches after it moved
+    # when an example was masked out, and the clipped sum with them: 2.5 C). A run chunk of padding
+    # gives weight 0 to every row: zero sums, its computed norms and losses, its routes reported.
+    skippable = not any(mod.training for mod in loss_module.model.modules())
+    quiet = False
     for start, stop, sub in batch_chunks(batch, B, chunk):
         m = mask[start:stop]
-        # (a single chunk on a GPU is run whatever its mask: deciding would be a sync; an
-        # all-padding batch then gives weight 0 to every example, the same (zero) sums, but its
-        # per-example norms and losses are the computed values instead of 0 and its routes are
-        # reported instead of "skipped")
-        if (device.type in SYNC_DEVICES or chunk < B) and not bool(m.any()):
+        if skippable and quiet and not bool(m.any()):
             z = _empty(params, stop - start, device)
-            losses_all.append(torch.zeros(stop - start, device=device))
+            losses_all.append(torch.zeros(stop - start, dtype=losses_all[-1].dtype, device=device))
             for n in params:
                 sq_all[n].append(z[n])
                 w_all[n].append(z[n])
             continue
+        # (the state is compared only where a later chunk could be skipped: not for a single chunk)
+        before = _rng_state(device) if skippable and not quiet and stop < B else None
         losses, sq, w, sums, r = _chunk(loss_module, params, constants, sub, m, weights_fn, registry,
                                         overrides, cm, bk_options, probe_memo)
+        if before is not None:
+            quiet = _same_state(before, _rng_state(device))
+            skippable = quiet
         for n in params:
             total[n] = sums[n] if n not in total else total[n] + sums[n]
             sq_all[n].append(sq[n])

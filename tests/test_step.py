@@ -1128,14 +1128,16 @@ def test_clipping_groups_may_name_a_tied_weight_by_any_alias(method):
                             clipping=both).clipped_sum(params, b)
 
 
-@pytest.mark.parametrize("how", ["functional", "submodule", "python_random", "numpy_random"])
-def test_vmap_does_not_skip_masked_chunks_of_a_forward_that_draws_in_eval_mode(how):
+@pytest.mark.parametrize("method", ["vmap", "bk"])
+@pytest.mark.parametrize("how", ["functional", "submodule", "python_random", "numpy_random", "train"])
+def test_no_engine_skips_masked_chunks_of_a_forward_that_draws(how, method):
     """A root in eval mode can still draw random numbers: F.dropout's default training=True, or a
     submodule left in train mode. vmap skipped all-padding chunks whenever the root was in eval
     mode, which moved every later chunk's dropout masks when an example was masked out: the move of
     the sum exceeded C (review, round 36). Such chunks run; masking one example out leaves the
     others' norms as they were. Python's random and numpy's global state too (round 37: torch's
-    alone were watched)."""
+    alone were watched). Book-keeping skipped them even in train mode (review, round 39: 2.5 C), and
+    an all-padding physical batch too, moving the masks of the batches after it."""
     import random
 
     import numpy as np
@@ -1158,8 +1160,10 @@ def test_vmap_does_not_skip_masked_chunks_of_a_forward_that_draws_in_eval_mode(h
     m = Drop().double().eval()
     if how == "submodule":
         m.drop.train()
+    if how == "train":
+        m.train()
     b = {"x": torch.randn(5, 5, dtype=torch.float64) * 3, "y": torch.randint(0, 3, (5,))}
-    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.05, noise_multiplier=1.0, method="vmap", chunk_size=1)
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.05, noise_multiplier=1.0, method=method, chunk_size=1)
     params = pdpsgd.trainable_params(m)
     assert pdpsgd.testing.check_sensitivity(step, params, b).max_ratio <= 1 + 1e-9
     outs = []
@@ -1168,9 +1172,23 @@ def test_vmap_does_not_skip_masked_chunks_of_a_forward_that_draws_in_eval_mode(h
             torch.manual_seed(3), random.seed(3), np.random.seed(3)
             outs.append(step.clipped_sum(params, b, mask).per_sample_norms)
     torch.testing.assert_close(outs[1][1:], outs[0][1:], rtol=0, atol=0)
+    if how != "train":
+        return
+    # physical batches of one step: the middle one all padding (its example masked out) or not
+    whole = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.05, noise_multiplier=0.0, method=method)
+    last = []
+    for mid in (torch.tensor([True, False]), torch.tensor([False, False])):
+        with torch.random.fork_rng():
+            torch.manual_seed(1)
+            parts = [whole.clipped_sum(params, {k: v[i:i + 2] for k, v in b.items()}, mk) for i, mk in
+                     ((0, torch.ones(2, dtype=torch.bool)), (2, mid), (3, torch.ones(2, dtype=torch.bool)))]
+        last.append(parts[2].sums)
+    for n in params:
+        torch.testing.assert_close(last[1][n], last[0][n], rtol=0, atol=0)
 
 
-def test_skipped_padding_chunks_keep_the_losses_dtype():
+@pytest.mark.parametrize("method", ["vmap", "bk"])
+def test_skipped_padding_chunks_keep_the_losses_dtype(method):
     """An all-padding chunk that vmap skips gets zero losses in the real chunks' dtype (review, round
     37: float32 zeros, and the losses were cast to the last chunk's dtype: a float64 loss of 1e300
     became inf, the example counted as non-finite although summed, and the loss moved with chunk_size)."""
@@ -1181,10 +1199,12 @@ def test_skipped_padding_chunks_keep_the_losses_dtype():
     params = pdpsgd.trainable_params(m)
     mask = torch.tensor([True, True, False, False])
     parts = [pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=1,
-                                 chunk_size=c, on_nonfinite="raise").clipped_sum(params, b, mask) for c in (4, 2)]
+                                 chunk_size=c, on_nonfinite="raise", method=method).clipped_sum(params, b, mask)
+             for c in (4, 2)]
     for p in parts:
         assert p.losses.dtype == torch.float64 and p.kept.tolist() == [True, True, False, False]
     assert torch.equal(parts[0].losses[mask], parts[1].losses[mask])  # (padding rows: run or skipped)
+    assert parts[1].losses[2:].tolist() == [0.0, 0.0]  # (skipped: this model draws nothing in eval mode)
 
 
 @pytest.mark.parametrize("method", ["vmap", "bk"])
