@@ -76,6 +76,9 @@ def make_groups(
     else:
         spec = as_spec(clipping)
         groups = list(spec.values()) if isinstance(spec, Mapping) else spec
+        if not groups:  # (review, round 39: "min() arg is an empty sequence")
+            raise ValueError("the clipping spec names no group: give one or more groups of parameter names, or "
+                             "clipping='flat' / 'per_layer'")
         known = set(names)
         seen: Dict[str, int] = {}
         for k, g in enumerate(groups):

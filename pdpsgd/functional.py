@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-from typing import Any, Dict, Iterable, Iterator, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +49,13 @@ class ParamIndex:
             first_name.setdefault(id(p), name)
             self.canonical[name] = first_name[id(p)]
         self.params: Dict[str, Tensor] = dict(model.named_parameters())
+        self._order = {n: i for i, n in enumerate(self.params)}
+
+    def in_model_order(self, names) -> List[str]:
+        """Canonical ``names`` in the model's parameter order, whatever order a ``params`` dict had:
+        clipping="per_layer"'s groups follow it, so a clip budget's weights go to the same tensors
+        (review, round 39: they followed the dict's order, and two orders shared one clipping key)."""
+        return sorted(names, key=lambda n: self._order.get(n, len(self._order)))
 
     def canonical_clipping(self, clipping):
         """A clipping spec with each group's names made canonical (a tied tensor may be named by any

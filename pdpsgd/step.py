@@ -5,7 +5,9 @@ Gaussian noise -> divide by the expected batch size.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import math
 import numbers
 import threading
@@ -41,6 +43,11 @@ class ClippedSum(NamedTuple):
     mask: Tensor  # (b,) bool: real examples
     routes: Dict[str, str]
     clipping: Optional[Tuple[Any, ...]] = None  # the clipping it was made with (``DPStep.clipping_key``)
+    # which ``clipped_sum`` calls it holds (one id each: a part added twice is refused), and the
+    # parameters it was computed at (name -> (storage, version counter): a part from before an
+    # optimizer step and one from after are refused)
+    ids: Tuple[int, ...] = ()
+    at: Optional[Mapping[str, Tuple[int, int]]] = None
 
     def __add__(self, other: "ClippedSum") -> "ClippedSum":  # type: ignore[override]
         if not isinstance(other, ClippedSum):
@@ -50,6 +57,18 @@ class ClippedSum(NamedTuple):
         if self.clipping != other.clipping:
             raise ValueError(f"cannot add clipped sums clipped by another step's clipping ({self.clipping} and "
                              f"{other.clipping}): their sum's sensitivity is neither's")
+        # (review, round 39: p + p counted each example twice in a sum noised for one, and parts computed
+        # before and after an optimizer step were added into one step)
+        if set(self.ids) & set(other.ids):
+            raise ValueError("a physical batch's ClippedSum is added twice: its examples would count twice in a "
+                             "sum whose noise covers one contribution each. Add each clipped_sum result once")
+        if self.at is not None and other.at is not None:
+            moved = [n for n, (ptr, ver) in self.at.items() if n in other.at and other.at[n][0] == ptr
+                     and other.at[n][1] != ver]
+            if moved:
+                raise ValueError(f"cannot add clipped sums computed at different parameter values ({moved[0]} was "
+                                 "modified in place between them, e.g. by an optimizer step): accumulate the "
+                                 "physical batches of one step, then finalize, then step the optimizer")
         return ClippedSum(
             {n: self.sums[n] + other.sums[n] for n in self.sums},
             torch.cat([self.per_sample_norms, other.per_sample_norms]),
@@ -60,7 +79,25 @@ class ClippedSum(NamedTuple):
             # (an empty batch's "skipped" does not hide the route another batch took)
             {**self.routes, **{n: r for n, r in other.routes.items() if r != "skipped" or n not in self.routes}},
             self.clipping,
+            self.ids + other.ids,
+            self.at if self.at is not None else other.at,
         )
+
+
+_PART_IDS = itertools.count(1)  # (one per clipped_sum result, process-wide)
+_RECENT_FINALIZED = 4096  # ids a step remembers as finalized (a second finalize of one part is refused)
+
+
+def _param_stamp(params: Mapping[str, Tensor]) -> Dict[str, Tuple[int, int]]:
+    """name -> (storage address, in-place version counter): what changes when an optimizer steps
+    (an inference tensor has no version counter: left out)."""
+    out: Dict[str, Tuple[int, int]] = {}
+    for n, p in params.items():
+        try:
+            out[n] = (p.data_ptr(), p._version)
+        except RuntimeError:
+            pass
+    return out
 
 
 _STANCE_LOCK = threading.Lock()
@@ -303,6 +340,7 @@ class DPStep:
         self.expected_batch_size = expected_batch_size
         self._first_divisor: Optional[int] = None  # (without expected_batch_size: the first batch's size)
         self._divisor_warned = False
+        self._finalized: "collections.OrderedDict[int, None]" = collections.OrderedDict()  # (recent part ids)
         self._padding_warned = False
         self.method = method
         self.chunk_size = chunk_size
@@ -320,6 +358,9 @@ class DPStep:
         self.clip_budget = clip_budget
         self.clip_fn = clip_fn
         if clip_fn == "automatic":
+            if isinstance(gamma, bool) or (type(gamma).__module__ == "numpy" and "bool" in type(gamma).__name__):
+                # (review, round 39: True was read as γ = 1)
+                raise ValueError(f"gamma must be a number (γ of automatic clipping), got {gamma!r}")
             gamma = _real("gamma", gamma)
         self.gamma = gamma
         self.on_nonfinite = on_nonfinite
@@ -341,6 +382,14 @@ class DPStep:
         canon = self._index.canonical_clipping(self.clipping)
         checked = make_groups(list(self._index.params), canon, self.max_grad_norm, budget=None if isinstance(
             canon, str) else self.clip_budget, complete=False)
+        if canon in ("flat", "per_layer") and self.clip_budget is not None:
+            # (review, round 39: checked only at the first step) "flat": one weight; "per_layer": one per
+            # tensor the step is given, known then; its weights are checked now
+            try:
+                k = 1 if canon == "flat" else len(self.clip_budget)
+            except TypeError:
+                k = len(self._index.params)
+            make_groups([f"#{i}" for i in range(k)], canon, self.max_grad_norm, budget=self.clip_budget)
         make_weights_fn(checked, clip_fn=clip_fn, gamma=self.gamma)
         # (the clipping as it bounds the sensitivity: groups in order, each a set of canonical names; a dict's
         # labels, an alias's spelling and the order within a group do not change it)
@@ -473,8 +522,8 @@ class DPStep:
                 for n, v in why.items()}
 
     def _clip_groups(self, params: Mapping[str, Tensor]):
-        return make_groups(list(params), self._index.canonical_clipping(self.clipping), self.max_grad_norm,
-                           budget=self.clip_budget).names
+        return make_groups(self._index.in_model_order(params), self._index.canonical_clipping(self.clipping),
+                           self.max_grad_norm, budget=self.clip_budget).names
 
     # -- the step ---------------------------------------------------------------------------
     def clipped_sum(self, params: Mapping[str, Tensor], batch: Batch, mask: Optional[Tensor] = None) -> ClippedSum:
@@ -482,6 +531,7 @@ class DPStep:
         return self._clipped(self._resolve(params), batch, mask)
 
     def _clipped(self, params: Params, batch: Batch, mask: Optional[Tensor]) -> ClippedSum:
+        stamp = _param_stamp(params)  # (as the call begins)
         B = batch_size(batch)
         device = next(iter(params.values())).device
         if mask is None:
@@ -503,8 +553,8 @@ class DPStep:
             return self._empty_sum(params, device)
         detached = {n: p.detach() for n, p in params.items()}
         constants = model_constants(self.model, detached)
-        groups = make_groups(list(detached), self._index.canonical_clipping(self.clipping), self.max_grad_norm,
-                             budget=self.clip_budget)
+        groups = make_groups(self._index.in_model_order(detached), self._index.canonical_clipping(self.clipping),
+                             self.max_grad_norm, budget=self.clip_budget)
         weights_fn = make_weights_fn(groups, clip_fn=self.clip_fn, gamma=self.gamma)
         _check_grad_mode(params, batch, tensors=self.method != "vmap")
         with _guards(self.model, detached, self._rope_seen, self._spectral):
@@ -539,13 +589,15 @@ class DPStep:
                 clipped = clipped | (sq.sqrt() > thr)
             else:
                 clipped = torch.ones_like(mask)
-        return ClippedSum(res.clipped_sum, norms, res.losses, kept, clipped & kept, mask, res.routes, self.clipping_key)
+        return ClippedSum(res.clipped_sum, norms, res.losses, kept, clipped & kept, mask, res.routes, self.clipping_key,
+                          (next(_PART_IDS),), stamp)
 
     def _empty_sum(self, params: Mapping[str, Tensor], device: torch.device) -> ClippedSum:
         sums = {n: torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=p.device) for n, p in params.items()}
         none = torch.zeros(0, dtype=torch.bool, device=device)
         empty = torch.zeros(0, device=device)
-        return ClippedSum(sums, empty, empty, none, none, none, {n: "skipped" for n in params}, self.clipping_key)
+        return ClippedSum(sums, empty, empty, none, none, none, {n: "skipped" for n in params}, self.clipping_key,
+                          (next(_PART_IDS),), _param_stamp(params))
 
     def _divisor_seen(self, size: int) -> None:
         """Without ``expected_batch_size`` the divisor is the batch's size: public for fixed-size
@@ -572,6 +624,17 @@ class DPStep:
             raise ValueError(f"this ClippedSum was clipped by another step ({partial.clipping}), not with this "
                              f"step's clipping ({self.clipping_key}): its noise, σ·C for this step's C, would not "
                              "match the sum's sensitivity. Finalize it with the step that made it")
+        if not consume and partial.ids:
+            # (review, round 39: a part finalized twice is two noisy releases of one sum, which the
+            # accountant counts as one step)
+            if any(i in self._finalized for i in partial.ids):
+                raise ValueError("this ClippedSum (or a part of it) was finalized already: a second noisy release "
+                                 "of the same clipped sum is a second step for the accountant. Compute the next "
+                                 "step's clipped sums")
+            for i in partial.ids:
+                self._finalized[i] = None
+            while len(self._finalized) > _RECENT_FINALIZED:
+                self._finalized.popitem(last=False)
         sums = partial.sums
         first = next(iter(sums.values()))
         n_real = partial.mask.sum()

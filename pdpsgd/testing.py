@@ -178,7 +178,7 @@ def assert_exact(
     part = step.clipped_sum(params, batch, mask)
     canon = step._index.canonical
     cparams = {canon[n]: v for n, v in params.items()}
-    g = make_groups(list(cparams), step._index.canonical_clipping(step_kwargs.get("clipping", "flat")), max_grad_norm,
+    g = make_groups(step._index.in_model_order(cparams), step._index.canonical_clipping(step_kwargs.get("clipping", "flat")), max_grad_norm,
                     budget=step_kwargs.get("clip_budget"))
     norms, sums = naive_clipped_sum(model, loss_fn, batch, max_grad_norm=max_grad_norm, params=cparams,
                                     groups=g.names, thresholds=g.thresholds,

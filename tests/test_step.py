@@ -1129,6 +1129,33 @@ def test_clipping_groups_may_name_a_tied_weight_by_any_alias(method):
 
 
 @pytest.mark.parametrize("method", ["vmap", "bk"])
+def test_a_per_layer_budget_follows_the_models_order_not_the_dicts(method):
+    """Review, round 39: clipping="per_layer"'s groups followed the params dict's order, so the same
+    tensors passed in another order got other thresholds (0.0099 C and 0.0010 C swapped) under one
+    clipping key. They follow the model's parameter order; the spec's mistakes are errors at build."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    b = {"x": torch.randn(3, 4, dtype=torch.float64) * 3, "y": torch.tensor([1, 0, 1])}
+    params = pdpsgd.trainable_params(model)
+    kw = dict(max_grad_norm=0.01, noise_multiplier=0.0, clipping="per_layer", clip_budget=[100, 1, 1, 1],
+              method=method, expected_batch_size=1.0)
+    step = pdpsgd.make_dp_step(model, mlp_loss, **kw)
+    a = step.clipped_sum(params, b)
+    r = step.clipped_sum(dict(reversed(list(params.items()))), b)
+    for n in params:
+        torch.testing.assert_close(r.sums[n], a.sums[n], rtol=1e-12, atol=0)
+    assert float(a.sums["0.weight"].norm()) > 0.009  # (C·√(100/103): the first tensor's share)
+    assert_exact(model, mlp_loss, b, params=dict(reversed(list(params.items()))),
+                 **{k: v for k, v in kw.items() if k not in ("noise_multiplier", "expected_batch_size")})
+    for bad, needle in ((dict(clipping=[]), "names no group"), (dict(clipping={}), "names no group"),
+                        (dict(clip_budget=[1, 2]), "budget needs 1"),
+                        (dict(clipping="per_layer", clip_budget=[1, -1]), "budget needs 2"),
+                        (dict(clip_fn="automatic", gamma=True), "gamma must be a number")):
+        with pytest.raises(ValueError, match=needle):
+            pdpsgd.make_dp_step(model, mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0, method=method, **bad)
+
+
+@pytest.mark.parametrize("method", ["vmap", "bk"])
 @pytest.mark.parametrize("how", ["functional", "submodule", "python_random", "numpy_random", "train"])
 def test_no_engine_skips_masked_chunks_of_a_forward_that_draws(how, method):
     """A root in eval mode can still draw random numbers: F.dropout's default training=True, or a
@@ -1224,6 +1251,41 @@ def test_one_rule_decides_a_finite_loss(method):
     plain = step.clipped_sum(params, {**b, "w": torch.zeros(3, dtype=torch.float64)})
     for n in params:
         torch.testing.assert_close(part.sums[n], plain.sums[n])
+
+
+def test_accumulation_refuses_a_part_twice_and_parts_of_other_parameter_values():
+    """Review, round 39: ``p + p`` gave one example 2 C in a sum noised for C (num_examples 2), a part
+    from before an optimizer step added to one from after it, and a part finalized twice released the
+    same sum twice: each is refused; the physical batches of one step still add up."""
+    torch.manual_seed(0)
+    m = mlp()
+    b = {"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))}
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    halves = [{k: v[i:i + 2] for k, v in b.items()} for i in (0, 2)]
+    p1, p2 = (step.clipped_sum(params, h) for h in halves)
+    with pytest.raises(ValueError, match="added twice"):
+        p1 + p1
+    with pytest.raises(ValueError, match="added twice"):
+        (p1 + p2) + p2
+    total = p1 + p2
+    out = step.finalize(total)
+    with pytest.raises(ValueError, match="finalized already"):
+        step.finalize(total)
+    with pytest.raises(ValueError, match="finalized already"):
+        step.finalize(p1)
+    opt = torch.optim.SGD(params.values(), lr=0.1)
+    for n, p in params.items():
+        p.grad = out.grads[n]
+    opt.step()
+    p3 = step.clipped_sum(params, halves[1])
+    with pytest.raises(ValueError, match="different parameter values.*optimizer step"):
+        p1 + p3
+    with pytest.raises(ValueError, match="different parameter values"):
+        step._empty_sum(params, torch.device("cpu")) + step.clipped_sum(params, halves[0]) + p2
+    step.finalize(step.clipped_sum(params, halves[0]) + p3 + step._empty_sum(params, torch.device("cpu")))
+    fresh = {n: v.detach().clone() for n, v in params.items()}  # (other tensors: nothing to compare)
+    step.finalize(step.clipped_sum(fresh, halves[0]) + step.clipped_sum(params, halves[1]))
 
 
 def test_finalize_refuses_a_sum_clipped_by_another_step():
