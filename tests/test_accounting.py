@@ -326,6 +326,19 @@ def test_bad_accountant_options_are_refused(kw, err):
     assert PRVAccountant(max_grid_size=2e7, fallback=np.True_).max_grid_size == 20_000_000
 
 
+@pytest.mark.parametrize("cls", [PRVAccountant, RDPAccountant])
+def test_a_step_count_beyond_2_to_the_53_is_refused(cls):
+    """Review, round 39: step(num_steps=10**400) was taken, and epsilon() then raised a bare
+    OverflowError; counts past 2^53 (in one call or in all) are refused when recorded."""
+    a = cls()
+    with pytest.raises(ValueError, match="2\\^53"):
+        a.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=10 ** 400)
+    a.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=2 ** 53)
+    with pytest.raises(ValueError, match="2\\^53"):
+        a.step(noise_multiplier=2.0, sample_rate=0.01, num_steps=1)
+    assert a.num_steps == 2 ** 53
+
+
 def test_heterogeneous_composition_is_exact_not_worst_case():
     # noise decayed every epoch (seed paper 1): σ = 2.0, 1.6, 1.28, 1.02 for 250 steps each
     sigmas = [2.0 * 0.8 ** k for k in range(4)]

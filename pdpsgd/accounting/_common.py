@@ -127,7 +127,14 @@ def check_num_steps(num_steps: Any, name: str = "num_steps") -> int:
         raise TypeError(f"{name} must be an integer, got {num_steps!r}.")
     if n < 0:
         raise ValueError(f"{name} must be >= 0, got {n}.")
+    if n > MAX_STEPS:  # (review, round 39: 10**400 was taken, and ε(δ) then raised a bare OverflowError)
+        raise ValueError(f"{name} = {n} is beyond what an accountant composes ({MAX_STEPS} = 2^53 steps, where "
+                         "step counts stop being exact floats).")
     return n
+
+
+#: The most steps a history holds (in one call and in all): counts stay exact as floats.
+MAX_STEPS = 2 ** 53
 
 
 class HistoryAccountant:
@@ -155,6 +162,9 @@ class HistoryAccountant:
         n = check_num_steps(num_steps)
         if n == 0:
             return self
+        if self.num_steps + n > MAX_STEPS:
+            raise ValueError(f"{self.num_steps} + {n} steps is beyond what an accountant composes ({MAX_STEPS} = "
+                             "2^53 steps).")
         if self._history and self._history[-1][0] == sigma and self._history[-1][1] == q:
             self._history[-1][2] += n
         else:
