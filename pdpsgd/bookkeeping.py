@@ -88,7 +88,7 @@ from ._warn import warn
 from .batch_order import DrawWatch, ReorderWatch
 from .clipping import MIN_THRESHOLD, sum_sq_norms
 from .functional import LossModule, ParamIndex, model_constants, preserve_module_state
-from .per_sample import (_LOW, DETACHED_LOSS, _rng_state, _same_state, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks, check_batch_entries,
+from .per_sample import (_LOW, _PRECISION_LOCK, DETACHED_LOSS, _caller_matmuls, _ieee_matmuls, _matmul_knobs, _rng_state, _same_state, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks, check_batch_entries,
                          per_sample_grads, slice_batch, sq_norm_per_example, stray_parameter_error, trainable_parameters, watch_stray, weighted_dot, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
 from .rules.base import Dense, Explicit, Index, Rule, Use, module_attr
@@ -3734,71 +3734,6 @@ def _stacked_sums(names: List[str], S: Tensor, w: Mapping[str, Tensor], params: 
     tot = torch.einsum("bm,bmk->mk", W, S)  # (B, m) x (B, m, k) -> (m, k)
     for j, n in enumerate(names):
         sums[n] = tot[j].reshape(params[n].shape)
-
-
-def _matmul_knobs() -> List[Any]:
-    """The per-backend float32 matmul precision settings (torch >= 2.9's ``fp32_precision``), or []."""
-    out = []
-    for k in (getattr(getattr(torch.backends, "cuda", None), "matmul", None),
-              getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)):
-        if k is not None and hasattr(k, "fp32_precision"):
-            out.append(k)
-    return out
-
-
-_PRECISION_LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def _ieee_matmuls() -> Iterator[List[Tuple[Any, Any]]]:
-    """Float32 matmuls at full precision inside (restored after): the engine's norms and clipped sums.
-    Yields the caller's settings it changed, as (knob or None for the legacy setter, value).
-
-    ``torch.set_float32_matmul_precision("high")`` (TF32 on CUDA) or ``"medium"`` (bf16 on a CPU with
-    AMX: 0.19 absolute error on a 512-long dot product here) made the ghost Grams and the clipped
-    sums ~1e-3-1e-2 relative off: a norm under-stated by that lets the example exceed C by as much
-    (and the cancellation guard's κ·ε budget assumed float32 rounding; review, round 32). The
-    capture (the model's own forward and backward) keeps the caller's setting.
-
-    The settings are process-wide, so the block holds ``_PRECISION_LOCK`` (re-entrant): a step in
-    another thread waits instead of running its engine under this one's capture settings (or
-    putting the caller's back while this one's norms run; round 34)."""
-    with _PRECISION_LOCK:
-        saved: List[Tuple[Any, Any]] = []
-        try:
-            knobs = _matmul_knobs()
-            if knobs:
-                for k in knobs:
-                    v = k.fp32_precision
-                    if v != "ieee":
-                        saved.append((k, v))
-                        k.fp32_precision = "ieee"
-            elif torch.get_float32_matmul_precision() != "highest":
-                saved.append((None, torch.get_float32_matmul_precision()))
-                torch.set_float32_matmul_precision("highest")
-        except (AttributeError, RuntimeError, ValueError):
-            pass
-        try:
-            yield saved
-        finally:
-            for k, v in reversed(saved):
-                if k is None:
-                    torch.set_float32_matmul_precision(v)
-                else:
-                    k.fp32_precision = v
-
-
-@contextlib.contextmanager
-def _caller_matmuls(saved: List[Tuple[Any, Any]]) -> Iterator[None]:
-    """Inside :func:`_ieee_matmuls`: the caller's settings back, for the capture."""
-    now = [(k, k.fp32_precision if k is not None else torch.get_float32_matmul_precision()) for k, _ in saved]
-    for k, v in saved:
-        torch.set_float32_matmul_precision(v) if k is None else setattr(k, "fp32_precision", v)
-    try:
-        yield
-    finally:
-        for k, v in reversed(now):
-            torch.set_float32_matmul_precision(v) if k is None else setattr(k, "fp32_precision", v)
 
 
 def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts, probe_memo=None):

@@ -11,6 +11,7 @@ import contextlib
 import math
 import random
 import sys
+import threading
 import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -521,6 +522,73 @@ def _same_state(a: Tuple[Any, ...], b: Tuple[Any, ...]) -> bool:
     return all(torch.equal(x, y) if isinstance(x, Tensor) else x == y for x, y in zip(a, b))
 
 
+def _matmul_knobs() -> List[Any]:
+    """The per-backend float32 matmul precision settings (torch >= 2.9's ``fp32_precision``), or []."""
+    out = []
+    for k in (getattr(getattr(torch.backends, "cuda", None), "matmul", None),
+              getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)):
+        if k is not None and hasattr(k, "fp32_precision"):
+            out.append(k)
+    return out
+
+
+_PRECISION_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _ieee_matmuls() -> Iterator[List[Tuple[Any, Any]]]:
+    """Float32 matmuls at full precision inside (restored after): the engine's norms and clipped sums.
+    Yields the caller's settings it changed, as (knob or None for the legacy setter, value).
+
+    ``torch.set_float32_matmul_precision("high")`` (TF32 on CUDA) or ``"medium"`` (bf16 on a CPU with
+    AMX: 0.19 absolute error on a 512-long dot product here) made the ghost Grams and the clipped
+    sums ~1e-3-1e-2 relative off: a norm under-stated by that lets the example exceed C by as much
+    (and the cancellation guard's κ·ε budget assumed float32 rounding; review, round 32). The
+    capture (the model's own forward and backward) keeps the caller's setting. Both engines' own
+    norms and sums run inside (review, round 39: vmap's weighted sums ran at the caller's setting,
+    whose bf16 float32 math on an AMX / AVX-512-BF16 CPU let a contribution reach ~1.004 C).
+
+    The settings are process-wide, so the block holds ``_PRECISION_LOCK`` (re-entrant): a step in
+    another thread waits instead of running its engine under this one's capture settings (or
+    putting the caller's back while this one's norms run; round 34)."""
+    with _PRECISION_LOCK:
+        saved: List[Tuple[Any, Any]] = []
+        try:
+            knobs = _matmul_knobs()
+            if knobs:
+                for k in knobs:
+                    v = k.fp32_precision
+                    if v != "ieee":
+                        saved.append((k, v))
+                        k.fp32_precision = "ieee"
+            elif torch.get_float32_matmul_precision() != "highest":
+                saved.append((None, torch.get_float32_matmul_precision()))
+                torch.set_float32_matmul_precision("highest")
+        except (AttributeError, RuntimeError, ValueError):
+            pass
+        try:
+            yield saved
+        finally:
+            for k, v in reversed(saved):
+                if k is None:
+                    torch.set_float32_matmul_precision(v)
+                else:
+                    k.fp32_precision = v
+
+
+@contextlib.contextmanager
+def _caller_matmuls(saved: List[Tuple[Any, Any]]) -> Iterator[None]:
+    """Inside :func:`_ieee_matmuls`: the caller's settings back, for the capture."""
+    now = [(k, k.fp32_precision if k is not None else torch.get_float32_matmul_precision()) for k, _ in saved]
+    for k, v in saved:
+        torch.set_float32_matmul_precision(v) if k is None else setattr(k, "fp32_precision", v)
+    try:
+        yield
+    finally:
+        for k, v in reversed(now):
+            torch.set_float32_matmul_precision(v) if k is None else setattr(k, "fp32_precision", v)
+
+
 def vmap_engine(
     loss_module: LossModule,
     params: Params,
@@ -578,7 +646,9 @@ def vmap_engine(
         if before is not None:
             quiet = _same_state(before, _rng_state(rdev))
             skippable = quiet
-        with amp(state, False):  # (the norms and sums in float32 at least, whatever the caller's autocast)
+        # (the norms and sums in float32 at least, whatever the caller's autocast, and at full float32
+        # matmul precision, whatever the caller's setting)
+        with amp(state, False), _ieee_matmuls():
             sq = {n: sq_norm_per_example(g) for n, g in grads.items()}
             w = weights_fn(sq, losses, m)
             for n, g in grads.items():

@@ -1527,25 +1527,29 @@ def test_reduced_float32_matmul_precision_cannot_loosen_the_clip(route):
 
 @pytest.mark.skipif(not hasattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision"),
                     reason="torch without the per-backend fp32_precision knobs (< 2.9)")
-@pytest.mark.parametrize("method", ["bk", "auto"])
+@pytest.mark.parametrize("method", ["bk", "auto", "vmap"])
 def test_per_backend_matmul_precision_is_full_for_the_engine_and_the_callers_for_the_model(method, monkeypatch):
     """The per-backend knobs (``torch.backends.{cuda,mkldnn}.matmul.fp32_precision``, torch >= 2.9) are
     what a user of the new API sets; after that ``torch.get_float32_matmul_precision()`` raises (a mix of
     APIs), so the engine must not read it. On an H100 (round 33, ``benchmarks/gpu_check.py``) TF32 engine
     matmuls let an example reach 1.000006 C; with full-precision ones 1.0000001 C. Here (no AMX) bf16 is
     only a setting, so this checks the settings: the model's forward and backward run under the caller's,
-    the engine's norms and sums under "ieee", and the caller's is back afterwards."""
+    the engine's norms and sums under "ieee", and the caller's is back afterwards. The vmap engine too
+    (review, round 39: its weighted sums, a torch.mv that oneDNN runs in bf16 under this setting on an
+    AMX / AVX-512-BF16 CPU, ran at the caller's: ~1.004 C emulated)."""
     import pdpsgd.bookkeeping as bookkeeping
+    import pdpsgd.per_sample as per_sample
 
     knob = torch.backends.mkldnn.matmul
     seen = {"model": set(), "engine": set()}
-    orig = bookkeeping._chunk_body
+    mod, name = (per_sample, "weighted_sum") if method == "vmap" else (bookkeeping, "_chunk_body")
+    orig = getattr(mod, name)
 
     def spy(*a, **k):
         seen["engine"].add(knob.fp32_precision)
         return orig(*a, **k)
 
-    monkeypatch.setattr(bookkeeping, "_chunk_body", spy)
+    monkeypatch.setattr(mod, name, spy)
 
     class Probe(nn.Module):
         def __init__(self):
@@ -1571,7 +1575,7 @@ def test_per_backend_matmul_precision_is_full_for_the_engine_and_the_callers_for
     finally:
         knob.fp32_precision = old
     assert seen == {"model": {"bf16"}, "engine": {"ieee"}}, seen
-    assert set(part.routes.values()) <= {"ghost", "explicit"}, part.routes
+    assert set(part.routes.values()) <= ({"vmap"} if method == "vmap" else {"ghost", "explicit"}), part.routes
     assert_exact(m, loss, b, method=method, max_grad_norm=0.1)
 
 
