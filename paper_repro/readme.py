@@ -85,6 +85,18 @@ def values(res: Path) -> dict:
         v.update(AUD_ACC=_num(good["epsilon_accountant"]), AUD_GOOD=_num(good["epsilon_audit"]),
                  AUD_BROKEN=_num(broken["epsilon_audit"]), AUD_BR_R=str(broken["guesses"]),
                  AUD_CAP=_num(broken["epsilon_audit_cap"]) if "epsilon_audit_cap" in broken else "?")
+        # the verdicts follow the results (review, round 39: they were fixed prose, and a run audited
+        # above its accountant would have been published as "not contradicted")
+        checks = au.get("checks", {})
+        v["AUD_GOOD_VERDICT"] = ("below the accountant: the guarantee is not contradicted"
+                                 if checks.get("audit_below_accountant") else
+                                 "**ABOVE the accountant: the audit contradicts the guarantee** (a privacy bug, or "
+                                 "the at most 5 % chance that the 95 % bound fails)")
+        right = int(broken["correct"]) == int(broken["guesses"])
+        v["AUD_BR_VERDICT"] = (f"{'all ' if right else ''}{broken['correct'] if not right else ''}"
+                               f"{' of ' if not right else ''}{broken['guesses']} guesses right: "
+                               + ("the audit exposes the bug" if checks.get("broken_run_much_larger") else
+                                  "**the audit does not tell this run from the correct one**"))
     bc = load("bk_complexity")
     if bc and bc.get("crossover"):
         v["BKC_CROSS"] = "; ".join((f"d = {c['width']}: T = {c['measured']}" if c['measured'] is not None else f"d = {c['width']}: T > {max(r['T'] for r in bc['rows'])}")

@@ -48,7 +48,9 @@ def main(argv=None):
     rows, meta = [], {}
     curves = {}
     for model, dataset, tkw, trkw, K in cfg["combos"]:
-        task = (bilstm_task if model == "bilstm" else minilm_task)(dataset, seed=a.seed, **tkw)
+        # (the BiLSTM's vocabulary from the candidate pool: membership in it, not its texts, is the secret)
+        task = (bilstm_task(dataset, seed=a.seed, vocab_from_train=True, **tkw) if model == "bilstm"
+                else minilm_task(dataset, seed=a.seed, **tkw))
         pool = task.train  # the candidate examples
         N = task.info["n_train"]
         rng = np.random.default_rng(a.seed + 5)

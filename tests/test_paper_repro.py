@@ -129,3 +129,31 @@ def test_bk_utility_test_windows_share_no_article_with_training():
         assert not set(train.flatten().tolist()) & set(test.flatten().tolist())
     with pytest.raises(ValueError, match="articles"):
         mod.split_windows(texts[:3], stoi, T, 4, 4)
+
+
+def test_the_readme_verdicts_follow_the_audit_results(smoke_out, tmp_path):
+    """Review, round 39: the audit's verdicts were fixed prose ("below the accountant: the guarantee
+    is not contradicted"), so a run audited above its accountant would have been published under
+    them; they now follow the results' checks. The BiLSTM of T1/T2 takes a vocabulary no private
+    text decides (it was built from the training tweets)."""
+    readme = _load("readme")
+    res = tmp_path / "res"
+    res.mkdir()
+    data = json.loads((smoke_out / "audit.json").read_text())
+    (res / "audit.json").write_text(json.dumps(data))
+    v = readme.values(res)
+    assert v["AUD_GOOD_VERDICT"].startswith("below the accountant")
+    data["checks"]["audit_below_accountant"] = False
+    data["checks"]["broken_run_much_larger"] = False
+    data["rows"][1]["correct"] = data["rows"][1]["guesses"] - 1
+    (res / "audit.json").write_text(json.dumps(data))
+    v = readme.values(res)
+    assert "ABOVE the accountant" in v["AUD_GOOD_VERDICT"], v["AUD_GOOD_VERDICT"]
+    assert "does not tell" in v["AUD_BR_VERDICT"] and not v["AUD_BR_VERDICT"].startswith("all"), v["AUD_BR_VERDICT"]
+    sys.path.insert(0, str(ROOT))
+    import common  # (as the scripts import it)
+
+    tweets = ["zzqxjv lights", "the lights"]
+    a = common.GloveVocab(None)
+    assert a.itos == common.GloveVocab(None).itos and len(a.itos) == 20002  # (no text decides it)
+    assert "zzqxjv" not in a.stoi and len(common.GloveVocab(tweets).itos) == 4
