@@ -68,6 +68,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     while not trainer.done:
         rec = trainer.step()
+        # (loss, clip fraction and norms come from the private batch without noise: for you, not for release)
         print(f"step {rec['step']:4d}  loss {rec['loss']:.4f}  clip {rec['clip_fraction']:.2f}  "
               f"norm q50 {rec['norm_q50']:.3f}  ε {rec['epsilon']:.3f}")
     ev = evaluate(model, test_data, batch_size=64)

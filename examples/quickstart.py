@@ -65,6 +65,7 @@ def main(argv=None):
         opt.step()
         opt.zero_grad()
         eps = acct.epsilon(delta=delta)
+        # (loss and clip fraction are computed from the private batch without noise: for you, not for release)
         print(f"step {step:3d}  loss {float(out.loss):.4f}  clip fraction {float(out.clip_fraction):.2f}  "
               f"ε ≤ {eps.upper:.3f}")
 
