@@ -170,16 +170,59 @@ def save_checkpoint(path: os.PathLike, state: Mapping[str, Any]) -> None:
     Tensors are moved to CPU. Use ``load_checkpoint`` to read it back safely.
     """
     payload = {"format": "pdpsgd-checkpoint", "format_version": FORMAT_VERSION, **_to_cpu(dict(state))}
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    data = buf.getbuffer()
-    head = _DIGEST_PREFIX + hashlib.sha256(data).hexdigest().encode("ascii") + b"\n"
 
     def write(f):
-        f.write(head)
-        f.write(data)
+        # the digest line's place is held while torch.save streams through the hash, then filled in:
+        # the checkpoint is never held in memory a second time (review, round 39)
+        f.write(_DIGEST_PREFIX + b"0" * 64 + b"\n")
+        hashing = _HashingWriter(f)
+        torch.save(payload, hashing)
+        f.flush()
+        f.seek(0)
+        f.write(_DIGEST_PREFIX + hashing.sha.hexdigest().encode("ascii") + b"\n")
 
     _atomic(path, write)
+
+
+class _HashingWriter:
+    """A write-only file that passes every byte to ``f`` and to a SHA-256."""
+
+    def __init__(self, f) -> None:
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        return self.f.write(b)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+class _Shifted(io.RawIOBase):
+    """A read-only view of ``f`` from byte ``at`` on (what ``torch.load`` reads after the digest line)."""
+
+    def __init__(self, f, at: int) -> None:
+        super().__init__()
+        self.f, self.at = f, at
+        f.seek(at)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        return self.f.readinto(b)
+
+    def read(self, n: int = -1) -> bytes:
+        return self.f.read(n)
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return self.f.seek(pos + self.at if whence == 0 else pos, whence) - self.at
+
+    def tell(self) -> int:
+        return self.f.tell() - self.at
 
 
 def _to_cpu(x: Any) -> Any:
@@ -205,23 +248,32 @@ def load_checkpoint(path: os.PathLike) -> Dict[str, Any]:
     try:
         with open(path, "rb") as f:
             head = f.read(_DIGEST_LINE)
-            body = f.read() if head.startswith(_DIGEST_PREFIX[:10]) else b""
+            if not head.startswith(_DIGEST_PREFIX[:10]):  # (a file written before round 39: a bare
+                f.seek(0)                                  # torch.save zip, read unchecked)
+                return _checked(_torch_load(path, f), path)
+            want, sha = head[len(_DIGEST_PREFIX):-1], hashlib.sha256()
+            for block in iter(lambda: f.read(1 << 20), b""):  # (hashed in blocks, not held whole)
+                sha.update(block)
+            if not head.startswith(_DIGEST_PREFIX) or not head.endswith(b"\n") \
+                    or sha.hexdigest().encode("ascii") != want:
+                raise CheckpointError(f"checkpoint {path} is corrupt (its SHA-256 does not match its content: a "
+                                      "damaged or edited file); resume from an intact copy, or start a new run "
+                                      "in a new --output-dir")
+            # the same open file (an atomic replace since does not change what it reads) from the line on
+            return _checked(_torch_load(path, _Shifted(f, _DIGEST_LINE)), path)
     except OSError as e:
         raise CheckpointError(f"checkpoint {path} is unreadable ({e.strerror or e})") from None
-    src: Any = str(path)  # (a file written before round 39: a bare torch.save zip, read unchecked)
-    if head.startswith(_DIGEST_PREFIX[:10]):
-        want = head[len(_DIGEST_PREFIX):-1]
-        if not head.startswith(_DIGEST_PREFIX) or not head.endswith(b"\n") \
-                or hashlib.sha256(body).hexdigest().encode("ascii") != want:
-            raise CheckpointError(f"checkpoint {path} is corrupt (its SHA-256 does not match its content: a damaged "
-                                  "or edited file); resume from an intact copy, or start a new run in a new "
-                                  "--output-dir")
-        src = io.BytesIO(body)
+
+
+def _torch_load(path: Path, src: Any) -> Any:
     try:
-        state = torch.load(src, map_location="cpu", weights_only=True)
+        return torch.load(src, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, bad pickle opcode, disallowed global, ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({first[:200]})") from None
+
+
+def _checked(state: Any, path: Path) -> Dict[str, Any]:
     if not isinstance(state, dict) or state.get("format") != "pdpsgd-checkpoint":
         raise CheckpointError(f"{path} is not a pdpsgd checkpoint")
     if state.get("format_version") != FORMAT_VERSION:
