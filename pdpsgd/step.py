@@ -85,7 +85,9 @@ class ClippedSum(NamedTuple):
 
 
 _PART_IDS = itertools.count(1)  # (one per clipped_sum result, process-wide)
-_RECENT_FINALIZED = 4096  # ids a step remembers as finalized (a second finalize of one part is refused)
+_RECENT_FINALIZED = 4096  # part ids remembered as finalized, process-wide (a second finalize is refused)
+_FINALIZED: "collections.OrderedDict[int, None]" = collections.OrderedDict()  # (the recent ones, oldest first)
+_FINALIZED_LOCK = threading.Lock()
 
 
 def _param_stamp(params: Mapping[str, Tensor]) -> Dict[str, Tuple[int, int]]:
@@ -340,7 +342,6 @@ class DPStep:
         self.expected_batch_size = expected_batch_size
         self._first_divisor: Optional[int] = None  # (without expected_batch_size: the first batch's size)
         self._divisor_warned = False
-        self._finalized: "collections.OrderedDict[int, None]" = collections.OrderedDict()  # (recent part ids)
         self._padding_warned = False
         self.method = method
         self.chunk_size = chunk_size
@@ -626,15 +627,16 @@ class DPStep:
                              "match the sum's sensitivity. Finalize it with the step that made it")
         if not consume and partial.ids:
             # (review, round 39: a part finalized twice is two noisy releases of one sum, which the
-            # accountant counts as one step)
-            if any(i in self._finalized for i in partial.ids):
-                raise ValueError("this ClippedSum (or a part of it) was finalized already: a second noisy release "
-                                 "of the same clipped sum is a second step for the accountant. Compute the next "
-                                 "step's clipped sums")
-            for i in partial.ids:
-                self._finalized[i] = None
-            while len(self._finalized) > _RECENT_FINALIZED:
-                self._finalized.popitem(last=False)
+            # accountant counts as one step); by any step object of this process (review of round 39)
+            with _FINALIZED_LOCK:
+                if any(i in _FINALIZED for i in partial.ids):
+                    raise ValueError("this ClippedSum (or a part of it) was finalized already: a second noisy "
+                                     "release of the same clipped sum is a second step for the accountant. "
+                                     "Compute the next step's clipped sums")
+                for i in partial.ids:
+                    _FINALIZED[i] = None
+                while len(_FINALIZED) > _RECENT_FINALIZED:
+                    _FINALIZED.popitem(last=False)
         sums = partial.sums
         first = next(iter(sums.values()))
         n_real = partial.mask.sum()

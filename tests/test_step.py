@@ -1274,6 +1274,10 @@ def test_accumulation_refuses_a_part_twice_and_parts_of_other_parameter_values()
         step.finalize(total)
     with pytest.raises(ValueError, match="finalized already"):
         step.finalize(p1)
+    # another step object with the same clipping (review of round 39: each step knew only its own)
+    twin = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    with pytest.raises(ValueError, match="finalized already"):
+        twin.finalize(p2)
     opt = torch.optim.SGD(params.values(), lr=0.1)
     for n, p in params.items():
         p.grad = out.grads[n]
@@ -1305,7 +1309,7 @@ def test_finalize_refuses_a_sum_clipped_by_another_step():
         part + tight.clipped_sum(params, b)
     twin = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=10.0, noise_multiplier=2.0, expected_batch_size=4)
     twin.finalize(part + twin.clipped_sum(params, b))  # (the same clipping: σ does not enter the sum)
-    wide.finalize(part + wide._empty_sum(params, torch.device("cpu")))
+    wide.finalize(wide.clipped_sum(params, b) + wide._empty_sum(params, torch.device("cpu")))
 
 
 def test_a_mask_with_padding_and_no_expected_batch_size_warns_about_the_divisor():
