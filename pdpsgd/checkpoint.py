@@ -29,7 +29,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Iterator, Mapping
+from typing import Any, Dict, Iterator, Mapping, Tuple
 
 import torch
 
@@ -170,13 +170,19 @@ def save_checkpoint(path: os.PathLike, state: Mapping[str, Any]) -> None:
     Tensors are moved to CPU. Use ``load_checkpoint`` to read it back safely.
     """
     payload = {"format": "pdpsgd-checkpoint", "format_version": FORMAT_VERSION, **_to_cpu(dict(state))}
+    _check_loadable(payload, "state")
 
     def write(f):
         # the digest line's place is held while torch.save streams through the hash, then filled in:
         # the checkpoint is never held in memory a second time (review, round 39)
         f.write(_DIGEST_PREFIX + b"0" * 64 + b"\n")
         hashing = _HashingWriter(f)
-        torch.save(payload, hashing)
+        try:
+            torch.save(payload, hashing)
+        except Exception:
+            if hashing.error is not None:  # (torch's zip writer reports a failed write as its own
+                raise hashing.error from None  # 'unexpected pos': the OS's error, e.g. a full disk, is the cause)
+            raise
         f.flush()
         f.seek(0)
         f.write(_DIGEST_PREFIX + hashing.sha.hexdigest().encode("ascii") + b"\n")
@@ -188,11 +194,15 @@ class _HashingWriter:
     """A write-only file that passes every byte to ``f`` and to a SHA-256."""
 
     def __init__(self, f) -> None:
-        self.f, self.sha = f, hashlib.sha256()
+        self.f, self.sha, self.error = f, hashlib.sha256(), None
 
     def write(self, b) -> int:
         self.sha.update(b)
-        return self.f.write(b)
+        try:
+            return self.f.write(b)
+        except BaseException as e:
+            self.error = e
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -225,6 +235,29 @@ class _Shifted(io.RawIOBase):
         return self.f.tell() - self.at
 
 
+# what torch.load(weights_only=True) reads back (besides tensors and the containers)
+_PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _check_loadable(x: Any, at: str) -> None:
+    """Refuse, before anything is written, a value ``load_checkpoint`` could not read back (review of
+    round 40: a numpy array saved without complaint, and the checkpoint then failed to load)."""
+    if isinstance(x, torch.Tensor) or isinstance(x, _PLAIN):
+        return
+    if isinstance(x, dict):
+        for k, v in x.items():
+            _check_loadable(k, f"{at} key")
+            _check_loadable(v, f"{at}[{k!r}]")
+        return
+    if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+        for i, v in enumerate(x):
+            _check_loadable(v, f"{at}[{i}]")
+        return
+    hint = " (convert it with torch.from_numpy or .tolist())" if type(x).__module__.startswith("numpy") else ""
+    raise TypeError(f"a checkpoint holds tensors, numbers, strings, None and dicts / lists / tuples of them; "
+                    f"{at} is a {type(x).__module__}.{type(x).__qualname__}{hint}")
+
+
 def _to_cpu(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return x.detach().cpu()
@@ -243,34 +276,53 @@ def load_checkpoint(path: os.PathLike) -> Dict[str, Any]:
     unknown format version.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}")
+    if not path.is_file():
+        raise CheckpointError(f"the checkpoint path {path} is not a file")
+    fix = "resume from an intact copy, or start a new run in a new --output-dir"
     try:
         with open(path, "rb") as f:
+            before = _stamp(f)
+            if before[0] == 0:
+                raise CheckpointError(f"checkpoint {path} is empty (0 bytes: a write that never finished); {fix}")
             head = f.read(_DIGEST_LINE)
             if not head.startswith(_DIGEST_PREFIX[:10]):  # (a file written before round 39: a bare
                 f.seek(0)                                  # torch.save zip, read unchecked)
-                return _checked(_torch_load(path, f), path)
+                return _checked(_torch_load(path, f, fix), path)
             want, sha = head[len(_DIGEST_PREFIX):-1], hashlib.sha256()
             for block in iter(lambda: f.read(1 << 20), b""):  # (hashed in blocks, not held whole)
                 sha.update(block)
             if not head.startswith(_DIGEST_PREFIX) or not head.endswith(b"\n") \
                     or sha.hexdigest().encode("ascii") != want:
                 raise CheckpointError(f"checkpoint {path} is corrupt (its SHA-256 does not match its content: a "
-                                      "damaged or edited file); resume from an intact copy, or start a new run "
-                                      "in a new --output-dir")
-            # the same open file (an atomic replace since does not change what it reads) from the line on
-            return _checked(_torch_load(path, _Shifted(f, _DIGEST_LINE)), path)
+                                      f"damaged or edited file); {fix}")
+            if before[0] == _DIGEST_LINE:
+                raise CheckpointError(f"checkpoint {path} is truncated (its digest line and nothing after it); {fix}")
+            # torch.load reads the same open file (an atomic replace since does not change it) from the line
+            # on; a write into it meanwhile (a copy over it) changes its size or time (review of round 40)
+            state = _torch_load(path, _Shifted(f, _DIGEST_LINE), fix)
+            if _stamp(f) != before:
+                raise CheckpointError(f"checkpoint {path} changed while it was being read (another process wrote "
+                                      "into it); load it again when nothing writes to it")
+            return _checked(state, path)
     except OSError as e:
         raise CheckpointError(f"checkpoint {path} is unreadable ({e.strerror or e})") from None
 
 
-def _torch_load(path: Path, src: Any) -> Any:
+def _stamp(f) -> Tuple[int, int, int]:
+    st = os.fstat(f.fileno())
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _torch_load(path: Path, src: Any, fix: str) -> Any:
     try:
-        return torch.load(src, map_location="cpu", weights_only=True)
+        # mmap=False: torch maps only a path, and a process-wide ``torch.utils.serialization.config.load.mmap``
+        # would otherwise refuse the open file (review of round 40)
+        return torch.load(src, map_location="cpu", weights_only=True, mmap=False)
     except Exception as e:  # truncated zip, bad pickle opcode, disallowed global, ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({first[:200]})") from None
+        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({first[:200]}); {fix}") from None
 
 
 def _checked(state: Any, path: Path) -> Dict[str, Any]:

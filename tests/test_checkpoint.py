@@ -354,3 +354,78 @@ def test_saving_and_loading_a_checkpoint_hold_it_in_memory_once(tmp_path):
         assert out.returncode == 0, out.stderr
         growth = float(out.stdout.split()[-1])  # peak RSS growth in units of the checkpoint's size
         assert growth < most, (what, growth)
+
+
+def test_checkpoint_errors_name_the_cause(tmp_path, monkeypatch):
+    """Review of round 40's streaming save: a write error (disk full) surfaced as torch's
+    'unexpected pos' from its zip writer; a global mmap setting made every load 'corrupt'; an empty
+    file said EOFError; a directory said 'no checkpoint'; a numpy array saved but never loaded."""
+    import errno as _errno
+    import numpy as np
+
+    p = tmp_path / "ck.pt"
+    save_checkpoint(p, {"step": 1, "w": torch.arange(3.0)})
+    from pdpsgd import checkpoint as ck
+
+    class Full:  # (the file under the hashing writer: the disk fills after 100 bytes)
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def write(self, b):
+            self.n += len(b)
+            if self.n > 100:
+                raise OSError(_errno.ENOSPC, "No space left on device")
+            return self.f.write(b)
+
+        def flush(self):
+            self.f.flush()
+
+    real_init = ck._HashingWriter.__init__
+    monkeypatch.setattr(ck._HashingWriter, "__init__", lambda self, f: real_init(self, Full(f)))
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(p, {"step": 2, "w": torch.zeros(1000)})
+    monkeypatch.undo()
+    assert load_checkpoint(p)["step"] == 1 and not [q for q in tmp_path.iterdir() if q.name.endswith(".tmp")]
+
+    cfg = getattr(getattr(getattr(torch.utils, "serialization", None), "config", None), "load", None)
+    if cfg is not None and hasattr(cfg, "mmap"):
+        monkeypatch.setattr(cfg, "mmap", True)
+        assert load_checkpoint(p)["step"] == 1
+        torch.save({"format": "pdpsgd-checkpoint", "format_version": 1, "step": 3}, tmp_path / "old.pt")
+        assert load_checkpoint(tmp_path / "old.pt")["step"] == 3
+        monkeypatch.undo()
+
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="empty.*intact copy"):
+        load_checkpoint(tmp_path / "empty.pt")
+    (tmp_path / "head.pt").write_bytes(p.read_bytes()[:ck._DIGEST_LINE])
+    with pytest.raises(CheckpointError, match="truncated|corrupt"):
+        load_checkpoint(tmp_path / "head.pt")
+    (tmp_path / "dir.pt").mkdir()
+    with pytest.raises(CheckpointError, match="not a file"):
+        load_checkpoint(tmp_path / "dir.pt")
+    with pytest.raises(TypeError, match=r"'extra'\]\['a'\].*numpy.*torch.from_numpy"):
+        save_checkpoint(tmp_path / "np.pt", {"extra": {"a": np.zeros(3)}})
+    assert not (tmp_path / "np.pt").exists()
+
+
+def test_a_checkpoint_changed_while_it_is_loaded_is_refused(tmp_path, monkeypatch):
+    """The digest is checked on a first read, torch.load reads the file again: a write into the file
+    between the two (review of round 40) is caught by its size / modification time."""
+    p = tmp_path / "ck.pt"
+    save_checkpoint(p, {"step": 1, "w": torch.zeros(64)})
+    from pdpsgd import checkpoint as ck
+
+    real_init = ck._Shifted.__init__
+    data_at = p.read_bytes().index(torch.zeros(64).numpy().tobytes())
+
+    def tamper(self, f, at):
+        time.sleep(0.01)
+        with open(p, "r+b") as g:
+            g.seek(data_at)
+            g.write(torch.ones(1).numpy().tobytes())
+        real_init(self, f, at)
+
+    monkeypatch.setattr(ck._Shifted, "__init__", tamper)
+    with pytest.raises(CheckpointError, match="changed while"):
+        load_checkpoint(p)
