@@ -549,8 +549,15 @@ def run_train(a: argparse.Namespace) -> int:
         print(f"resumed from {ckpt_path} at step {trainer.step_count}/{plan.steps}", file=sys.stderr)
 
     def save() -> None:
-        save_checkpoint(ckpt_path, {"fingerprint": fingerprint, "trainer": trainer.state_dict(),
-                                    "args": json.dumps(vars(a)), "test_data": test_ds.fingerprint()})
+        try:
+            save_checkpoint(ckpt_path, {"fingerprint": fingerprint, "trainer": trainer.state_dict(),
+                                        "args": json.dumps(vars(a)), "test_data": test_ds.fingerprint()})
+        except OSError as e:  # (a full disk, a lost mount: the write is atomic, so nothing half-written is left)
+            then = ("the previous one is intact and the ledger counts every released step: free space (or fix "
+                    "the folder) and run the same command with --resume" if ckpt_path.is_file() else
+                    "none was written before, and the ledger counts the released steps against this data's "
+                    "budget: free space (or fix the folder) and start again in a new --output-dir")
+            raise UserError(f"could not write the checkpoint {ckpt_path} ({e.strerror or e}); {then}") from None
 
     # ---- header ---------------------------------------------------------------------------------
     mode = ("non-private baseline (--no-dp)" if a.no_dp else f"DP-SGD {_target(a)}, δ={delta:.3g}")

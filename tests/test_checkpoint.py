@@ -429,3 +429,33 @@ def test_a_checkpoint_changed_while_it_is_loaded_is_refused(tmp_path, monkeypatc
     monkeypatch.setattr(ck._Shifted, "__init__", tamper)
     with pytest.raises(CheckpointError, match="changed while"):
         load_checkpoint(p)
+
+
+def test_a_checkpoint_that_cannot_be_written_is_a_clear_cli_error(tiny, tmp_path, monkeypatch, capsys):
+    """A full disk when the CLI saves: the error says the previous checkpoint is kept and how to go
+    on (it was the OS's traceback)."""
+    import errno as _errno
+    from pdpsgd import checkpoint as ck
+
+    def full(path, state):
+        raise OSError(_errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / "full"
+    real = ck.save_checkpoint
+    monkeypatch.setattr(ck, "save_checkpoint", full)
+    assert main(_args(tiny, out, "--epochs", "1")) == 2
+    err = capsys.readouterr().err
+    assert "could not write the checkpoint" in err and "No space left" in err and "new --output-dir" in err, err
+    monkeypatch.setattr(ck, "save_checkpoint", real)
+    out, saves = tmp_path / "later", []
+
+    def fills(path, state):  # (the disk fills after the first checkpoint)
+        saves.append(path)
+        return real(path, state) if len(saves) == 1 else full(path, state)
+
+    monkeypatch.setattr(ck, "save_checkpoint", fills)
+    assert main(_args(tiny, out)) == 2
+    err = capsys.readouterr().err
+    assert "the previous one is intact" in err and "--resume" in err, err
+    monkeypatch.setattr(ck, "save_checkpoint", real)
+    assert main(_args(tiny, out, "--resume")) == 0
