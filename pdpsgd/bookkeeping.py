@@ -2522,6 +2522,17 @@ def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[st
         else:
             continue
         col.uses.pop(n)
+    mixed = sorted(n for n in bad if n in params)
+    if mixed:
+        # (review of round 40: a loss normalised by the batch's token count, or in-batch negatives, was
+        # trained as each example's loss alone, with no word at run time)
+        warn(f"book-keeping: the example-order check found the model or loss_fn mixing (or reordering) the "
+             f"batch's examples for {len(mixed)} parameter(s) ({', '.join(mixed[:3])}{', ...' if len(mixed) > 3 else ''}): "
+             "they take the exact vmap fallback, each example's gradient from its run alone (within C, as "
+             "method='vmap'; slower, memory ∝ chunk × parameters). A loss that couples examples on purpose (in-batch "
+             "negatives, a loss divided by the batch's token count) is then not the loss trained: per-example "
+             "DP-SGD needs one loss per example that depends on that example alone. "
+             "dp_step.fallback_reasons(batch) gives each reason")
     if unseen and probe_memo is not None:
         # (and the float32 run's verdicts, ``_order_disagree``)
         for k in (okey, ("float32", okey)):

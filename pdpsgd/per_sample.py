@@ -35,9 +35,15 @@ def batch_size(batch: Batch) -> int:
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, Tensor):
             if leaf.dim() == 0:
-                raise ValueError(f"batch leaf {i} is a 0-dim tensor; every tensor leaf needs a leading batch dim")
+                raise ValueError(f"batch leaf {i} is a 0-dim tensor; every tensor leaf needs a leading batch dim. "
+                                 "A value shared by the batch (a temperature, a step count) belongs in the model "
+                                 "or in loss_fn's closure, not in the batch")
             sizes.setdefault(int(leaf.shape[0]), []).append(i)
     if not sizes:
+        np_ = sys.modules.get("numpy")
+        if np_ is not None and any(isinstance(x, np_.ndarray) for x in leaves):
+            raise ValueError("the batch holds NumPy arrays, which are not converted: pass tensors "
+                             "(torch.from_numpy(a) or torch.as_tensor(a)), with the examples on the leading dim")
         raise ValueError("the batch has no tensor: pass a tensor or a dict/tuple of tensors with leading dim B")
     if len(sizes) > 1:
         detail = ", ".join(f"leaves {v} have {k}" for k, v in sizes.items())
@@ -244,6 +250,30 @@ def _raised_in(err: BaseException, path_end: str) -> bool:
     return False
 
 
+def _eager_error(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor],
+                 batch: Batch) -> Optional[Exception]:
+    """The error ``loss_fn(model, batch)`` raises on the batch (this chunk of it) run eagerly, without
+    torch.func (no gradients, forked random streams, module state kept), stated as the user's own, or
+    None if it runs. vmap's messages describe its batched internals: a label out of range read as
+    'index 5 is out of bounds for dimension 2 with size 3' for 2-D logits (review of round 40)."""
+    model = loss_module.model
+    devices = sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
+    try:
+        with torch.no_grad(), preserve_module_state(model), torch.random.fork_rng(devices=devices):
+            functional_call(loss_module, LossModule.prefixed({**constants, **params}), (batch,))
+    except Exception as e:  # (what the user's own code raises, as it raises it)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        msg = (f"loss_fn(model, batch) fails on the batch run eagerly: {type(e).__name__}: "
+               f"{first} (the per-example gradients run it under torch.func.vmap, whose own message is in "
+               "the chained error above)")
+        try:
+            out = type(e)(msg)
+        except Exception:
+            out = RuntimeError(msg)
+        return out if isinstance(out, Exception) else None
+    return None
+
+
 def _explain_vmap_error(err: Exception) -> Exception:
     msg = str(err)
     if _raised_in(err, "torch/nn/utils/rnn.py") or "packed sequences" in msg:
@@ -373,7 +403,19 @@ def per_sample_grads(
                 _NEEDS_MIXED_LN.add(model)
                 mixed = True
                 continue
-            raise _explain_vmap_error(err) from err
+            explained = _explain_vmap_error(err)
+            if explained is err:
+                eager = _eager_error(loss_module, params, constants, batch)
+                if eager is not None:
+                    raise eager from err
+            raise explained from err
+        except (TypeError, ValueError, IndexError, KeyError) as err:
+            if isinstance(err, ValueError) and str(err).startswith(("loss_fn must", DETACHED_LOSS[:30])):
+                raise
+            eager = _eager_error(loss_module, params, constants, batch)
+            if eager is not None:
+                raise eager from err
+            raise
     # (values: a batch input that requires grad left a graph on them back to it; review, round 38)
     return losses.detach(), {n: g.detach() for n, g in grads.items()}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import itertools
 import math
 import numbers
@@ -82,6 +83,24 @@ class ClippedSum(NamedTuple):
             self.ids + other.ids,
             self.at if self.at is not None else other.at,
         )
+
+
+def _check_loss_signature(loss_fn: Any) -> None:
+    """A clear error now for a loss_fn that cannot be called as ``loss_fn(model, batch)`` (review of
+    round 40: ``loss_fn(batch)`` / ``loss_fn(model, x, y)`` failed at the first step with Python's bare
+    'takes 1 positional argument but 2 were given', from inside torch.func)."""
+    try:
+        sig = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # (a builtin or C callable without a signature: tried at the step)
+        return
+    try:
+        sig.bind(None, None)
+    except TypeError as e:
+        name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
+        raise TypeError(f"loss_fn is called as loss_fn(model, batch) -> Tensor[B] (one loss per example), but "
+                        f"{name}{sig} cannot be called so ({e}). Take the batch as one argument (a tensor, "
+                        "tuple or dict) and unpack it inside, e.g. lambda model, b: F.cross_entropy(model(b[0]), "
+                        "b[1], reduction='none')") from None
 
 
 _PART_IDS = itertools.count(1)  # (one per clipped_sum result, process-wide)
@@ -266,6 +285,7 @@ class DPStep:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable: loss_fn(model, batch) -> Tensor[B]")
+        _check_loss_signature(loss_fn)
         max_grad_norm = _real("max_grad_norm", max_grad_norm)
         noise_multiplier = _real("noise_multiplier", noise_multiplier)
         if not max_grad_norm > 0:
@@ -343,6 +363,7 @@ class DPStep:
         self._first_divisor: Optional[int] = None  # (without expected_batch_size: the first batch's size)
         self._divisor_warned = False
         self._padding_warned = False
+        self._zero_checked = False  # (the first batch with a real example: are all its gradients 0?)
         self.method = method
         self.chunk_size = chunk_size
         # book-keeping's batch-dimension probe, per batch shape signature (a function of the model's
@@ -582,6 +603,16 @@ class DPStep:
                    "65504 (review, round 37): scale the loss down, or train in bfloat16 / float32; " if fp16 else "")
                 + "fix the data/model, or use on_nonfinite='drop' to drop them from the step (they then contribute 0)"
             )
+        if not self._zero_checked and bool(kept.any()):  # (one host read, on the first such batch only)
+            self._zero_checked = True
+            if not bool((norms[kept] != 0).any()):
+                # (review of round 40: an in-batch contrastive loss trained nothing, silently, under every method)
+                warn("every example's gradient is exactly 0 in this first batch (per-example norms all 0): the step "
+                     "releases noise alone and trains nothing. Per-example gradients are each example's loss run "
+                     "alone (method='vmap', and book-keeping where the model or loss mixes examples): a loss that "
+                     "couples the batch's examples (in-batch negatives, a contrastive loss) has no gradient then. "
+                     "Per-example DP-SGD needs one loss per example that depends on that example alone; also check "
+                     "that the trained parameters reach the loss")
         clipped = torch.zeros_like(mask)
         for names, thr in zip(groups.names, groups.thresholds):
             sq = total_sq if len(groups.names) == 1 and len(names) == len(res.sq_norms) \

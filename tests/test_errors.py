@@ -693,3 +693,67 @@ def test_a_buffer_written_in_place_under_vmap_is_explained():
     with pytest.raises(RuntimeError, match="writes a tensor it did not create.*buffer"):
         pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="vmap")(
             pdpsgd.trainable_params(m), b)
+
+
+def test_a_users_error_under_vmap_is_reported_as_it_reads_eagerly():
+    """Review of round 40: a label out of range read 'index 5 is out of bounds for dimension 2 with
+    size 3' for 2-D logits (vmap's internals); float labels read as gather's dtype error. The error is
+    the one loss_fn raises on the batch run eagerly. A wrong loss_fn signature, a NumPy batch and a
+    0-dim leaf name the fix."""
+    import numpy as np
+
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    lf = lambda mod, b: F.cross_entropy(mod(b[0]), b[1], reduction="none")
+    st = pdpsgd.make_dp_step(m, lf, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8, method="vmap")
+    params = pdpsgd.trainable_params(m)
+    y = torch.zeros(8, dtype=torch.long)
+    y[5] = 5  # (not the first example)
+    with pytest.raises(IndexError, match="fails on the batch run eagerly: IndexError: Target 5 is out of bounds"):
+        st(params, (torch.randn(8, 4), y))
+    with pytest.raises(RuntimeError, match="run eagerly.*expected target dtype"):
+        st(params, (torch.randn(8, 4), torch.zeros(8)))
+    for bad in (lambda b: b, lambda mod, x, y: x):
+        with pytest.raises(TypeError, match=r"loss_fn\(model, batch\).*cannot be called so"):
+            pdpsgd.make_dp_step(m, bad, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8)
+    with pytest.raises(ValueError, match="NumPy arrays.*torch.from_numpy"):
+        st(params, (np.zeros((8, 4), np.float32), np.zeros(8, np.int64)))
+    with pytest.raises(ValueError, match="0-dim.*closure"):
+        st(params, (torch.randn(8, 4), y.clamp_max(2), torch.tensor(0.5)))
+
+
+@pytest.mark.parametrize("method", ["vmap", "bk", "auto"])
+def test_a_loss_that_couples_examples_is_said_at_run_time(method):
+    """Review of round 40: an in-batch contrastive loss trained nothing (every per-example gradient is
+    0: each example alone is its own only negative) and a loss divided by a batch statistic was
+    trained as each example's own, with no word at run time. Both warn; the contrastive one names
+    the all-zero gradients; an ordinary loss warns neither."""
+    import warnings
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 5))
+    params = pdpsgd.trainable_params(m)
+
+    def contrastive(mod, b):
+        za, zb = F.normalize(mod(b["a"]), dim=1), F.normalize(mod(b["b"]), dim=1)
+        return F.cross_entropy(za @ zb.T / 0.1, torch.arange(za.shape[0]), reduction="none")
+
+    def batch_normalised(mod, b):
+        per = (mod(b["a"]) ** 2).sum(1)
+        return per / per.detach().mean()  # (a statistic of the batch, as a token count would be)
+
+    batch = {"a": torch.randn(12, 4), "b": torch.randn(12, 4)}
+
+    def said(loss):
+        st = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method=method)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            st(params, batch)
+        return " | ".join(str(x.message) for x in w)
+
+    got = said(contrastive)
+    assert "every example's gradient is exactly 0" in got and "couples" in got, got
+    assert ("mixing (or reordering)" in got) == (method != "vmap"), got
+    got = said(batch_normalised)
+    assert "exactly 0" not in got and ("mixing (or reordering)" in got) == (method != "vmap"), got
+    assert "exactly 0" not in said(lambda mod, b: (mod(b["a"]) ** 2).sum(1)) and "mixing" not in said(
+        lambda mod, b: (mod(b["a"]) ** 2).sum(1))
