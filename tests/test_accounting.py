@@ -873,3 +873,59 @@ def test_a_history_too_long_for_the_pld_fallback_is_answered_by_rdp(monkeypatch)
     assert e.method == "rdp" and math.isfinite(e.upper)
     d = prv.pld_delta(groups, 2.0)
     assert d.method == "rdp" and 0 < d.upper < 1
+
+
+# ----------------------------------------------------------------------------------
+# mutation review, round 40: changes the suite did not notice
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["prv", "rdp"])
+def test_repeats_of_one_setting_that_are_not_adjacent_all_count(kind):
+    """(σ1, q, 5), (σ2, q, 3), (σ1, q, 5) is (σ1, q, 10) + (σ2, q, 3): composition commutes, and the
+    runs of one setting add up (a max of them counted 5 of the 10)."""
+    a, b = make_accountant(kind), make_accountant(kind)
+    for s, n in ((1.1, 5), (2.0, 3), (1.1, 5)):
+        a.step(noise_multiplier=s, sample_rate=0.05, num_steps=n)
+    b.step(noise_multiplier=1.1, sample_rate=0.05, num_steps=10)
+    b.step(noise_multiplier=2.0, sample_rate=0.05, num_steps=3)
+    c = make_accountant(kind)
+    c.step(noise_multiplier=1.1, sample_rate=0.05, num_steps=5)
+    c.step(noise_multiplier=2.0, sample_rate=0.05, num_steps=3)
+    assert a.epsilon(1e-5).upper == pytest.approx(b.epsilon(1e-5).upper, rel=1e-9)
+    assert a.epsilon(1e-5).upper > c.epsilon(1e-5).upper * 1.05
+
+
+def test_a_plans_epsilon_is_its_own_steps():
+    """plan.epsilon is what a fresh accountant gives for plan.steps steps at (σ, q), not one fewer."""
+    plan = plan_privacy(3.0, 1e-5, num_examples=1000, expected_batch_size=50, epochs=2)
+    acct = make_accountant("prv")
+    acct.step(noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate, num_steps=plan.steps)
+    assert plan.epsilon.upper == pytest.approx(acct.epsilon(1e-5).upper, rel=1e-12)
+    fewer = make_accountant("prv")
+    fewer.step(noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate, num_steps=plan.steps - 1)
+    assert fewer.epsilon(1e-5).upper < plan.epsilon.upper
+
+
+def test_pld_fallback_takes_its_epsilon_at_delta_less_its_roundoff(monkeypatch):
+    """The pessimistic PLD's ε is read at δ − r (r its round-off bound), and is the answer when below
+    RDP's: with r made large, reading it at δ understates it."""
+    groups = ((1.0, 0.01, 200),)
+    delta = 1e-5
+    pess, _ = prv_module._pld_or_none(groups, 0.01)
+    monkeypatch.setattr(prv_module, "pld_roundoff", lambda pld, steps: 0.09 * delta)
+    res = prv_module.pld_epsilon(groups, delta, eps_error=0.01)
+    assert res.method == "pld", res
+    assert res.upper == pytest.approx(pess.get_epsilon_for_delta(delta - 0.09 * delta), rel=1e-9)
+    assert res.upper > pess.get_epsilon_for_delta(delta) + 1e-4
+
+
+def test_prv_answer_is_rdps_whenever_rdp_is_below_prvs_upper_bound(monkeypatch):
+    """RDP's ε is a valid upper bound: taken whenever it is below the PRV's upper bound (also when
+    above the PRV's estimate)."""
+    acct = PRVAccountant()
+    acct.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=100)
+    groups = acct._groups()
+    rdp_eps, _ = prv_module.epsilon_from_rdp(prv_module._RDP_ORDERS, acct._total_rdp(groups), 1e-5)
+    monkeypatch.setattr(PRVAccountant, "_prv_epsilon_raw",
+                        lambda self, g, d, e: EpsilonBounds(rdp_eps * 0.5, rdp_eps * 0.9, rdp_eps * 1.1, "prv"))
+    res = acct._prv_epsilon(groups, 1e-5, 1e-7)
+    assert res.upper == pytest.approx(rdp_eps) and res.method == "rdp"

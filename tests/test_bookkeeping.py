@@ -4770,3 +4770,30 @@ def test_float64_ghost_norm_of_structured_cancelling_rows_never_understates(T, p
     assert out.routes["lin.weight"] == "ghost"
     exact = torch.tensor([math.sqrt(p) * abs(math.fsum(x[i, :, 0].tolist())) for i in range(B)], dtype=torch.float64)
     assert bool((out.per_sample_norms >= exact).all()), (exact / out.per_sample_norms).max()
+
+
+def test_guard_caps_a_collapsed_norm_and_adds_the_slack_of_each_use():
+    """Mutation review, round 40 (unit level, as the crafted examples that need it cost a search):
+    a squared norm below the bound's 1/(κ_max·T) is replaced by the bound itself (without that branch
+    only the small rounding allowance was added, and a collapsed float32 norm stays collapsed); the
+    underflow slacks of a parameter's uses combine as (Σ √Δ_u)², the bound on a sum of gradients,
+    not Σ Δ_u."""
+    from types import SimpleNamespace
+
+    from pdpsgd.bookkeeping import KAPPA_MAX_PER_T, _Guard
+
+    u = SimpleNamespace(T=4)
+    b = torch.tensor([100.0, 100.0, 100.0])
+    S = torch.tensor([0.0, 1e4 / (KAPPA_MAX_PER_T * 4) / 2, 9e3], dtype=torch.float32)
+    g, sq = _Guard(), {}
+    g.add("w", S, [u], {id(u): b}, torch.float32)
+    g.done(sq)
+    assert sq["w"][0].item() == pytest.approx(1e4) and sq["w"][1].item() == pytest.approx(1e4)  # capped
+    assert 9e3 <= sq["w"][2].item() < 9e3 * (1 + 1e-3)  # an ordinary one: its allowance only
+    u1, u2 = SimpleNamespace(T=2), SimpleNamespace(T=3)
+    d1, d2 = torch.tensor([4.0], dtype=torch.float64), torch.tensor([9.0], dtype=torch.float64)
+    g, sq = _Guard(), {}
+    g.add("tied", torch.zeros(1, dtype=torch.float64), [u1, u2], {("slack", id(u1)): d1, ("slack", id(u2)): d2},
+          torch.float64)
+    g.done(sq)
+    assert sq["tied"].item() == pytest.approx(25.0)  # (2 + 3)², not 4 + 9

@@ -389,11 +389,14 @@ def test_checkpoint_errors_name_the_cause(tmp_path, monkeypatch):
 
     cfg = getattr(getattr(getattr(torch.utils, "serialization", None), "config", None), "load", None)
     if cfg is not None and hasattr(cfg, "mmap"):
-        monkeypatch.setattr(cfg, "mmap", True)
-        assert load_checkpoint(p)["step"] == 1
-        torch.save({"format": "pdpsgd-checkpoint", "format_version": 1, "step": 3}, tmp_path / "old.pt")
-        assert load_checkpoint(tmp_path / "old.pt")["step"] == 3
-        monkeypatch.undo()
+        was = cfg.mmap  # (set and put back by assignment: monkeypatch's undo hid the setting for later tests)
+        cfg.mmap = True
+        try:
+            assert load_checkpoint(p)["step"] == 1
+            torch.save({"format": "pdpsgd-checkpoint", "format_version": 1, "step": 3}, tmp_path / "old.pt")
+            assert load_checkpoint(tmp_path / "old.pt")["step"] == 3
+        finally:
+            cfg.mmap = was
 
     (tmp_path / "empty.pt").write_bytes(b"")
     with pytest.raises(CheckpointError, match="empty.*intact copy"):

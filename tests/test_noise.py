@@ -487,3 +487,45 @@ def test_out_of_memory_in_the_compiled_noise_is_not_taken_for_a_backend_failure(
             noise_and_scale(sums, 0.5, torch.Generator().manual_seed(3), 4.0, {"w": torch.float32}, compile=True,
                             rng="torch")
     assert fused._COMPILE_FAILED is None
+
+
+class _WithScalar(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(300, 200)
+        self.gain = nn.Parameter(torch.ones(()))  # one coordinate
+        self.bias1 = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        return self.lin(x) * self.gain + self.bias1
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "groups"])
+def test_every_parameter_gets_noise_of_std_sigma_C_under_every_clipping(clipping):
+    """Mutation review, round 40: noise 10 % low under per-layer / group clipping, or no noise for a
+    one-element parameter, went unnoticed (the KS test pooled one flat-clipped Linear's coordinates).
+    The step's own noise on a zero sum (an empty batch: noise alone), per parameter: the sensitivity
+    of the whole sum is max_grad_norm however it is split, so every coordinate's std is σ·C."""
+    torch.manual_seed(0)
+    m = _WithScalar()
+    params = pdpsgd.trainable_params(m)
+    spec = {"flat": "flat", "per_layer": "per_layer",
+            "groups": [["lin.weight"], ["lin.bias", "gain", "bias1"]]}[clipping]
+    sigma, C = 1.3, 0.7
+    loss = lambda mod, b: mod(b["x"]).pow(2).sum(1)
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=C, noise_multiplier=sigma, expected_batch_size=1,
+                               clipping=spec, generator=torch.Generator().manual_seed(5))
+    assert step.noise_std == pytest.approx(sigma * C)
+    empty = {"x": torch.zeros(0, 300)}
+    draws = {n: [] for n in params}
+    for _ in range(400):
+        out = step(params, empty)
+        for n in params:
+            draws[n].append(out.grads[n].flatten()[:50].double())
+    for n, d in draws.items():
+        z = torch.cat(d).numpy()
+        # (400 draws of a one-element parameter: its std within ~5 standard errors of σC)
+        tol = 5 / math.sqrt(2 * z.size)
+        assert abs(z.std() / (sigma * C) - 1) < tol, (n, z.std(), sigma * C, z.size)
+    z = np.concatenate([torch.cat(d).numpy() for d in draws.values()])
+    assert stats.kstest(z, "norm", args=(0.0, sigma * C)).pvalue > 1e-3

@@ -1332,3 +1332,23 @@ def test_a_mask_with_padding_and_no_expected_batch_size_warns_about_the_divisor(
         pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0)(params, b, pad)
     with pytest.warns(UserWarning, match="padding rows"):
         step(params, b, pad)
+
+
+@pytest.mark.parametrize("method", ["vmap", "bk"])
+def test_an_example_with_a_non_finite_loss_and_a_finite_gradient_is_dropped_from_the_sum(method):
+    """Mutation review, round 40: the sums kept an example whose loss was inf (its gradient finite)
+    while the step counted it dropped, unnoticed. It contributes nothing, as counted."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2)
+    loss = lambda mod, b: F.cross_entropy(mod(b["x"]), b["y"], reduction="none").double() + b["w"]
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
+    w = torch.tensor([0.0, math.inf, 0.0, 0.0], dtype=torch.float64)
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=1,
+                               method=method)
+    out = step(params, {"x": x, "y": y, "w": w})
+    assert out.num_nonfinite == 1
+    keep = torch.tensor([0, 2, 3])
+    ref = step(params, {"x": x[keep], "y": y[keep], "w": torch.zeros(3, dtype=torch.float64)})
+    for n in params:
+        torch.testing.assert_close(out.grads[n], ref.grads[n])

@@ -1022,3 +1022,16 @@ def test_a_trainer_refuses_a_plan_with_a_bad_delta_before_any_step():
                   max_grad_norm=1.0, max_physical_batch=8)
     DPTrainer(model, loss, data, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), plan=plan, dp=False,
               max_grad_norm=1.0, max_physical_batch=8)
+
+
+def test_history_prefix_needs_every_earlier_run_equal_and_the_last_not_longer():
+    """Mutation review, round 40: dropping either half of the check went unnoticed."""
+    from pdpsgd.train import _history_prefix
+
+    h = lambda *runs: {"history": [list(r) for r in runs]}
+    assert _history_prefix(h((1.0, 0.1, 5)), h((1.0, 0.1, 10)))
+    assert _history_prefix(h((2.0, 0.1, 3), (1.0, 0.1, 5)), h((2.0, 0.1, 3), (1.0, 0.1, 5), (1.5, 0.1, 2)))
+    assert not _history_prefix(h((1.0, 0.1, 10)), h((1.0, 0.1, 5)))  # the earlier one counts more
+    assert not _history_prefix(h((2.0, 0.1, 3), (1.0, 0.1, 1)), h((1.0, 0.1, 3), (1.0, 0.1, 5)))
+    assert not _history_prefix(h((1.0, 0.1, 5)), h((1.0, 0.2, 10)))
+    assert not _history_prefix(h((1.0, 0.1, 5), (1.0, 0.1, 1)), h((1.0, 0.1, 5)))
