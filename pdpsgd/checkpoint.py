@@ -20,6 +20,7 @@ re-seeded from fresh entropy; the CLI refuses a private checkpoint without its l
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import hashlib
@@ -235,27 +236,31 @@ class _Shifted(io.RawIOBase):
         return self.f.tell() - self.at
 
 
-# what torch.load(weights_only=True) reads back (besides tensors and the containers)
-_PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+# what torch.load(weights_only=True) reads back besides tensors, by exact type (a subclass, np.float64
+# of float or an IntEnum of int, is pickled as its own class, which it refuses; review of round 40)
+_PLAIN = (int, float, bool, complex, str, bytes, bytearray, type(None), torch.dtype, torch.device, torch.Size)
+_MAPS = (dict, collections.OrderedDict)
+_SEQS = (list, tuple, set)
 
 
 def _check_loadable(x: Any, at: str) -> None:
     """Refuse, before anything is written, a value ``load_checkpoint`` could not read back (review of
     round 40: a numpy array saved without complaint, and the checkpoint then failed to load)."""
-    if isinstance(x, torch.Tensor) or isinstance(x, _PLAIN):
+    if isinstance(x, torch.Tensor) or type(x) in _PLAIN:
         return
-    if isinstance(x, dict):
+    if type(x) in _MAPS:
         for k, v in x.items():
             _check_loadable(k, f"{at} key")
             _check_loadable(v, f"{at}[{k!r}]")
         return
-    if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+    if type(x) in _SEQS:
         for i, v in enumerate(x):
             _check_loadable(v, f"{at}[{i}]")
         return
-    hint = " (convert it with torch.from_numpy or .tolist())" if type(x).__module__.startswith("numpy") else ""
-    raise TypeError(f"a checkpoint holds tensors, numbers, strings, None and dicts / lists / tuples of them; "
-                    f"{at} is a {type(x).__module__}.{type(x).__qualname__}{hint}")
+    hint = " (convert it with torch.from_numpy, .item() or .tolist())" if type(x).__module__.startswith("numpy") else ""
+    raise TypeError(f"a checkpoint holds tensors, numbers, strings, None and dicts / lists / tuples / sets of them, "
+                    f"which torch.load(weights_only=True) reads back; {at} is a "
+                    f"{type(x).__module__}.{type(x).__qualname__}{hint}")
 
 
 def _to_cpu(x: Any) -> Any:

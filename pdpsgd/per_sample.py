@@ -250,27 +250,32 @@ def _raised_in(err: BaseException, path_end: str) -> bool:
     return False
 
 
+def _out_of_memory(err: BaseException) -> bool:
+    kinds = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
+                  if t)
+    return isinstance(err, kinds) or "out of memory" in str(err).lower()
+
+
 def _eager_error(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor],
                  batch: Batch) -> Optional[Exception]:
-    """The error ``loss_fn(model, batch)`` raises on the batch (this chunk of it) run eagerly, without
-    torch.func (no gradients, forked random streams, module state kept), stated as the user's own, or
-    None if it runs. vmap's messages describe its batched internals: a label out of range read as
-    'index 5 is out of bounds for dimension 2 with size 3' for 2-D logits (review of round 40)."""
+    """The exception ``loss_fn(model, batch)`` raises on the batch (this chunk of it) run eagerly, as
+    in ordinary training (trained parameters requiring grad, grad mode on; forked random streams,
+    module state kept), itself, with a note saying so; or None if it runs. vmap's messages describe
+    its batched internals: a label out of range read 'index 5 is out of bounds for dimension 2 with
+    size 3' for 2-D logits (review of round 40)."""
     model = loss_module.model
     devices = sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
+    leaves = {n: p.detach().requires_grad_(p.is_floating_point() or p.is_complex()) for n, p in params.items()}
     try:
-        with torch.no_grad(), preserve_module_state(model), torch.random.fork_rng(devices=devices):
-            functional_call(loss_module, LossModule.prefixed({**constants, **params}), (batch,))
-    except Exception as e:  # (what the user's own code raises, as it raises it)
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        msg = (f"loss_fn(model, batch) fails on the batch run eagerly: {type(e).__name__}: "
-               f"{first} (the per-example gradients run it under torch.func.vmap, whose own message is in "
-               "the chained error above)")
-        try:
-            out = type(e)(msg)
-        except Exception:
-            out = RuntimeError(msg)
-        return out if isinstance(out, Exception) else None
+        with torch.enable_grad(), preserve_module_state(model), torch.random.fork_rng(devices=devices):
+            functional_call(loss_module, LossModule.prefixed({**constants, **leaves}), (batch,))
+    except Exception as e:  # (the user's own code's exception, as it raises it)
+        if _out_of_memory(e):
+            return None
+        if hasattr(e, "add_note"):
+            e.add_note("(pdpsgd: raised by loss_fn(model, batch) run eagerly on the batch, after the per-example "
+                       "gradients under torch.func.vmap failed: see the chained error above)")
+        return e
     return None
 
 
@@ -404,18 +409,11 @@ def per_sample_grads(
                 mixed = True
                 continue
             explained = _explain_vmap_error(err)
-            if explained is err:
+            if explained is err and not _out_of_memory(err):  # (an OOM stays the OOM it is)
                 eager = _eager_error(loss_module, params, constants, batch)
                 if eager is not None:
                     raise eager from err
             raise explained from err
-        except (TypeError, ValueError, IndexError, KeyError) as err:
-            if isinstance(err, ValueError) and str(err).startswith(("loss_fn must", DETACHED_LOSS[:30])):
-                raise
-            eager = _eager_error(loss_module, params, constants, batch)
-            if eager is not None:
-                raise eager from err
-            raise
     # (values: a batch input that requires grad left a graph on them back to it; review, round 38)
     return losses.detach(), {n: g.detach() for n, g in grads.items()}
 

@@ -90,7 +90,9 @@ def _check_loss_signature(loss_fn: Any) -> None:
     round 40: ``loss_fn(batch)`` / ``loss_fn(model, x, y)`` failed at the first step with Python's bare
     'takes 1 positional argument but 2 were given', from inside torch.func)."""
     try:
-        sig = inspect.signature(loss_fn)
+        # (not followed into a functools.wraps wrapper's function: the wrapper is what is called, and a
+        # decorator that fills in arguments takes fewer than its function; review of round 40)
+        sig = inspect.signature(loss_fn, follow_wrapped=False)
     except (TypeError, ValueError):  # (a builtin or C callable without a signature: tried at the step)
         return
     try:
@@ -656,7 +658,8 @@ class DPStep:
             raise ValueError(f"this ClippedSum was clipped by another step ({partial.clipping}), not with this "
                              f"step's clipping ({self.clipping_key}): its noise, σ·C for this step's C, would not "
                              "match the sum's sensitivity. Finalize it with the step that made it")
-        if not consume and partial.ids:
+        marked = not consume and bool(partial.ids)
+        if marked:
             # (review, round 39: a part finalized twice is two noisy releases of one sum, which the
             # accountant counts as one step); by any step object of this process (review of round 39)
             with _FINALIZED_LOCK:
@@ -668,6 +671,16 @@ class DPStep:
                     _FINALIZED[i] = None
                 while len(_FINALIZED) > _RECENT_FINALIZED:
                     _FINALIZED.popitem(last=False)
+        try:
+            return self._noised(partial, params, consume)
+        except BaseException:
+            if marked:  # (nothing was released: the part may be finalized again, e.g. by a step fixed
+                with _FINALIZED_LOCK:  # after this one's error; review of round 40)
+                    for i in partial.ids:
+                        _FINALIZED.pop(i, None)
+            raise
+
+    def _noised(self, partial: ClippedSum, params: Optional[Mapping[str, Tensor]], consume: bool) -> StepOutput:
         sums = partial.sums
         first = next(iter(sums.values()))
         n_real = partial.mask.sum()

@@ -410,6 +410,14 @@ def test_checkpoint_errors_name_the_cause(tmp_path, monkeypatch):
     with pytest.raises(TypeError, match=r"'extra'\]\['a'\].*numpy.*torch.from_numpy"):
         save_checkpoint(tmp_path / "np.pt", {"extra": {"a": np.zeros(3)}})
     assert not (tmp_path / "np.pt").exists()
+    with pytest.raises(TypeError, match=r"\['t'\]\[1\].*numpy.float64.*\.item\(\)"):  # (a float subclass)
+        save_checkpoint(tmp_path / "np.pt", {"t": [1.0, np.float64(2.0)]})
+    import collections as _c
+
+    ok = {"s": {1, 2}, "o": _c.OrderedDict(a=torch.ones(2)), "b": b"x", "z": 1j, "d": torch.float16}
+    save_checkpoint(tmp_path / "ok.pt", ok)
+    back = load_checkpoint(tmp_path / "ok.pt")
+    assert back["s"] == {1, 2} and torch.equal(back["o"]["a"], torch.ones(2)) and back["d"] == torch.float16
 
 
 def test_a_checkpoint_changed_while_it_is_loaded_is_refused(tmp_path, monkeypatch):

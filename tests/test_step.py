@@ -1352,3 +1352,21 @@ def test_an_example_with_a_non_finite_loss_and_a_finite_gradient_is_dropped_from
     ref = step(params, {"x": x[keep], "y": y[keep], "w": torch.zeros(3, dtype=torch.float64)})
     for n in params:
         torch.testing.assert_close(out.grads[n], ref.grads[n])
+
+
+def test_a_finalize_that_fails_releases_nothing_and_leaves_the_part_finalizable():
+    """Review of round 40: a part was marked finalized before the finalize's own checks, so one that
+    failed (no expected_batch_size for an empty batch) could not be finalized by a step fixed after
+    the error, though nothing was released."""
+    torch.manual_seed(0)
+    m = mlp()
+    params = pdpsgd.trainable_params(m)
+    loose = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0)
+    part = loose.clipped_sum(params, {"x": torch.zeros(0, 5), "y": torch.zeros(0, dtype=torch.long)})
+    assert part.ids
+    with pytest.raises(ValueError, match="expected_batch_size"):
+        loose.finalize(part)
+    fixed = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    fixed.finalize(part)
+    with pytest.raises(ValueError, match="finalized already"):
+        fixed.finalize(part)
