@@ -70,6 +70,9 @@ def naive_per_sample_grads(
         losses.append(loss.detach()[0])
         for n, g in zip(targets, gs):
             grads[n].append(torch.zeros_like(targets[n]) if g is None else g)
+    if not losses:  # (an empty batch: no example, no gradient; review of round 40: torch.stack([]) raised)
+        return (torch.zeros(0, dtype=torch.float64),
+                {n: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for n, p in targets.items()})
     return torch.stack(losses), {n: torch.stack(v) for n, v in grads.items()}
 
 
@@ -97,7 +100,7 @@ def naive_clipped_sum(
         groups, thresholds = [names], [max_grad_norm]
     B = _batch_len(batch)
     norms = torch.zeros(B, dtype=torch.float64)
-    sums = {n: torch.zeros_like(g[0], dtype=torch.float64) for n, g in grads.items()}
+    sums = {n: torch.zeros(g.shape[1:], dtype=torch.float64, device=g.device) for n, g in grads.items()}
     for i in range(B):
         norms[i] = math.sqrt(sum(float(grads[n][i].double().pow(2).sum()) for n in names))
         if mask is not None and not bool(mask[i]):

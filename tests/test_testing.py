@@ -272,3 +272,18 @@ def test_oracle_drops_a_non_finite_example_whole(case):
     else:
         b["z"][1, 0] = float("inf")
     assert_exact(m, loss, b, max_grad_norm=0.5, clipping="per_layer" if case == "nan_in_one_group" else "flat")
+
+
+def test_the_oracle_takes_an_empty_batch():
+    """Review of round 40: the naive oracle raised on B = 0 (torch.stack of nothing); the step
+    returns zero sums there, and so does the oracle."""
+    from torch import nn
+
+    from pdpsgd.testing import naive_clipped_sum, naive_per_sample_grads
+
+    m = nn.Linear(3, 2)
+    loss = lambda mod, b: mod(b).pow(2).sum(1)
+    losses, grads = naive_per_sample_grads(m, loss, torch.zeros(0, 3))
+    assert losses.shape == (0,) and grads["weight"].shape == (0, 2, 3)
+    norms, sums = naive_clipped_sum(m, loss, torch.zeros(0, 3), max_grad_norm=1.0)
+    assert norms.shape == (0,) and torch.equal(sums["weight"], torch.zeros(2, 3))
