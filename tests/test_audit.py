@@ -216,3 +216,36 @@ def test_bad_audit_inputs_are_refused():
         with pytest.raises(ValueError, match="TPR and FPR in"):
             A.empirical_epsilon(*args)
     assert A.empirical_epsilon(0.5, 0.1) == pytest.approx(math.log(5))
+
+
+@pytest.mark.parametrize("members_first", [True, False])  # (both, always: 12 derandomized draws of a
+@given(levels=st.integers(1, 6), seed=st.integers(0, 2 ** 16))  # boolean all came up False)
+def test_tied_scores_unrelated_to_membership_certify_nothing(levels, seed, members_first):
+    """Review of round 40: ties were broken by the canaries' order, so scores unrelated to membership
+    (0/1 correctness, rounded losses) with the members listed first certified ε ≥ 3.9 (2.5 at five
+    levels, 4.6 with every score equal). Ties across a cut are abstained on; such scores certify
+    nothing, in whatever order the canaries come."""
+    rng = np.random.default_rng(seed)
+    m = 600
+    inc = np.zeros(m, bool)
+    if members_first:
+        inc[: m // 2] = True
+    else:
+        inc[rng.permutation(m)[: m // 2]] = True
+    scores = rng.integers(0, levels, m).astype(float)
+    res = A.one_run_audit(scores, inc, k_neg=[0, m // 4])
+    assert res.epsilon_lower_bound < 0.6, res
+
+
+def test_ties_inside_a_cut_still_guess_and_a_real_signal_survives_rounding():
+    inc = np.zeros(1000, bool)
+    inc[:500] = True
+    s = inc * 1.0 + np.random.default_rng(2).normal(0, 0.5, 1000)
+    exact = A.one_run_audit(s, inc).epsilon_lower_bound
+    rounded = A.one_run_audit(np.round(s, 1), inc)
+    assert exact > 2.0 and rounded.epsilon_lower_bound > 0.8 * exact
+    assert rounded.num_guesses <= rounded.k_pos + rounded.k_neg
+    r, v = A._guess_counts(np.array([3.0, 3.0, 2.0, 1.0]), np.array([True, False, True, False]), 2, 1)
+    assert (r, v) == (3, 2)  # (the tied top two are both inside the cut: guessed)
+    r, v = A._guess_counts(np.array([3.0, 2.0, 2.0, 1.0]), np.array([True, True, False, False]), 2, 1)
+    assert (r, v) == (2, 2)  # (2.0 straddles the cut: both abstained on)
