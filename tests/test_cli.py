@@ -662,3 +662,45 @@ def test_a_label_one_row_alone_has_is_flagged_and_labels_can_be_given(tmp_path, 
         _load_data(argparse.Namespace(**base, labels="neg,pos"))
     with pytest.raises(UserError, match="two or more distinct"):
         _load_data(argparse.Namespace(**base, labels="neg,neg"))
+
+
+CHECK_BN_TRAIN = '''
+import torch, torch.nn.functional as F
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))  # (left in training mode)
+def loss_fn(model, b):
+    return F.cross_entropy(model(b["x"]), b["y"], reduction="none")
+batch = {"x": torch.randn(5, 4), "y": torch.tensor([0, 1, 2, 0, 1])}
+'''
+
+CHECK_SMALL_MASKED = '''
+import torch, torch.nn.functional as F
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 3)).float()
+def loss_fn(model, b):
+    return 1e-3 * F.cross_entropy(model(b["x"]), b["y"], reduction="none")
+x = torch.randn(5, 4)
+x[4] = float("nan")  # a padding row, masked out
+batch = {"x": x, "y": torch.tensor([0, 1, 2, 0, 1])}
+mask = torch.tensor([True, True, True, True, False])
+'''
+
+
+def test_check_refuses_what_the_step_refuses_and_says_what_it_did_not_exercise(tmp_path, capsys):
+    """Review of round 40: `check --no-sensitivity` passed BatchNorm in training mode (compared on an
+    eval-mode copy); the sensitivity check ignored the file's mask (a masked NaN row reported as
+    dropped); --no-float64 kept rtol 1e-9 and failed every float32 model; a check whose examples were
+    never clipped did not say so."""
+    bn = tmp_path / "bn_model.py"
+    bn.write_text(CHECK_BN_TRAIN)
+    rc, out, err = run_cli(["check", str(bn), "--method", "vmap", "--no-sensitivity"], capsys)
+    assert rc == 1 and "[vmap] ERROR" in out and "BatchNorm" in out and "[vmap] OK" not in out, out
+    small = tmp_path / "small_model.py"
+    small.write_text(CHECK_SMALL_MASKED)
+    rc, out, err = run_cli(["check", str(small), "--method", "vmap"], capsys)
+    assert rc == 0, out + err
+    assert "dropped examples" not in out and "rows the mask keeps" in out and "no example was clipped" in out, out
+    rc, out, err = run_cli(["check", str(small), "--method", "vmap", "--no-float64", "--clip", "1e-5"], capsys)
+    assert rc == 0 and "rtol=0.0001" in out and "no example was clipped" not in out, out

@@ -287,3 +287,49 @@ def test_the_oracle_takes_an_empty_batch():
     assert losses.shape == (0,) and grads["weight"].shape == (0, 2, 3)
     norms, sums = naive_clipped_sum(m, loss, torch.zeros(0, 3), max_grad_norm=1.0)
     assert norms.shape == (0,) and torch.equal(sums["weight"], torch.zeros(2, 3))
+
+
+def test_assert_exact_builds_its_clipping_groups_from_the_definitions(monkeypatch):
+    """Review of round 40: assert_exact took the oracle's groups from the step's own make_groups, so a
+    budget applied to the wrong groups passed. The oracle's groups are its own now."""
+    from pdpsgd import clipping
+
+    torch.manual_seed(0)
+    m = mlp()
+    b = {"x": torch.randn(6, 5), "y": torch.randint(0, 3, (6,))}
+    budget = [1.0, 1.0, 1.0, 100.0]
+    assert_exact(m, mlp_loss, b, method="vmap", max_grad_norm=0.05, clipping="per_layer", clip_budget=budget)
+    real = clipping.make_groups
+
+    def reversed_budget(names, spec, C, *, budget=None, complete=True):
+        return real(names, spec, C, budget=list(reversed(budget)) if budget else budget, complete=complete)
+
+    import pdpsgd.step as step_module
+
+    monkeypatch.setattr(clipping, "make_groups", reversed_budget)
+    monkeypatch.setattr(step_module, "make_groups", reversed_budget)
+    with pytest.raises(AssertionError, match="differs from the naive"):
+        assert_exact(m, mlp_loss, b, method="vmap", max_grad_norm=0.05, clipping="per_layer", clip_budget=budget)
+
+
+def test_the_oracle_refuses_a_tied_tensor_under_two_names():
+    from torch import nn
+
+    from pdpsgd.testing import naive_clipped_sum
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(7, 4)
+            self.out = nn.Linear(4, 7, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.out(self.emb(x))
+
+    m = Tied()
+    loss = lambda mod, b: mod(b).pow(2).sum((1, 2))
+    x = torch.randint(0, 7, (3, 5))
+    with pytest.raises(ValueError, match="same tied tensor"):
+        naive_clipped_sum(m, loss, x, max_grad_norm=1.0, params=dict(m.named_parameters(remove_duplicate=False)))
+    naive_clipped_sum(m, loss, x, max_grad_norm=1.0, params={"out.weight": m.emb.weight})  # (either name, once)
