@@ -929,3 +929,12 @@ def test_prv_answer_is_rdps_whenever_rdp_is_below_prvs_upper_bound(monkeypatch):
                         lambda self, g, d, e: EpsilonBounds(rdp_eps * 0.5, rdp_eps * 0.9, rdp_eps * 1.1, "prv"))
     res = acct._prv_epsilon(groups, 1e-5, 1e-7)
     assert res.upper == pytest.approx(rdp_eps) and res.method == "rdp"
+
+
+def test_a_plan_with_delta_not_below_one_over_n_warns():
+    """Review of round 40: δ = 0.5 was accepted without a word (it permits publishing an example)."""
+    with pytest.warns(UserWarning, match="not below 1/N"):
+        plan_privacy(8.0, 0.02, num_examples=100, expected_batch_size=10, epochs=1, accountant="rdp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan_privacy(8.0, 1e-3, num_examples=100, expected_batch_size=10, epochs=1, accountant="rdp")
