@@ -249,3 +249,30 @@ def test_ties_inside_a_cut_still_guess_and_a_real_signal_survives_rounding():
     assert (r, v) == (3, 2)  # (the tied top two are both inside the cut: guessed)
     r, v = A._guess_counts(np.array([3.0, 2.0, 2.0, 1.0]), np.array([True, True, False, False]), 2, 1)
     assert (r, v) == (2, 2)  # (2.0 straddles the cut: both abstained on)
+
+
+def test_audit_bounds_against_their_closed_forms_and_the_corrections():
+    """Mutation review, round 40: the δ terms of the TPR / advantage bounds, the vectorised p-value's
+    2·m·δ term and the Bonferroni correction over a k grid could each be changed unnoticed."""
+    e, d = 1.0, 0.1
+    for f in (0.0, 0.2, 0.5, 0.9):
+        assert A.dp_tpr_bound(f, e, d) == pytest.approx(min(1.0, math.exp(e) * f + d, 1 - math.exp(-e) * (1 - d - f)))
+    assert A.dp_advantage_bound(e, d) == pytest.approx((math.e - 1 + 2 * d) / (math.e + 1))
+    grid = np.linspace(0, 1, 20001)
+    assert A.dp_advantage_bound(e, d) == pytest.approx(float(np.max(A.dp_tpr_bound(grid, e, d) - grid)), abs=1e-4)
+    eps = np.array([0.1, 0.5, 1.0, 2.0])
+    for v, r, m, dl in ((30, 40, 200, 1e-3), (12, 20, 20, 1e-4)):
+        want = [A.one_run_audit_pvalue(v, r, m, float(x), dl) for x in eps]
+        assert np.allclose(A._pvalues(v, r, m, eps, dl), want, rtol=1e-12, atol=0)
+    inc = np.zeros(400, bool)
+    inc[:200] = True
+    s = inc * 1.0 + np.random.default_rng(3).normal(0, 0.7, 400)
+    ks = [200, 100, 50, 25]
+    res = A.one_run_audit(s, inc, k_pos=ks)
+    per = []
+    for k in ks:
+        r, v = A._guess_counts(s, inc, k, 0)
+        per.append((A.one_run_audit_epsilon(v, r, 400, 0.0, 1 - 0.05 / len(ks)),
+                    A.one_run_audit_epsilon(v, r, 400, 0.0, 0.95)))
+    assert res.epsilon_lower_bound == pytest.approx(max(p[0] for p in per))
+    assert res.epsilon_lower_bound < max(p[1] for p in per)

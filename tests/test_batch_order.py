@@ -162,6 +162,7 @@ def test_the_watch_sees_an_order_on_any_dimension_and_through_conversions():
     assert _watch(lambda: x[torch.cat([torch.where(long)[0], torch.where(~long)[0]])], 4) is not None
     assert _watch(lambda: x[o().tolist()], 4) is not None
     assert _watch(lambda: x[o().numpy()], 4) is not None
+    assert _watch(lambda: x[o().numpy().astype(np.uint8)], 4) is not None  # (unsigned too; mutation review, round 40)
     assert _watch(lambda: x[o().float().long()], 4) is not None
 
     def buffered():

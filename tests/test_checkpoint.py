@@ -404,6 +404,15 @@ def test_checkpoint_errors_name_the_cause(tmp_path, monkeypatch):
     (tmp_path / "head.pt").write_bytes(p.read_bytes()[:ck._DIGEST_LINE])
     with pytest.raises(CheckpointError, match="truncated|corrupt"):
         load_checkpoint(tmp_path / "head.pt")
+    import hashlib
+
+    empty_line = ck._DIGEST_PREFIX + hashlib.sha256(b"").hexdigest().encode() + b"\n"  # (a digest of nothing)
+    (tmp_path / "head.pt").write_bytes(empty_line)
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_checkpoint(tmp_path / "head.pt")
+    with pytest.raises(TypeError, match="key.*numpy"):  # (a key is checked as a value is)
+        save_checkpoint(tmp_path / "npkey.pt", {"counts": {np.int64(1): 0}})
+    assert not (tmp_path / "npkey.pt").exists()
     (tmp_path / "dir.pt").mkdir()
     with pytest.raises(CheckpointError, match="not a file"):
         load_checkpoint(tmp_path / "dir.pt")

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import pdpsgd.testing  # noqa: F401  (used as pdpsgd.testing: the file runs alone too)
 from pdpsgd import bookkeeping as bk
 from pdpsgd.rules import Dense, Explicit, Index, default_registry
 from pdpsgd.rules.base import as_btd
