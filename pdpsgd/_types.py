@@ -51,7 +51,7 @@ class StepOutput(NamedTuple):
     grads: Dict[str, Tensor]
     per_sample_norms: Tensor
     loss: Tensor
-    clip_fraction: Tensor
+    clip_fraction: Tensor  # kept examples clipped in some group (factor < 1) / kept; 1 under automatic clipping
     num_examples: Tensor
     num_nonfinite: Tensor
     noise_std: float
