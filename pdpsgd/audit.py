@@ -434,7 +434,8 @@ def one_run_audit(
     """One-run audit from canary scores (higher = more likely included).
 
     Guess "included" for the ``k_pos`` highest-scoring canaries and "excluded" for the ``k_neg``
-    lowest (abstain on the rest), count correct guesses, convert with
+    lowest (abstain on the rest, and on every canary whose score is tied with one across either cut, so
+    ``num_guesses`` may be below ``k_pos + k_neg``), count correct guesses, convert with
     :func:`one_run_audit_epsilon`. ``k_pos``/``k_neg`` may be lists: every combination is tried
     and the best bound is returned at a Bonferroni-corrected per-test confidence
     1 − (1 − confidence)/#combinations, so the reported bound holds at ``confidence`` overall.

@@ -97,6 +97,7 @@ def check_file(path: str, methods: Iterable[str] = ("vmap", "bk", "auto"), *, rt
     """Run ``assert_exact`` on FILE's model for each method, then (``sensitivity``) the privacy bound
     on the step's own clipped sums (``testing.check_sensitivity``: each example alone ≤ C, removing
     one moves the sum by ≤ C, in the model's own mode); print a report per method."""
+    import torch
     import torch.nn as nn
 
     from .cli import UserError
@@ -143,12 +144,16 @@ def check_file(path: str, methods: Iterable[str] = ("vmap", "bk", "auto"), *, rt
                 if u["mask"] is not None:
                     print(f"[{m}] (the sensitivity check ran on the {int(u['mask'].sum())} rows the mask keeps)",
                           file=out)
-                if not bool((sens.contributions >= max_grad_norm * (1 - 1e-6)).any()):
+                if sens.contributions.numel() and not bool((sens.contributions >= max_grad_norm * (1 - 1e-6)).any()):
                     print(f"[{m}] NOTE: no example's gradient norm reached C = {max_grad_norm:g}, so no example was "
                           "clipped and the check did not exercise clipping: run it again with a smaller --clip "
                           f"(below {float(sens.contributions.max()):.3g})", file=out)
                 if sens.dropped:
-                    print(f"[{m}] WARNING: the step dropped examples {list(sens.dropped)} as non-finite (their "
+                    rows = list(sens.dropped)
+                    if u["mask"] is not None:  # (the check ran on the kept rows: name the file's rows)
+                        kept_rows = torch.as_tensor(u["mask"], dtype=torch.bool).nonzero().flatten().tolist()
+                        rows = [kept_rows[i] for i in rows]
+                    print(f"[{m}] WARNING: the step dropped examples {rows} as non-finite (their "
                           "loss or gradient is nan/inf): they add nothing to the sum, and the bounds above "
                           "hold for the others", file=out)
             results.append(CheckResult(m, True, rep))

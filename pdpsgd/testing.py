@@ -177,7 +177,7 @@ def _oracle_groups(model: nn.Module, params: Mapping[str, Tensor], clipping: Any
         groups = [[n] for n in order]
     else:
         spec = list(clipping.values()) if isinstance(clipping, Mapping) else list(clipping)
-        groups = [list(dict.fromkeys(canon.get(n, n) for n in g)) for g in spec]
+        groups = [list(dict.fromkeys(canon.get(n, n) for n in ([g] if isinstance(g, str) else g))) for g in spec]
     w = [1.0] * len(groups) if budget is None else [float(x) for x in budget]
     total = sum(w)
     return groups, [C * math.sqrt(x / total) for x in w]
@@ -205,6 +205,9 @@ def assert_exact(
     """
     from .step import make_dp_step
 
+    spec = step_kwargs.get("clipping", "flat")
+    if not isinstance(spec, (str, Mapping)):  # (a generator is read once: the step and the oracle read a list)
+        step_kwargs["clipping"] = [g if isinstance(g, str) else list(g) for g in spec]
     model = copy.deepcopy(model).eval()
     if float64:
         model = to_float64(model)

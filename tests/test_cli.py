@@ -704,3 +704,14 @@ def test_check_refuses_what_the_step_refuses_and_says_what_it_did_not_exercise(t
     assert "dropped examples" not in out and "rows the mask keeps" in out and "no example was clipped" in out, out
     rc, out, err = run_cli(["check", str(small), "--method", "vmap", "--no-float64", "--clip", "1e-5"], capsys)
     assert rc == 0 and "rtol=0.0001" in out and "no example was clipped" not in out, out
+    # a mask that keeps no row; a non-finite kept row named by its row in the file
+    none = tmp_path / "none_kept.py"
+    none.write_text(CHECK_SMALL_MASKED.replace("mask = torch.tensor([True, True, True, True, False])",
+                                               "mask = torch.zeros(5, dtype=torch.bool)"))
+    rc, out, err = run_cli(["check", str(none), "--method", "vmap"], capsys)
+    assert rc == 0 and "ERROR" not in out and "0 rows" in out, out
+    nan = tmp_path / "nan_kept.py"
+    nan.write_text(CHECK_SMALL_MASKED.replace("x[4] = float(\"nan\")", "x[3] = float(\"nan\")").replace(
+        "mask = torch.tensor([True, True, True, True, False])", "mask = torch.tensor([False, True, True, True, True])"))
+    rc, out, err = run_cli(["check", str(nan), "--method", "vmap"], capsys)
+    assert "dropped examples [3]" in out, out

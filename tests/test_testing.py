@@ -333,3 +333,16 @@ def test_the_oracle_refuses_a_tied_tensor_under_two_names():
     with pytest.raises(ValueError, match="same tied tensor"):
         naive_clipped_sum(m, loss, x, max_grad_norm=1.0, params=dict(m.named_parameters(remove_duplicate=False)))
     naive_clipped_sum(m, loss, x, max_grad_norm=1.0, params={"out.weight": m.emb.weight})  # (either name, once)
+
+
+def test_assert_exact_reads_every_form_of_clipping_spec_the_step_reads():
+    """Review of round 40's oracle groups: a group given as one name (a string) was read a character
+    at a time, and a generator spec was used up by the step, leaving the oracle no groups."""
+    torch.manual_seed(0)
+    m = mlp()
+    b = {"x": torch.randn(6, 5), "y": torch.randint(0, 3, (6,))}
+    names = [n for n, _ in m.named_parameters()]
+    rest = names[1:]
+    assert_exact(m, mlp_loss, b, max_grad_norm=0.05, clipping={"a": names[0], "b": rest}, clip_budget=[1, 3])
+    assert_exact(m, mlp_loss, b, max_grad_norm=0.05, clipping=[names[0], rest], clip_budget=[1, 3])
+    assert_exact(m, mlp_loss, b, max_grad_norm=0.05, clipping=(g for g in [[names[0]], rest]), clip_budget=[1, 3])

@@ -294,7 +294,7 @@ def plan_privacy(
     if delta >= 1.0 / n:  # (review of round 40: δ = 0.5 was taken without a word)
         warn(f"δ = {delta:g} is not below 1/N = {1.0 / n:.3g}: a mechanism that publishes one random example "
              "outright is (0, 1/N)-DP, so this guarantee permits that; choose δ well below 1/N (e.g. 1e-5 for N "
-             "up to ~1e5, or 1/N^1.1)")
+             "up to ~1e4, or 1/N^1.1)")
     q = b / n
     steps = max(1, int(math.ceil(ep * n / b - 1e-9)))
     sigma = calibrate_noise(
