@@ -1370,3 +1370,50 @@ def test_a_finalize_that_fails_releases_nothing_and_leaves_the_part_finalizable(
     fixed.finalize(part)
     with pytest.raises(ValueError, match="finalized already"):
         fixed.finalize(part)
+
+
+def test_without_expected_batch_size_the_divisor_is_the_padded_size_and_accumulation_keeps_the_counts():
+    """Mutation review, round 40 (third pass): dividing by the count of real rows (private under
+    Poisson sampling, and the release's scale would show it) instead of the physical batch's size,
+    and an accumulated part whose mask / kept were swapped (num_examples, num_nonfinite and the loss
+    then misreported), went unnoticed."""
+    torch.manual_seed(0)
+    m = mlp()
+    params = pdpsgd.trainable_params(m)
+    b = {"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))}
+    pad = torch.tensor([True, False, False, False])
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0)
+    part = step.clipped_sum(params, b, pad)
+    out = step.finalize(part)
+    for n in params:
+        torch.testing.assert_close(out.grads[n], part.sums[n] / 4)
+    x2 = torch.randn(4, 5)
+    x2[1] = float("nan")
+    drop = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=8,
+                               on_nonfinite="drop")
+    p1 = drop.clipped_sum(params, b, torch.tensor([True, True, True, False]))
+    p2 = drop.clipped_sum(params, {"x": x2, "y": b["y"]})
+    out = drop.finalize(p1 + p2)
+    assert int(out.num_examples) == 7 and int(out.num_nonfinite) == 1 and bool(torch.isfinite(out.loss))
+    per = torch.cat([p1.losses, p2.losses])
+    kept = torch.cat([p1.kept, p2.kept])
+    torch.testing.assert_close(out.loss, per[kept].mean())
+
+
+def test_a_tied_tensor_under_two_names_is_refused_by_the_step():
+    """Mutation review, round 40 (third pass): the step's refusal was tested only through the oracle's."""
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(7, 4)
+            self.out = nn.Linear(4, 7, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.out(self.emb(x))
+
+    m = Tied()
+    step = pdpsgd.make_dp_step(m, lambda mod, x: mod(x).pow(2).sum((1, 2)), max_grad_norm=1.0,
+                               noise_multiplier=0.0)
+    with pytest.raises(ValueError, match="same tied tensor"):
+        step(dict(m.named_parameters(remove_duplicate=False)), torch.randint(0, 7, (3, 5)))
