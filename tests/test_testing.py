@@ -313,26 +313,16 @@ def test_assert_exact_builds_its_clipping_groups_from_the_definitions(monkeypatc
 
 
 def test_the_oracle_refuses_a_tied_tensor_under_two_names():
-    from torch import nn
+    from models import TiedLM
 
     from pdpsgd.testing import naive_clipped_sum
 
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(7, 4)
-            self.out = nn.Linear(4, 7, bias=False)
-            self.out.weight = self.emb.weight
-
-        def forward(self, x):
-            return self.out(self.emb(x))
-
-    m = Tied()
+    m = TiedLM()
     loss = lambda mod, b: mod(b).pow(2).sum((1, 2))
-    x = torch.randint(0, 7, (3, 5))
+    x = torch.randint(0, 20, (3, 5))
     with pytest.raises(ValueError, match="same tied tensor"):
         naive_clipped_sum(m, loss, x, max_grad_norm=1.0, params=dict(m.named_parameters(remove_duplicate=False)))
-    naive_clipped_sum(m, loss, x, max_grad_norm=1.0, params={"out.weight": m.emb.weight})  # (either name, once)
+    naive_clipped_sum(m, loss, x, max_grad_norm=1.0, params={"head.weight": m.emb.weight})  # (either name, once)
 
 
 def test_assert_exact_reads_every_form_of_clipping_spec_the_step_reads():
