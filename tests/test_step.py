@@ -1407,3 +1407,31 @@ def test_a_tied_tensor_under_two_names_is_refused_by_the_step():
                                noise_multiplier=0.0)
     with pytest.raises(ValueError, match="same tied tensor"):
         step(dict(m.named_parameters(remove_duplicate=False)), torch.randint(0, 20, (3, 5)))
+
+
+def test_all_padding_chunks_are_not_skipped_in_training_mode_under_an_own_generator():
+    """Mutation review, round 40 (third pass): vmap skips an all-padding chunk only when no module is
+    in training mode; the random-state watch alone sees only the global streams, and a module that
+    draws from its own generator would get its draws moved by a masked-out row. With the generator
+    restarted for each call, the sum over rows {0, 2} is the sum over all rows less row 1's."""
+    class OwnNoise(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+            self.g = torch.Generator()
+
+        def forward(self, x):
+            return self.lin(x + 0.5 * torch.randn(x.shape, generator=self.g))
+
+    torch.manual_seed(0)
+    m = OwnNoise().double().train()
+    params = pdpsgd.trainable_params(m)
+    x = torch.randn(3, 3, dtype=torch.float64)
+    step = pdpsgd.make_dp_step(m, lambda mod, b: mod(b).pow(2).sum(1), max_grad_norm=100.0, noise_multiplier=0.0,
+                               method="vmap", chunk_size=1)
+
+    def sums(mask):
+        m.g.manual_seed(7)
+        return step.clipped_sum(params, x, torch.tensor(mask)).sums["lin.weight"]
+
+    torch.testing.assert_close(sums([True, False, True]), sums([True, True, True]) - sums([False, True, False]))
