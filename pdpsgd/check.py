@@ -101,12 +101,11 @@ def check_file(path: str, methods: Iterable[str] = ("vmap", "bk", "auto"), *, rt
     import torch.nn as nn
 
     from .cli import UserError
+    from .functional import check_no_batch_mixing
     from .testing import assert_exact
     from .train import resolve_method
 
     out = sys.stdout if out is None else out  # (read at call time: the stream may have been replaced)
-    from .functional import check_no_batch_mixing
-
     u = load_user_file(path)
     if not isinstance(u["model"], nn.Module):
         raise UserError(f"{path}: model must be a torch.nn.Module, got {type(u['model']).__name__}")

@@ -250,10 +250,10 @@ def _raised_in(err: BaseException, path_end: str) -> bool:
     return False
 
 
-def _out_of_memory(err: BaseException) -> bool:
-    kinds = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
-                  if t)
-    return isinstance(err, kinds) or "out of memory" in str(err).lower()
+# torch's out-of-memory errors (book-keeping lets them through its fallbacks too; an OOM is never
+# re-read as another error)
+OOM_ERRORS = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
+                   if t)
 
 
 def _eager_error(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor],
@@ -270,7 +270,7 @@ def _eager_error(loss_module: LossModule, params: Params, constants: Mapping[str
         with torch.enable_grad(), preserve_module_state(model), torch.random.fork_rng(devices=devices):
             functional_call(loss_module, LossModule.prefixed({**constants, **leaves}), (batch,))
     except Exception as e:  # (the user's own code's exception, as it raises it)
-        if _out_of_memory(e):
+        if isinstance(e, OOM_ERRORS):
             return None
         if hasattr(e, "add_note"):
             e.add_note("(pdpsgd: raised by loss_fn(model, batch) run eagerly on the batch, after the per-example "
@@ -409,7 +409,7 @@ def per_sample_grads(
                 mixed = True
                 continue
             explained = _explain_vmap_error(err)
-            if explained is err and not _out_of_memory(err):  # (an OOM stays the OOM it is)
+            if explained is err and not isinstance(err, OOM_ERRORS):  # (an OOM stays the OOM it is)
                 eager = _eager_error(loss_module, params, constants, batch)
                 if eager is not None:
                     raise eager from err

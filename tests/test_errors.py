@@ -801,3 +801,17 @@ def test_a_loss_that_couples_examples_is_said_at_run_time(method):
     assert "exactly 0" not in got and ("mixing (or reordering)" in got) == (method != "vmap"), got
     assert "exactly 0" not in said(lambda mod, b: (mod(b["a"]) ** 2).sum(1)) and "mixing" not in said(
         lambda mod, b: (mod(b["a"]) ** 2).sum(1))
+
+
+def test_an_out_of_memory_error_under_vmap_stays_itself():
+    """The eager re-run that restates a user's error is never tried for an OOM (book-keeping and the
+    chunking read OOMs by type)."""
+    m = nn.Linear(4, 3)
+
+    def lf(mod, b):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    st = pdpsgd.make_dp_step(m, lf, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4, method="vmap")
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate") as got:
+        st(pdpsgd.trainable_params(m), torch.randn(4, 4))
+    assert "run eagerly" not in " ".join(getattr(got.value, "__notes__", []))
