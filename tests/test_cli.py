@@ -487,13 +487,13 @@ batch = {"x": torch.randn(5, 4), "y": torch.tensor([0, 1, 2, 0, 1])}
 def test_check_fails_when_the_step_drops_every_example(tmp_path, capsys):
     """A model whose every example is non-finite on its own (batch statistics of one example) makes
     the step drop the whole batch and add noise alone: `pdpsgd check` fails and says so (review,
-    round 36: it printed "sensitivity OK ... at most 0 × C"). A batch with one non-finite row passes
-    with a warning naming it."""
+    round 36: it printed "sensitivity OK ... at most 0 × C"; since round 41 the exactness check
+    already fails: nothing to compare). A batch with one non-finite row passes with a warning naming it."""
     f = tmp_path / "nan_alone.py"
     f.write_text(CHECK_NAN_ALONE)
     rc, out, err = run_cli(["check", str(f), "--method", "vmap"], capsys)
-    assert rc == 1 and "SENSITIVITY NOT SHOWN" in out and "every example" in out and "dropped" in out, out + err
-    assert "FAILED: vmap" in out and "EXCEEDED" not in out, out
+    assert rc == 1 and "[vmap] EXACTNESS NOT SHOWN" in out and "every example" in out and "non-finite" in out, out + err
+    assert "FAILED: vmap" in out and "EXCEEDED" not in out and "MISMATCH" not in out and "[vmap] OK" not in out, out
     g = tmp_path / "one_nan.py"
     g.write_text(CHECK_OK.replace('return {"x": torch.randn(5, 4)', 'return {"x": torch.randn(5, 4).index_fill(0, torch.tensor([3]), float("nan"))'))
     rc, out, err = run_cli(["check", str(g), "--method", "vmap"], capsys)
@@ -709,7 +709,9 @@ def test_check_refuses_what_the_step_refuses_and_says_what_it_did_not_exercise(t
     none.write_text(CHECK_SMALL_MASKED.replace("mask = torch.tensor([True, True, True, True, False])",
                                                "mask = torch.zeros(5, dtype=torch.bool)"))
     rc, out, err = run_cli(["check", str(none), "--method", "vmap"], capsys)
-    assert rc == 0 and "ERROR" not in out and "0 rows" in out, out
+    # (it checks nothing: a failure that says so, not a crash; round 40 passed it, round 41 fails it)
+    assert rc == 1 and "ERROR" not in out + err and "Traceback" not in out + err, out + err
+    assert "[vmap] EXACTNESS NOT SHOWN" in out and "masked out" in out, out
     nan = tmp_path / "nan_kept.py"
     nan.write_text(CHECK_SMALL_MASKED.replace("x[4] = float(\"nan\")", "x[3] = float(\"nan\")").replace(
         "mask = torch.tensor([True, True, True, True, False])", "mask = torch.tensor([False, True, True, True, True])"))

@@ -54,6 +54,31 @@ def test_assert_exact_catches_a_wrong_engine(monkeypatch):
         assert_exact(m, mlp_loss, b, max_grad_norm=0.1)
 
 
+
+@pytest.mark.parametrize("case", ["nan_losses", "all_masked"])
+def test_assert_exact_refuses_a_batch_with_nothing_to_compare(case):
+    """Review, round 41: a model whose float64 forward gave NaN for every example (canine, splinter,
+    prophetnet) passed assert_exact with error 0, as did an all-masked batch: nothing was compared."""
+    torch.manual_seed(0)
+    m = mlp()
+    b = {"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))}
+    mask = None
+    if case == "nan_losses":
+        loss = lambda mod, bt: mlp_loss(mod, bt) * float("nan")
+    else:
+        loss, mask = mlp_loss, torch.zeros(4, dtype=torch.bool)
+    for method in ("vmap", "bk"):
+        with pytest.raises(AssertionError, match="nothing to compare"):
+            assert_exact(m, loss, b, method=method, mask=mask)
+    # one real, finite example is enough
+    if mask is not None:
+        mask[2] = True
+    else:
+        b["x"][[0, 2, 3], 1] = float("nan")
+        loss = mlp_loss
+    for method in ("vmap", "bk"):
+        assert_exact(m, loss, b, method=method, mask=mask)
+
 @given(batch=token_batches(vocab_size=17, max_batch=5, max_len=7, num_labels=4))
 def test_token_batches_strategy_draws_valid_batches(batch):
     ids, am, y = batch["input_ids"], batch["attention_mask"], batch["labels"]
