@@ -670,6 +670,21 @@ def test_calibrate_returns_the_sigma_it_evaluated_at_the_range_ends():
         assert sigma >= s_min
         assert prv(sigma, q, steps).epsilon(delta).upper <= target
     assert checked  # (at least one s_min whose exp(log) is not itself and whose ε tells them apart)
+    # the upper end too (mutation review, round 41): met only at sigma_range[1], it returns s_max
+    # itself, not exp(log(s_max)), which is one ulp below it for some s_max and has a higher ε
+    checked = 0
+    for s_max in (0.35, 2.89):
+        below = math.exp(math.log(s_max))
+        if below >= s_max:
+            continue
+        target = prv(s_max, q, steps).epsilon(delta).upper
+        if not prv(below, q, steps).epsilon(delta).upper > target:
+            continue
+        checked += 1
+        sigma = calibrate_noise(target_epsilon=target, delta=delta, sample_rate=q, steps=steps,
+                                sigma_range=(0.2, s_max))
+        assert sigma == s_max and prv(sigma, q, steps).epsilon(delta).upper <= target
+    assert checked
 
 def test_calibrate_rdp_is_one_word_and_more_conservative():
     kw = dict(target_epsilon=3.0, delta=1e-5, sample_rate=0.01, steps=2000)
@@ -935,6 +950,8 @@ def test_a_plan_with_delta_not_below_one_over_n_warns():
     """Review of round 40: δ = 0.5 was accepted without a word (it permits publishing an example)."""
     with pytest.warns(UserWarning, match="not below 1/N"):
         plan_privacy(8.0, 0.02, num_examples=100, expected_batch_size=10, epochs=1, accountant="rdp")
+    with pytest.warns(UserWarning, match="not below 1/N"):  # (δ = 1/N itself: mutation review, round 41)
+        plan_privacy(8.0, 0.01, num_examples=100, expected_batch_size=10, epochs=1, accountant="rdp")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         plan_privacy(8.0, 1e-3, num_examples=100, expected_batch_size=10, epochs=1, accountant="rdp")

@@ -1073,8 +1073,37 @@ def test_fourth_mutation_review_gaps_in_the_trainer():
     base = DPTrainer(model, loss, data, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), plan=plan,
                      max_grad_norm=1.0, max_physical_batch=16, dp=False, seed=0)
     idx = torch.tensor([3, 7, 11])
-    base._nonprivate_grads(to_physical_batches(idx, 16))
-    want = torch.autograd.grad(loss(model, {k: v[idx] for k, v in data.items()}).sum() / plan.expected_batch_size,
-                               list(model.parameters()))
+    out = base._nonprivate_grads(to_physical_batches(idx, 16))
+    real_losses = loss(model, {k: v[idx] for k, v in data.items()})
+    want = torch.autograd.grad(real_losses.sum() / plan.expected_batch_size, list(model.parameters()))
     for p, g in zip(model.parameters(), want):
         torch.testing.assert_close(p.grad, g)
+    # (its loss and example count are the real rows' too: mutation review, round 41)
+    assert int(out.num_examples) == 3
+    torch.testing.assert_close(out.loss, real_losses.detach().mean())
+
+
+def test_the_nonprivate_step_time_times_one_logical_step_after_a_warm_up_and_leaves_the_rng_alone(monkeypatch):
+    """Mutation review, round 41: ``nonprivate_step_time`` times ceil(E[B] / max_physical_batch)
+    physical batches (what one logical step of the DP run does), leaves its warm-up run out of the
+    median, and puts torch's random state back (the DP run's dropout stream must not move)."""
+    import pdpsgd.train as train_mod
+
+    N = 40
+    torch.manual_seed(0)
+    data = {"x": torch.randn(N, 5), "y": torch.randint(0, 3, (N,))}
+    model = nn.Sequential(nn.Linear(5, 7), nn.Dropout(0.5), nn.Linear(7, 3))
+    loss = lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none")
+    plan = plan_training(N, batch_size=20, epochs=1, target_epsilon=None, delta=1e-5, noise_multiplier=1.0)
+    tr = DPTrainer(model, loss, data, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), plan=plan,
+                   max_grad_norm=1.0, max_physical_batch=16, dp=False, seed=0)
+    rows = []
+    real_pb = train_mod.physical_batches
+    monkeypatch.setattr(train_mod, "physical_batches", lambda idx, mb: (rows.append(len(idx)), real_pb(idx, mb))[1])
+    state = torch.get_rng_state()
+    assert tr.nonprivate_step_time(repeats=1) > 0
+    assert rows == [32]  # E[B] = 20 over physical batches of 16: two of them
+    assert torch.equal(torch.get_rng_state(), state)
+    clock = iter([0.0, 100.0, 100.0, 101.0, 101.0, 103.0, 103.0, 106.0])  # warm-up 100 s, then 1, 2, 3 s
+    monkeypatch.setattr(train_mod.time, "perf_counter", lambda: next(clock))
+    assert tr.nonprivate_step_time(repeats=3) == 2.0
