@@ -379,6 +379,18 @@ def test_default_step_noise_is_gaussian_with_std_sigma_C():
 
 
 @pytest.mark.parametrize("rng", ["torch"] + FAST_RNGS)
+def test_a_tiny_noise_std_is_still_drawn(rng):
+    """Mutation review, round 41: no test had a small σC, so treating a std below 1e-3 as zero
+    (noise silently dropped) passed. σ = 0.5, C = 1e-4: std 5e-5."""
+    sigma, C = 0.5, 1e-4
+    z = _noise_from_step(sigma, C, seed=3, noise_rng=rng)
+    res = stats.kstest(z, "norm", args=(0.0, sigma * C))
+    assert res.pvalue > 1e-3, res
+    out = noise_and_scale({"w": torch.zeros(100_000)}, 1e-7, torch.Generator().manual_seed(0), 1.0,
+                          {"w": torch.float32}, compile=False, rng=rng)
+    assert abs(float(out["w"].double().std()) / 1e-7 - 1) < 0.02
+
+@pytest.mark.parametrize("rng", ["torch"] + FAST_RNGS)
 def test_consume_writes_disjoint_views_of_one_storage_in_place_and_copies_overlapping_ones(rng):
     """Rows of one stacked sum (disjoint regions of a storage) are overwritten in place like any
     owned sum; a sum whose memory another sum's overlaps is copied (neither gets two draws); the
