@@ -197,15 +197,21 @@ def test_matmul_linear_rule_checks_each_call_as_it_runs(monkeypatch):
     batch = {"ids": torch.randint(0, V, (3, 5), generator=g), "y": torch.randint(0, 3, (3,), generator=g)}
     loss = lambda m, b: F.cross_entropy(m(b["ids"]), b["y"], reduction="none")  # noqa: E731
 
-    def routes(cls, sac=False):
+    def routes(cls, sac=False, B=3, **kw):
         torch.manual_seed(0)
-        return assert_exact(Net(cls, sac), loss, batch, method="bk", max_grad_norm=0.5).routes
+        return assert_exact(Net(cls, sac), loss, {k: v[:B] for k, v in batch.items()}, method="bk",
+                            max_grad_norm=0.5, **kw).routes
 
     assert routes(fm.FalconLinear)["a.weight"] != "vmap"
     assert routes(fm.FalconLinear, sac=True)["a.weight"] != "vmap"
     assert routes(FalconLinear)["a.weight"] == "vmap"
     monkeypatch.setattr(fm.FalconLinear, "forward", lambda self, input: input @ self.weight.T * 1.5 + self.bias)
     assert routes(fm.FalconLinear)["a.weight"] == "vmap"
+    # the rule's own check, not the example-order check (off at B = 1, or turned off), decides it
+    # (mutation review, round 41: a check that always passed survived)
+    assert routes(fm.FalconLinear, B=1)["a.weight"] == "vmap"
+    off = routes(fm.FalconLinear, bk_options={"check_order": False})
+    assert off["a.weight"] == off["a.bias"] == "vmap"
 
 
 def test_long_rope_table_switch_is_not_a_write_from_the_batch():

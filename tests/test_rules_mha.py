@@ -115,6 +115,29 @@ def test_a_projection_the_capture_does_not_see_sends_the_layer_to_the_fallback(m
     assert r.routes["mha.out_proj.weight"] != "vmap" and r.routes["emb.weight"] != "vmap", r.routes
 
 
+
+@pytest.mark.parametrize("variant", ["extra_use", "bias_offset"])
+@pytest.mark.parametrize("check_order", [True, False])
+def test_an_input_projection_the_rule_would_misread_is_exact(monkeypatch, variant, check_order):
+    """Mutation review, round 41: the guards of the input projection were only reached through the
+    example-order check's verdict. All rows through ``F.linear`` plus one more use of the weight
+    (the stray-use guard), and q's projection with k's bias rows (the bias-offset check): exact
+    also with the order check off, the parameters on the fallback."""
+    def packed(q, k, v, w, b=None):
+        E = q.size(-1)
+        if variant == "extra_use":
+            proj = F.linear(q, w, b).unflatten(-1, (3, E)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
+            return proj[0] + 0.1 * w.pow(2).sum(), proj[1], proj[2]
+        return F.linear(q, w[:E], b[E:2 * E]), F.linear(k, w[E:2 * E], b[E:2 * E]), F.linear(v, w[2 * E:], b[2 * E:])
+
+    monkeypatch.setattr(F, "_in_projection_packed", packed)
+    torch.manual_seed(0)
+    m = _Attn(8, 2, "self", True, True, False, False)
+    b = _batch(4, 5, torch.Generator().manual_seed(0))
+    r = assert_exact(m, _loss, b, method="bk", max_grad_norm=0.5, bk_options={"check_order": check_order})
+    moved = "mha.in_proj_weight" if variant == "extra_use" else "mha.in_proj_bias"
+    assert r.routes[moved] == "vmap", r.routes
+
 @pytest.mark.parametrize("kw", [dict(kdim=5, vdim=6), dict(add_bias_kv=True)])
 def test_configurations_the_rule_does_not_take_fall_back_exactly(kw):
     torch.manual_seed(0)
