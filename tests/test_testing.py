@@ -70,6 +70,9 @@ def test_assert_exact_refuses_a_batch_with_nothing_to_compare(case):
     for method in ("vmap", "bk"):
         with pytest.raises(AssertionError, match="nothing to compare"):
             assert_exact(m, loss, b, method=method, mask=mask)
+        # on request, the sums alone (all 0: nothing added, nothing non-finite let through)
+        rep = assert_exact(m, loss, b, method=method, mask=mask, allow_empty=True)
+        assert rep.max_rel_err_sum == 0.0
     # one real, finite example is enough
     if mask is not None:
         mask[2] = True
