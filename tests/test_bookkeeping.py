@@ -4800,3 +4800,131 @@ def test_guard_caps_a_collapsed_norm_and_adds_the_slack_of_each_use():
           torch.float64)
     g.done(sq)
     assert sq["tied"].item() == pytest.approx(25.0)  # (2 + 3)², not 4 + 9
+
+
+# -- mutation review of the engine's core, round 41: changes the suite did not notice --------------
+
+class _Thrice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+
+    def forward(self, x):  # one weight used three times: three uses, summed before the norm
+        return self.lin(torch.tanh(self.lin(torch.tanh(self.lin(x)))))
+
+
+@pytest.mark.parametrize("route", ["explicit", "ghost"])
+def test_a_weight_used_three_times_is_exact_on_either_route(route):
+    """The explicit route summed only the first two uses' per-example gradients (a `uses[1:2]`
+    mutant) and no test had a weight used more than twice."""
+    torch.manual_seed(0)
+    b = {"x": torch.randn(4, 3, 5), "y": torch.randn(4, 3, 5)}
+    loss = lambda mod, bb: (mod(bb["x"]) * bb["y"]).sum((1, 2))  # noqa: E731
+    r = assert_exact(_Thrice(), loss, b, method="bk", max_grad_norm=0.5,
+                     bk_options={"routes": {"lin": route}, "check_order": False})
+    assert r.routes["lin.weight"] == route
+
+
+@contextlib.contextmanager
+def _flush_denormal(on: bool):
+    before = torch.set_flush_denormal(on)  # (returns whether the CPU supports it)
+    try:
+        yield before
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def _contribution(part) -> float:
+    return math.sqrt(sum(float(g.double().pow(2).sum()) for g in part.sums.values()))
+
+
+@pytest.mark.parametrize("case", ["conv1d", "linear_ftz", "two_heads_ftz", "tiny_clip_ftz"])
+def test_an_underflowed_gram_cannot_let_an_example_past_the_clip(case):
+    """A ghost norm whose input Gram underflows to 0 is kept by the underflow slack alone; the
+    suite's test used nn.Linear (the other factor's term) with d ≫ k: the slack term of HF Conv1D's
+    orientation, the slack's p0 / p1 swapped (single and grouped layers, d ≠ k) and the slack
+    dropped at C = 1e-10 all let one example contribute 2-10 C. Flush-to-zero (FTZ hardware)
+    makes the squares 0 in float32."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    ftz = case != "conv1d"
+    T, d, k, C, x_val, factor = {"conv1d": (256, 4096, 4, 1.0, 1e-23, 2.0),
+                                  "linear_ftz": (8, 64, 4, 1.0, 7.7e-20, 10.0),
+                                  "two_heads_ftz": (8, 64, 4, 1.0, 7.7e-20, 10.0),
+                                  "tiny_clip_ftz": (8, 16, 4, 1e-10, 7.7e-20, 10.0)}[case]
+
+    class TwoHeads(nn.Module):  # separate outputs of equal shape: ghost norms in one group
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(d, k, bias=False), nn.Linear(d, k, bias=False)
+
+        def forward(self, x):
+            return torch.cat([self.a(x), self.b(x * 1.0)], -1)
+
+    if case == "conv1d":
+        m = nn.Sequential(Conv1D(k, d))
+        m[0].bias.requires_grad_(False)
+    else:
+        m = TwoHeads() if case == "two_heads_ftz" else nn.Linear(d, k, bias=False)
+    heads = 2 if case == "two_heads_ftz" else 1
+    y_val = factor * C / (T * x_val * math.sqrt(d * k * heads))  # true per-example norm: factor × C
+    b = {"x": torch.full((1, T, d), x_val), "y": torch.full((1, T, k * heads), y_val)}
+    loss = lambda mm, bb: (mm(bb["x"]) * bb["y"]).sum((1, 2))  # noqa: E731
+    step = make_dp_step(m, loss, max_grad_norm=C, noise_multiplier=0.0, method="bk",
+                        bk_options={"cost_model": "ghost", "check_order": False})
+    with _flush_denormal(ftz) as supported:
+        if ftz and not supported:
+            pytest.skip("no flush-to-zero on this CPU")
+        part = step.clipped_sum(trainable_params(m), b)
+    assert set(part.routes.values()) == {"ghost"}, part.routes
+    assert _contribution(part) <= C * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("case", ["explicit_from_factors", "embedding_tables"])
+def test_a_cancelling_example_cannot_move_the_sum_past_c(case):
+    """An example whose +M and -M terms cancel in its own gradient (norm ~0, weight 1) wipes out the
+    others' terms on that row in the batch's float32 sum unless its guard bound is Σ_t ‖L_t‖‖R_t‖:
+    the explicit route's sum from the factors with M = 1e16 (the suite's test went to 1e8) and an
+    embedding on the ghost route by per-example tables (small vocabulary) moved the sum by 3-4 C
+    under mutants of the bound."""
+    torch.manual_seed(4 if case == "explicit_from_factors" else 0)
+    B, C = 8, 1.0
+    if case == "explicit_from_factors":
+        M, who = 1e16, 2
+        layer = nn.Linear(16, 16, bias=False)
+        x, w = torch.randn(B, 2, 16), torch.randn(B, 2, 16)
+        x[who, 1] = x[who, 0]
+        w[who, 0], w[who, 1] = M, -M
+        opts = {"routes": {"layer": "explicit"}, "explicit_keep_elems": 1, "check_order": False}
+    else:
+        M, who, T = 1e8, 3, 8
+        layer = nn.Embedding(3, 2)
+        x, w = torch.randint(0, 3, (B, T)), torch.randn(B, T, 2) * 1e-3
+        x[:, 0] = 1
+        w[:, 0] = 1.0
+        x[who, 1] = 1
+        w[who] = 0
+        w[who, 0], w[who, 1] = M, -M
+        opts = {"routes": {"layer": "ghost"}, "check_order": False}
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, bb):
+            return (self.layer(bb["x"]) * bb["w"]).flatten(1).sum(1)
+
+    model = Net()
+    step = make_dp_step(model, lambda mm, bb: mm(bb), max_grad_norm=C, noise_multiplier=0.0, method="bk",
+                        expected_batch_size=B, bk_options=opts)
+    params = trainable_params(model)
+    every = torch.ones(B, dtype=torch.bool)
+    others = every.clone()
+    others[who] = False
+    full = step.clipped_sum(params, {"x": x, "w": w}, every)
+    rest = step.clipped_sum(params, {"x": x, "w": w}, others)
+    assert full.routes["layer.weight"] == opts["routes"]["layer"]
+    moved = float((full.sums["layer.weight"].double() - rest.sums["layer.weight"].double()).norm())
+    assert moved <= C * (1 + 1e-4)
