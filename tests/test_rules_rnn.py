@@ -374,3 +374,59 @@ def test_a_declined_rnn_call_says_why():
     step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
     reasons = step.fallback_reasons(b)
     assert any("inter-layer dropout in training mode" in v for k, v in reasons.items() if k.startswith("r.")), reasons
+
+
+# -- mutation review, round 41 -----------------------------------------------------------------------
+
+class _EqualWidth(nn.Module):
+    """Two layers whose input width equals the next layer's (input_size == D·hidden): a rule that
+    captured layer 0's input for layer 1 too would fit the shapes."""
+
+    def __init__(self, kind, D):
+        super().__init__()
+        H = 4 // D
+        self.emb = nn.Embedding(20, 4)
+        self.rnn = {"LSTM": nn.LSTM, "GRU": nn.GRU, "RNN": nn.RNN}[kind](4, H, num_layers=2, bidirectional=D == 2,
+                                                                        batch_first=True)
+        self.out = nn.Linear(D * H, 3)
+
+    def forward(self, ids):
+        return self.out(self.rnn(self.emb(ids))[0].mean(1))
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("D", [1, 2])
+def test_each_layer_is_captured_with_its_own_input_when_the_widths_match(kind, D):
+    torch.manual_seed(0)
+    b = {"x": torch.randint(0, 20, (3, 5)), "y": torch.tensor([0, 1, 2])}
+    loss = lambda m, bb: F.cross_entropy(m(bb["x"]), bb["y"], reduction="none")  # noqa: E731
+    r = assert_exact(_EqualWidth(kind, D), loss, b, method="bk", max_grad_norm=0.05,
+                     bk_options={"check_order": False})
+    assert all(v != "vmap" for n, v in r.routes.items() if n.startswith("rnn.")), r.routes
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+def test_exact_kernels_apply_inter_layer_dropout_as_torch_does(cls):
+    """The kernels the vmap fallback runs (pdpsgd.rnn) drop between layers only, scaled by
+    1/(1-p), as torch's own kernel: dropping the last layer's output too, or not rescaling,
+    changed the model's train-mode output unseen (mutation review, round 41)."""
+    from pdpsgd.rnn import exact_rnn_ops
+
+    torch.manual_seed(0)
+    m = cls(3, 8, num_layers=2, dropout=0.5, batch_first=True).train()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(3.0)  # (past tanh's linear range less often: the mean follows the scale)
+    x = torch.randn(4, 6, 3)
+
+    def stats(run):
+        outs = torch.stack([run() for _ in range(300)])  # (300, 4, 6, 8)
+        return float((outs == 0).double().mean()), outs.mean(0)
+
+    with torch.no_grad():
+        zeros_native, mean_native = stats(lambda: m(x)[0])
+        with exact_rnn_ops(m):
+            zeros_ours, mean_ours = stats(lambda: m(x)[0])
+    assert zeros_ours <= zeros_native + 0.01
+    err = float((mean_ours - mean_native).norm() / mean_native.norm())
+    assert err < 0.1, err
