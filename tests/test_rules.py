@@ -514,6 +514,64 @@ def test_positional_rule_declines_a_scaling_forward_on_a_zero_table():
     assert PositionalEmbeddingRule().uses(emb, (ids,), {}, y, torch.ones_like(y), 2) is None
 
 
+
+class _AffinePositions(nn.Embedding):
+    """Affine combinations of rows whose weights sum to 1 (the negated-table probe passes) at probe
+    ids out of range or between rows."""
+
+    def __init__(self, V, d, kind):
+        super().__init__(V, d)
+        self.kind = kind
+
+    def forward(self, ids):
+        p = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        E = lambda q: nn.Embedding.forward(self, q)  # noqa: E731
+        if self.kind == "negative":  # probe ids 2p - (p + 1) = p - 1: -1 at p = 0
+            return 2 * E(p) - E(p + 1)
+        if self.kind == "too_big":  # probe ids 2(p + 4) >= V
+            return 2 * E(p + 4) - E(torch.zeros_like(p))
+        return 0.5 * (E(p) + E(p + 1))  # probe ids p + 0.5
+
+
+@pytest.mark.parametrize("kind", ["negative", "too_big", "half"])
+def test_positional_rule_declines_probe_ids_out_of_range_or_between_rows(kind):
+    """On a zero table (as at init) the value check proves nothing, so the probe ids' range and
+    integrality are the only guard (mutation review, round 41: each check removed alone passed)."""
+    emb = _AffinePositions(10, 3, kind)
+    nn.init.zeros_(emb.weight)
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    y = emb(ids)
+    assert PositionalEmbeddingRule().uses(emb, (ids,), {}, y, torch.ones_like(y), 2) is None
+
+
+class _DtypePositionalEmbedding(nn.Embedding):
+    def forward(self, ids):  # a plain gather on the float64 probes; the float32 model doubles one feature
+        out = super().forward(torch.arange(ids.shape[1]).expand(ids.shape[0], -1))
+        return out if self.weight.dtype == torch.float64 else out * torch.tensor([1.0, 1.0, 1.0, 2.0], dtype=out.dtype)
+
+
+def test_positional_rule_checks_the_forward_at_the_models_own_values():
+    """The probes run on float64 index tables; a forward that behaves otherwise at the model's own
+    dtype is caught by comparing the gather at the found ids with the real output, on every element
+    (mutation review, round 41: without it, or with .any(), 44 % off)."""
+    from pdpsgd.rules.registry import default_registry as fresh
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos, self.out = nn.Embedding(10, 4), _DtypePositionalEmbedding(8, 4), nn.Linear(4, 3)
+
+        def forward(self, ids):
+            return self.out((self.tok(ids) + self.pos(ids)).mean(1))
+
+    torch.manual_seed(0)
+    reg = fresh()
+    reg.register(_DtypePositionalEmbedding, PositionalEmbeddingRule())
+    b = {"x": torch.randint(0, 10, (3, 5)), "y": torch.tensor([0, 1, 2])}
+    loss = lambda m, bb: F.cross_entropy(m(bb["x"]), bb["y"], reduction="none")  # noqa: E731
+    pdpsgd.testing.assert_exact(M().float(), loss, b, method="bk", max_grad_norm=100.0, float64=False, rtol=1e-4,
+                                bk_options={"registry": reg, "check_order": False})  # (float32 model)
+
 @pytest.mark.parametrize("dtype,d,wscale", [(torch.bfloat16, 256, 1.0), (torch.bfloat16, 16, 0.05),
                                             (torch.float32, 16, 1e-7)])
 def test_custom_rmsnorm_check_is_relative_per_element(dtype, d, wscale):
