@@ -46,6 +46,9 @@ CONFIGS = {
     "launch-proxy": ("gpt2", 12, 64, 2, 512, 16, 2),
     # BERT-shaped at negligible compute, right-padded like bert-128: the engine's fixed cost per step
     "bert-tiny": ("bert", 4, 16, 2, 512, 8, 2),
+    # the issue's GPT-2 shape (4 layers: the same 52 parameters, hooks and checks) at negligible
+    # compute: the engine's fixed cost per step on the GPT-2 path (round 41)
+    "gpt2-tiny": ("gpt2", 4, 16, 2, 64, 4, 2),
     # T5-shaped encoder-decoder (not an issue config): 4 + 4 layers, width 256, 128 source and 32 target
     # tokens; its relative attention bias (one table per stack) is an embedding looked up on (T, T)
     # position buckets and broadcast over the batch
