@@ -235,7 +235,9 @@ def assert_exact(
     sel = real.cpu() & finite
     if not bool(sel.any()) and not allow_empty:
         # (review, round 41: NaNs inside a model's own float64 forward passed with error 0)
-        why = "masked out" if not bool(real.any()) else "non-finite (loss or gradient) in the naive loop"
+        why = "masked out" if not bool(real.any()) else \
+            "non-finite (loss or gradient) in the naive loop" if bool(real.all()) else \
+            "masked out or non-finite (loss or gradient) in the naive loop"
         raise AssertionError(
             f"nothing to compare: every example of the batch ({norms.shape[0]}) is {why}, so no "
             "per-example norm or clipping was checked. Give a batch with real examples whose loss and "

@@ -4928,3 +4928,22 @@ def test_a_cancelling_example_cannot_move_the_sum_past_c(case):
     assert full.routes["layer.weight"] == opts["routes"]["layer"]
     moved = float((full.sums["layer.weight"].double() - rest.sums["layer.weight"].double()).norm())
     assert moved <= C * (1 + 1e-4)
+
+
+def test_a_collapsed_float64_norm_is_capped_above_its_bound_squared():
+    """The guard replaces a ghost norm that cancelled to ~0 by its bound b² — in float64 raised by b's
+    own rounding allowance, b²(1 + k·u), since b is itself rounded low (mutation review, round 41:
+    the cap without it, b², went unnoticed)."""
+    from types import SimpleNamespace
+
+    import pdpsgd.bookkeeping as bk
+
+    for dtype in (torch.float64, torch.float32):
+        u = SimpleNamespace(T=4)
+        g, sq = bk._Guard(), {}
+        g.add("w", torch.zeros(1, dtype=dtype), [u], {id(u): torch.tensor([10.0], dtype=dtype)}, dtype)
+        g.done(sq)
+        if dtype == torch.float64:
+            assert 100.0 < sq["w"].item() < 100.0 * (1 + 1e-10)
+        else:
+            assert sq["w"].item() == 100.0

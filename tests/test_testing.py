@@ -73,6 +73,9 @@ def test_assert_exact_refuses_a_batch_with_nothing_to_compare(case):
         # on request, the sums alone (all 0: nothing added, nothing non-finite let through)
         rep = assert_exact(m, loss, b, method=method, mask=mask, allow_empty=True)
         assert rep.max_rel_err_sum == 0.0
+    if case == "nan_losses":  # some masked out, the others non-finite: said as both
+        with pytest.raises(AssertionError, match="masked out or non-finite"):
+            assert_exact(m, loss, b, method="vmap", mask=torch.tensor([True, False, True, False]))
     # one real, finite example is enough
     if mask is not None:
         mask[2] = True
