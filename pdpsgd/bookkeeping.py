@@ -89,7 +89,7 @@ from .batch_order import DrawWatch, ReorderWatch
 from .clipping import MIN_THRESHOLD, sum_sq_norms
 from .functional import LossModule, ParamIndex, model_constants, preserve_module_state
 from .per_sample import (_LOW, _PRECISION_LOCK, DETACHED_LOSS, OOM_ERRORS, _caller_matmuls, _ieee_matmuls, _matmul_knobs, _rng_state, _same_state, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks, check_batch_entries,
-                         per_sample_grads, slice_batch, sq_norm_per_example, stray_parameter_error, trainable_parameters, watch_stray, weighted_dot, weighted_sum)
+                         per_sample_grads, select_examples, slice_batch, sq_norm_per_example, stray_parameter_error, trainable_parameters, watch_stray, weighted_dot, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
 from .rules.base import Dense, Explicit, Index, Rule, Use, module_attr
 
@@ -1854,7 +1854,6 @@ class _EvalFlags:
         return False
 
 
-_OOM = OOM_ERRORS
 
 
 # Set (for the duration of one capture, its checks and probes included) when a capture with the
@@ -1910,7 +1909,7 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
     in order}), or (probe size, error text)."""
     Bp = PROBE_B if B != PROBE_B else PROBE_B + 1
     idx = torch.arange(Bp) % B  # examples 0, 1, ... (repeated when B is smaller)
-    probe = tree_map(lambda x: x.index_select(0, idx.to(x.device)) if isinstance(x, Tensor) else x, batch)
+    probe = select_examples(batch, idx)
     seen: Dict[str, List[Tuple[Optional[int], Optional[int], Optional[int]]]] = {}
 
     def hook(module, args, kwargs, output):  # (first dim, first dim of the base it is a whole view of, second dim)
@@ -1996,7 +1995,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
         try:
             return _collect_once(*args)
         except Exception as err:
-            if isinstance(err, _OOM):
+            if isinstance(err, OOM_ERRORS):
                 raise
             first = err
     else:
@@ -2331,7 +2330,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                 scope, {"m." + k: v for k, v in LossModule.prefixed({**constants, **leaves}).items()},
                 (forward_backward,))
     except Exception as err:
-        if not expanded or isinstance(err, _OOM):
+        if not expanded or isinstance(err, OOM_ERRORS):
             raise
         failed = err  # an expanded output broke the forward (e.g. a model whose inner batch is B·C)
     else:
@@ -2630,7 +2629,7 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
         j = int(score.argmax())
     idx = torch.full((m,), j)
     wts = 1.0 + (torch.arange(m) % 2).to(torch.float64)  # 1, 2, 1, 2, ...
-    dup = tree_map(lambda x: x.index_select(0, idx.to(x.device)) if isinstance(x, Tensor) else x, batch)
+    dup = select_examples(batch, idx)
     finite = True
     # in eval mode: dropout would give the copies different masks (and the check must not draw
     # from the user's random streams); how the model reads the expanded output is the same
@@ -2645,7 +2644,7 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
                 preserve_module_state(loss_module.model):
             plain = _plain_forward(loss_module, params, constants, dup)
     except Exception as err:  # a model that cannot run the copies: nothing is verified
-        if isinstance(err, _OOM):
+        if isinstance(err, OOM_ERRORS):
             raise
         bad = {mn: f"the duplicated-example check of its expanded (1, T, ...) or (T, ...) output failed "
                    f"({type(err).__name__})"
@@ -3088,7 +3087,7 @@ def _one_network(col: "_Collected", loss_module: LossModule, params: Params, con
                 _memo_put(probe_memo, key, _FRAGILE)
                 key = key + (B,)
         except Exception as err:  # (the capture's forward ran: this one should; if not, the safe side)
-            if isinstance(err, _OOM):
+            if isinstance(err, OOM_ERRORS):
                 raise
             found = f"the random-draw check's forward failed ({type(err).__name__}: {str(err)[:120]})"
         _memo_put(probe_memo, key, found)
@@ -3211,7 +3210,7 @@ def _order_disagree(loss_module, params, constants, batch, registry, overrides, 
                         raise
                 finally:
                     _restore_attrs(saved)  # (a cache the float32 run built would be float32 in the step)
-        except (_CheckRunFailed, *_OOM) as err:  # (out of memory: the float32 copies; not tried again)
+        except (_CheckRunFailed, *OOM_ERRORS) as err:  # (out of memory: the float32 copies; not tried again)
             cause = err.__cause__ if isinstance(err, _CheckRunFailed) else err
             why = f"failed ({type(cause).__name__}: {str(cause)[:120]})"
             return None, []
@@ -3263,7 +3262,7 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
     while bool((pi == torch.arange(B)).any()):  # a derangement (B ≥ 2): every example moves
         pi = torch.randperm(B, generator=gen)
     w2 = 1.0 + (torch.arange(B) % 2).to(torch.float64)
-    perm = tree_map(lambda x: x.index_select(0, pi.to(x.device)) if isinstance(x, Tensor) else x, batch)
+    perm = select_examples(batch, pi)
     why = ("its per-example norms changed when the batch was permuted, or when an example was run alone "
            "(each example's own, up to its loss weight, should not): does the model reorder the batch or "
            "mix examples inside its forward or loss? (exact fallback)")
@@ -3309,7 +3308,7 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
             bd = {n: torch.zeros_like(bnd1[n]).detach() for n in names}
             blind: Set[str] = set()
             for idx in part:
-                sub = tree_map(lambda x: x.index_select(0, idx.to(x.device)) if isinstance(x, Tensor) else x, batch)
+                sub = select_examples(batch, idx)
                 s = run(sub, torch.ones(len(idx), dtype=torch.float64), 0)
                 sb: Dict[str, Tensor] = {}
                 ns = _example_norms(s, params, names, len(idx), sb)
@@ -3320,7 +3319,7 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
                     bd[n][idx.to(bd[n].device)] = sb[n].detach().to(bd[n])
             splits.append((sq, bd, blind))
     except Exception as err:  # e.g. a loss_fn that fails on the eval-mode forward: nothing is verified
-        if isinstance(err, _OOM):
+        if isinstance(err, OOM_ERRORS):
             raise
         if raise_failed:
             raise _CheckRunFailed() from err
@@ -3865,7 +3864,7 @@ def _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registr
                 _, fb_grads = per_sample_grads(loss_module, {n: params[n] for n in fb}, {**constants, **others}, batch,
                                                require_grad=not col.reached)
         except RuntimeError as err:
-            if isinstance(err, _OOM):
+            if isinstance(err, OOM_ERRORS):
                 raise
             why = "; ".join(f"{n}: {col.fallback.get(n, 'route vmap requested')}" for n in fb[:3])
             first = str(err).splitlines()[0] if str(err) else ""

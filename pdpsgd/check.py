@@ -184,10 +184,10 @@ def _sensitivity(u: Dict[str, Any], method: str, max_grad_norm: float, float64: 
         params = {n: v.detach().double() for n, v in params.items()}
     if u["mask"] is not None:  # (the rows the file keeps: a masked-out row is padding, not an example)
         import torch
-        from torch.utils._pytree import tree_map
 
-        keep = torch.as_tensor(u["mask"], dtype=torch.bool).nonzero().flatten()
-        batch = tree_map(lambda x: x.index_select(0, keep.to(x.device)) if isinstance(x, torch.Tensor) else x, batch)
+        from .per_sample import select_examples
+
+        batch = select_examples(batch, torch.as_tensor(u["mask"], dtype=torch.bool).nonzero().flatten())
     step = make_dp_step(model, u["loss_fn"], max_grad_norm=max_grad_norm, noise_multiplier=0.0, method=method)
     return check_sensitivity(step, params, batch, rtol=1e-9 if float64 else 1e-5)
 

@@ -103,6 +103,11 @@ def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
     return tree_map(lambda x: x[start:stop] if isinstance(x, Tensor) else x, batch)
 
 
+def select_examples(batch: Batch, idx: Tensor) -> Batch:
+    """The examples at ``idx`` (1-d int64), in that order (tensor leaves indexed on dim 0, others kept)."""
+    return tree_map(lambda x: x.index_select(0, idx.to(x.device)) if isinstance(x, Tensor) else x, batch)
+
+
 def batch_chunks(batch: Batch, B: int, chunk: int) -> Iterator[Tuple[int, int, Batch]]:
     """``(start, stop, examples start..stop-1)`` for each pass of ``chunk`` examples over a batch of
     ``B``; the batch itself when one pass covers it."""

@@ -4827,15 +4827,11 @@ def test_a_weight_used_three_times_is_exact_on_either_route(route):
 
 @contextlib.contextmanager
 def _flush_denormal(on: bool):
-    before = torch.set_flush_denormal(on)  # (returns whether the CPU supports it)
+    supported = torch.set_flush_denormal(on)  # (returns whether the CPU supports it)
     try:
-        yield before
+        yield supported
     finally:
         torch.set_flush_denormal(False)
-
-
-def _contribution(part) -> float:
-    return math.sqrt(sum(float(g.double().pow(2).sum()) for g in part.sums.values()))
 
 
 @pytest.mark.parametrize("case", ["conv1d", "linear_ftz", "two_heads_ftz", "tiny_clip_ftz"])
@@ -4859,7 +4855,7 @@ def test_an_underflowed_gram_cannot_let_an_example_past_the_clip(case):
             super().__init__()
             self.a, self.b = nn.Linear(d, k, bias=False), nn.Linear(d, k, bias=False)
 
-        def forward(self, x):
+        def forward(self, x):  # (not _TwoHeads' a(x) + b(2x): this one's slack term is the one tested)
             return torch.cat([self.a(x), self.b(x * 1.0)], -1)
 
     if case == "conv1d":
@@ -4878,7 +4874,7 @@ def test_an_underflowed_gram_cannot_let_an_example_past_the_clip(case):
             pytest.skip("no flush-to-zero on this CPU")
         part = step.clipped_sum(trainable_params(m), b)
     assert set(part.routes.values()) == {"ghost"}, part.routes
-    assert _contribution(part) <= C * (1 + 1e-5)
+    assert math.sqrt(sum(float(g.double().pow(2).sum()) for g in part.sums.values())) <= C * (1 + 1e-5)
 
 
 @pytest.mark.parametrize("case", ["explicit_from_factors", "embedding_tables"])
