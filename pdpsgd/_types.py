@@ -4,7 +4,7 @@ Leaf module: imports nothing from pdpsgd.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple, Protocol
+from typing import Any, Callable, Dict, NamedTuple, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -56,3 +56,8 @@ class StepOutput(NamedTuple):
     num_nonfinite: Tensor
     noise_std: float
     routes: Dict[str, str]
+    # per slot, like per_sample_norms (accumulated parts: concatenated in the order they were added):
+    # True for a real example (the step's mask), and for a real one whose loss and gradient were finite
+    # (not dropped by on_nonfinite="drop"); select per_sample_norms[out.kept] for the examples that trained
+    mask: Optional[Tensor] = None
+    kept: Optional[Tensor] = None

@@ -86,8 +86,13 @@ class ParamIndex:
                 f"got {type(params).__name__}"
             )
         if len(params) == 0:
+            if self.params and not any(p.requires_grad for p in self.params.values()):
+                raise ValueError("params is empty: the model has no parameter with requires_grad=True, so "
+                                 "pdpsgd.trainable_params(model) lists none. Unfreeze what should train "
+                                 "(e.g. model.classifier.requires_grad_(True)), or pass those tensors by name")
             raise ValueError("params is empty: pass pdpsgd.trainable_params(model) or a non-empty subset")
         out: Params = {}
+        frozen: List[str] = []
         for name, value in params.items():
             if name not in self.canonical:
                 raise ValueError(
@@ -109,7 +114,16 @@ class ParamIndex:
                 )
             if not (value.is_floating_point() or value.is_complex()):
                 raise ValueError(f"parameter {name!r} is not floating point ({value.dtype}); it cannot be trained")
+            if not ref.requires_grad:
+                frozen.append(name)
             out[canon] = value
+        if frozen:
+            # (review, round 42: an Opacus user freezes with requires_grad_(False); a dict of all of
+            # named_parameters() trained them anyway, silently)
+            warn(f"params includes {len(frozen)} parameter(s) the model has frozen (requires_grad=False), e.g. "
+                 f"{frozen[0]!r}: the step trains them all the same (their gradients are computed, clipped into "
+                 "the norm and noised). To keep them frozen leave them out of params: "
+                 "pdpsgd.trainable_params(model) lists only the parameters with requires_grad=True")
         return out
 
 

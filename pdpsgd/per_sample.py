@@ -316,6 +316,24 @@ def _explain_vmap_error(err: Exception) -> Exception:
             "writes in eval mode, or use method='bk' / 'auto' with every trained parameter on a rule. "
             f"Original error: {msg}"
         )
+    if "setup_context" in msg and "autograd.Function" in msg:  # (review, round 42: BLOOM's gelu in train mode)
+        return RuntimeError(
+            "the model uses a custom torch.autograd.Function written without a setup_context staticmethod "
+            "(e.g. transformers' BloomGelu, used in train mode), which torch.func.vmap cannot run per example. "
+            "Fixes: method='bk' / 'auto' with every trained parameter covered by a rule (see dp_step.plan(...): "
+            "no 'vmap' routes; they run the model batched), or model.eval() for the DP step if the function is "
+            "only used in training, or rewrite the function with setup_context (torch's 'Extending torch.func "
+            f"with autograd.Function'). Original error: {msg}"
+        )
+    if "dynamic shape" in msg:  # (review, round 42: BartForSequenceClassification's unique_consecutive)
+        return RuntimeError(
+            "the model (or loss_fn) calls an operator whose output shape depends on the values (unique, "
+            "nonzero, masked_select, boolean indexing; e.g. BartForSequenceClassification's check that every "
+            "example has the same number of end-of-sequence tokens), which torch.func.vmap cannot run per "
+            "example. Fixes: method='bk' / 'auto' with every trained parameter covered by a rule (they run the "
+            "model batched), or remove the operator from the forward (index with fixed-size tensors, "
+            f"torch.where). Original error: {msg}"
+        )
     if "data-dependent control flow" in msg or ".item()" in msg:
         return RuntimeError(
             "the model (or loss_fn) branches on tensor values, which torch.func.vmap cannot run per "
@@ -384,9 +402,9 @@ def per_sample_grads(
         if not isinstance(loss, Tensor) or loss.dim() != 1 or loss.shape[0] != 1:
             shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
             raise ValueError(
-                f"loss_fn must return one loss per example, shape [B]; for a batch of 1 it returned "
-                f"shape {shape}. Use reduction='none' (and sum per-token losses per example), not "
-                "'mean' or 'sum' over the batch."
+                f"loss_fn must return one loss per example, shape [B]; got {shape} (method='vmap' runs "
+                f"loss_fn on each example alone, as a batch of 1, so it must return shape [1] there). Use "
+                "reduction='none' (and sum per-token losses per example), not 'mean' or 'sum' over the batch."
             )
         loss = loss[0]
         if require_grad and not loss.requires_grad:  # (torch.func.grad would return zeros)

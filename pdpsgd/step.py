@@ -714,6 +714,8 @@ class DPStep:
             num_nonfinite=(partial.mask & ~kept).sum(),
             noise_std=self.noise_std,
             routes=partial.routes,
+            mask=partial.mask,
+            kept=kept,
         )
 
     def __call__(self, params: Mapping[str, Tensor], batch: Batch, mask: Optional[Tensor] = None) -> StepOutput:

@@ -256,6 +256,14 @@ class DPTrainer:
         from .step import make_dp_step
         from .telemetry import Telemetry
 
+        if not isinstance(data, Mapping) or not all(isinstance(v, Tensor) for v in data.values()):
+            # (review, round 42: a DataLoader failed with "'DataLoader' object has no attribute 'items'")
+            raise TypeError(
+                f"data must be a dict name -> (N, ...) tensor holding the whole training set, got "
+                f"{type(data).__name__}{'' if not isinstance(data, Mapping) else ' with non-tensor values'}: "
+                "DPTrainer draws its own Poisson batches from it (each example independently with probability "
+                "q, which the accountant assumes), so it takes the dataset's tensors, not a DataLoader or its "
+                "batches (e.g. data = {'input_ids': ids, 'attention_mask': am, 'labels': y})")
         if not data:
             raise ValueError("data is empty: give name -> (N, ...) tensors")
         sizes = {k: len(v) for k, v in data.items()}

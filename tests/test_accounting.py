@@ -7,6 +7,7 @@ accountants, test-only dependencies).
 import json
 import logging
 import math
+import re
 
 import warnings
 
@@ -955,3 +956,23 @@ def test_a_plan_with_delta_not_below_one_over_n_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         plan_privacy(8.0, 1e-3, num_examples=100, expected_batch_size=10, epochs=1, accountant="rdp")
+
+
+def test_calibrate_noise_gives_one_fallback_warning_per_call():
+    """Each σ the search tries fails PRV for its own reason (numbers in it): one warning per call that says
+    how many fell back, not one per σ (review, round 42: five RuntimeWarnings from one call); the search's
+    other warnings still come through."""
+    from pdpsgd.accounting import calibrate_noise
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        s = calibrate_noise(target_epsilon=3, delta=0.5, sample_rate=0.01, steps=100)
+    fell = [x for x in w if "PRV accounting unreliable" in str(x.message)]
+    assert len(fell) == 1 and len(w) == 1 and fell[0].category is RuntimeWarning, [str(x.message) for x in w]
+    assert re.search(r"at [2-9]\d* of the σ the search tried", str(fell[0].message)), str(fell[0].message)
+    assert fell[0].filename == __file__  # (the user's line, as pdpsgd's warnings name it)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert calibrate_noise(target_epsilon=3, delta=1e-5, sample_rate=0.01, steps=100, sigma_range=(5, 50)) == 5
+    assert len(w) == 1 and "met already at the smallest σ" in str(w[0].message)
+    assert 0 < s < 1

@@ -164,6 +164,48 @@ def test_data_dependent_control_flow_is_explained():
         step(pdpsgd.trainable_params(m), batch())
 
 
+class _OldStyleGelu(torch.autograd.Function):
+    """A custom autograd.Function with ``ctx`` in forward (no setup_context), as transformers' BloomGelu."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(1.702 * x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(1.702 * x)
+        return g * (s + 1.702 * x * s * (1 - s))
+
+
+def test_vmap_errors_of_old_style_autograd_functions_and_dynamic_shapes_are_explained():
+    """Review, round 42 (a zoo sweep in train mode): BLOOM's train-mode gelu (an autograd.Function without
+    setup_context) and BartForSequenceClassification's unique_consecutive (a dynamic-shape op) failed under
+    vmap with torch's raw functorch message; both name the cause and the fix now, and method='bk' runs both."""
+    class Custom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(5, 4), nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.b(_OldStyleGelu.apply(self.a(x)))
+
+    def dynamic_loss(model, b):  # the number of distinct labels in each example's own row: a dynamic shape
+        out = model(b["x"])
+        n = torch.unique_consecutive(b["y"]).numel()
+        return F.cross_entropy(out, b["y"], reduction="none") * (1.0 + 0 * n)
+
+    torch.manual_seed(0)
+    for m, loss, match in ((Custom(), mlp_loss, "autograd.Function written without a setup_context.*method='bk'"),
+                           (mlp(5, 4, 3), dynamic_loss, "output shape depends on the values.*method='bk'")):
+        params = pdpsgd.trainable_params(m)
+        with pytest.raises(RuntimeError, match=match):
+            pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="vmap")(params, batch())
+        out = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")(params, batch())
+        assert set(out.routes.values()) <= {"ghost", "explicit"}
+
+
 class _Checkpointed(nn.Module):
     """x -> a -> checkpoint(b -> tanh -> c) -> d: the checkpointed block's input requires grad."""
 

@@ -1435,3 +1435,54 @@ def test_all_padding_chunks_are_not_skipped_in_training_mode_under_an_own_genera
         return step.clipped_sum(params, x, torch.tensor(mask)).sums["lin.weight"]
 
     torch.testing.assert_close(sums([True, False, True]), sums([True, True, True]) - sums([False, True, False]))
+
+
+def test_step_output_says_which_slots_are_real_and_kept():
+    """``per_sample_norms`` has one entry per slot, padding included: ``mask`` and ``kept`` (review, round 42:
+    after accumulating padded physical batches the norms could not be matched to the real examples)."""
+    torch.manual_seed(3)
+    m = nn.Linear(4, 3)
+    b = {"x": torch.randn(6, 4), "y": torch.randint(0, 3, (6,))}
+    b["x"][4] = float("nan")  # real, dropped as non-finite
+    mask = torch.tensor([True, True, False, True, True, False])
+    params = pdpsgd.trainable_params(m)
+    for method in ("vmap", "bk"):
+        step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4,
+                                   method=method)
+        out = step(params, b, mask)
+        assert out.mask.tolist() == mask.tolist()
+        assert out.kept.tolist() == [True, True, False, True, False, False]
+        assert int(out.num_examples) == int(out.mask.sum()) and int(out.num_nonfinite) == int((out.mask & ~out.kept).sum())
+        # accumulated parts: concatenated in the order they were added, as per_sample_norms
+        part = step.clipped_sum(params, b, mask) + step.clipped_sum(params, {k: v[:2] for k, v in b.items()})
+        acc = step.finalize(part)
+        assert acc.per_sample_norms.shape == acc.mask.shape == acc.kept.shape == (8,)
+        assert acc.mask.tolist() == mask.tolist() + [True, True]
+        assert acc.kept.tolist() == out.kept.tolist() + [True, True]
+        torch.testing.assert_close(acc.per_sample_norms[acc.kept][:3], out.per_sample_norms[out.kept])
+
+
+def test_frozen_parameters_passed_in_params_warn_and_an_all_frozen_model_says_so():
+    """A parameter the model froze (requires_grad=False) but the params dict names is trained: the step warns
+    once per call site (review, round 42: Opacus users freeze with requires_grad_(False), and a dict of all
+    named_parameters() trained the frozen layer silently); trainable_params leaves it out, with no warning.
+    A model with nothing trainable names the cause, not just "params is empty"."""
+    torch.manual_seed(4)
+    m = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    m[0].requires_grad_(False)
+    b = {"x": torch.randn(5, 4), "y": torch.randint(0, 3, (5,))}
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.warns(UserWarning, match=r"2 parameter\(s\) the model has frozen.*'0.weight'.*trains them"):
+        out = step(dict(m.named_parameters()), b)
+    assert float(out.grads["0.weight"].abs().sum()) > 0  # (trained indeed: what the warning says)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = step(pdpsgd.trainable_params(m), b)
+        assert set(out.grads) == {"2.weight", "2.bias"}
+        # the functional idiom: detached tensors of trainable parameters are not "frozen"
+        step({n: p.detach() for n, p in pdpsgd.trainable_params(m).items()}, b)
+    m.requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
+        step(pdpsgd.trainable_params(m), b)
+    with pytest.raises(ValueError, match="params is empty: pass pdpsgd.trainable_params"):
+        pdpsgd.make_dp_step(nn.Linear(2, 2), mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0)({}, b)

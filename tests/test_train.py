@@ -918,6 +918,16 @@ def test_data_tensors_must_share_their_first_dimension():
         DPTrainer(model, tr.loss_fn, bad, optimizer=tr.optimizer, plan=plan, max_grad_norm=1.0, max_physical_batch=4)
 
 
+def test_a_dataloader_as_data_names_what_the_trainer_takes():
+    """Review, round 42: an Opacus user passing a DataLoader got "'DataLoader' object has no attribute 'items'"."""
+    tr, model, data, plan = _mlp_setup()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data["x"], data["y"]), batch_size=4)
+    for bad in (loader, list(loader), {"x": data["x"].tolist(), "y": data["y"]}):
+        with pytest.raises(TypeError, match="dict name -> .*draws its own Poisson batches.*not a DataLoader"):
+            DPTrainer(model, tr.loss_fn, bad, optimizer=tr.optimizer, plan=plan, max_grad_norm=1.0,
+                      max_physical_batch=4)
+
+
 _TWO_PROCESS_TRAINER = r"""
 import json, os, sys, time
 import torch, torch.nn.functional as F

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Dict, NamedTuple, Optional, Tuple, Type, Union
 
 import numpy as np
@@ -163,6 +164,26 @@ def calibrate_noise(
 
     guess = _rdp_sigma(target, delta, q, steps, s_min, s_max, rel=0.01)
     slope = _rdp_log_slope(guess, delta, q, steps)  # d log ε / d log σ (< 0)
+    # the accountant warns once per reason, and each σ tried has its own (review, round 42: five warnings
+    # from one call): the search's fallback warnings are collected and given once, the others as they came
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            return _search(g, upper, guess, slope, tol, u_min, u_max, s_min, s_max, sig, target, delta, q, steps)
+    finally:  # (the filters restored: given as the caller's filters say)
+        fell = [w for w in caught if str(w.message).startswith("PRV accounting unreliable")]
+        for w in caught:
+            if w not in fell:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if fell:
+            warn(f"{str(fell[0].message).split(';')[0]}; at {len(fell)} of the σ the search tried, which used "
+                 "dp-accounting's PLD accountant instead (or RDP, where that is tighter or the PLD is not "
+                 "reliable)", RuntimeWarning)
+
+
+def _search(g, upper, guess, slope, tol, u_min, u_max, s_min, s_max, sig, target, delta, q, steps) -> float:
+    """``calibrate_noise``'s search over log σ (see there)."""
 
     lo: Optional[Tuple[float, float]] = None  # (u, g) with g > 0, largest u
     hi: Optional[Tuple[float, float]] = None  # (u, g) with g <= 0, smallest u
