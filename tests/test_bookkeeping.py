@@ -4943,3 +4943,17 @@ def test_a_collapsed_float64_norm_is_capped_above_its_bound_squared():
             assert 100.0 < sq["w"].item() < 100.0 * (1 + 1e-10)
         else:
             assert sq["w"].item() == 100.0
+
+
+def test_sq_norm_counts_every_column_at_the_block_boundaries():
+    """(Mutation review, round 42: a block slice one column short survived the lane-accumulation test, whose
+    dropped squares were tiny.)"""
+    from pdpsgd.per_sample import SQ_NORM_BLOCK, sq_norm_per_example
+
+    n = 2 * SQ_NORM_BLOCK + 3
+    x = torch.zeros(2, n)
+    for j in (0, SQ_NORM_BLOCK - 1, SQ_NORM_BLOCK, 2 * SQ_NORM_BLOCK - 1, 2 * SQ_NORM_BLOCK, n - 1):
+        x[0, j] = 1.0
+    x[1, n - 1] = 2.0
+    assert sq_norm_per_example(x).tolist() == [6.0, 4.0]
+    assert sq_norm_per_example(x.reshape(2, 1, n)).tolist() == [6.0, 4.0]

@@ -857,3 +857,24 @@ def test_an_out_of_memory_error_under_vmap_stays_itself():
     with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate") as got:
         st(pdpsgd.trainable_params(m), torch.randn(4, 4))
     assert "run eagerly" not in " ".join(getattr(got.value, "__notes__", []))
+
+
+class _WritesItsWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(5, 3)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.bias.add_(x.detach().mean() * 1e-3)  # a batch statistic written into a trained weight
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("method", ["bk", "auto"])
+def test_forward_writing_to_a_trained_parameter_is_refused(method):
+    """(Mutation review, round 42: the write check's watch of the trained parameters was untested under bk.)"""
+    m = _WritesItsWeight()
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)
+    with pytest.raises(ValueError, match=r"wrote to \['lin.bias'\].*without noise"):
+        step(pdpsgd.trainable_params(m), batch())

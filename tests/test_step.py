@@ -339,6 +339,8 @@ def test_a_per_example_entry_that_is_not_a_tensor_is_refused(method):
         step(params, {"x": x, "y": y, "rows": [{"n": 1}, {"n": 2}, {"n": 3}, {"n": 4}]})
     step(params, {"x": x, "y": y, "lens": [6], "mode": "mean", "scale": 2.0, "shape": torch.Size([4, 6, 3, 1])})
     step(params, {"x": x[:1], "y": y[:1], "lens": [6]})  # (B = 1: nothing to mix)
+    with pytest.raises(ValueError, match=r"batch entry \['lens'\] is a list of 2 items without tensors"):
+        step(params, {"x": x[:2], "y": y[:2], "lens": [2, 6]})  # (from B = 2 on; mutation review, round 42: B < 3 survived)
 
 
 def text_batch(seed, B, T, vocab=30, classes=3):
@@ -1409,11 +1411,14 @@ def test_a_tied_tensor_under_two_names_is_refused_by_the_step():
         step(dict(m.named_parameters(remove_duplicate=False)), torch.randint(0, 20, (3, 5)))
 
 
-def test_all_padding_chunks_are_not_skipped_in_training_mode_under_an_own_generator():
+@pytest.mark.parametrize("where", ["root", "submodule"])
+def test_all_padding_chunks_are_not_skipped_in_training_mode_under_an_own_generator(where):
     """Mutation review, round 40 (third pass): vmap skips an all-padding chunk only when no module is
     in training mode; the random-state watch alone sees only the global streams, and a module that
     draws from its own generator would get its draws moved by a masked-out row. With the generator
-    restarted for each call, the sum over rows {0, 2} is the sum over all rows less row 1's."""
+    restarted for each call, the sum over rows {0, 2} is the sum over all rows less row 1's. Also for
+    a submodule in training mode under a root in eval mode (mutation review, round 42: reading the
+    root's mode alone survived)."""
     class OwnNoise(nn.Module):
         def __init__(self):
             super().__init__()
@@ -1424,15 +1429,17 @@ def test_all_padding_chunks_are_not_skipped_in_training_mode_under_an_own_genera
             return self.lin(x + 0.5 * torch.randn(x.shape, generator=self.g))
 
     torch.manual_seed(0)
-    m = OwnNoise().double().train()
+    inner = OwnNoise().double().train()
+    m = inner if where == "root" else nn.Sequential(inner).eval()
+    inner.train()
     params = pdpsgd.trainable_params(m)
     x = torch.randn(3, 3, dtype=torch.float64)
     step = pdpsgd.make_dp_step(m, lambda mod, b: mod(b).pow(2).sum(1), max_grad_norm=100.0, noise_multiplier=0.0,
                                method="vmap", chunk_size=1)
 
     def sums(mask):
-        m.g.manual_seed(7)
-        return step.clipped_sum(params, x, torch.tensor(mask)).sums["lin.weight"]
+        inner.g.manual_seed(7)
+        return step.clipped_sum(params, x, torch.tensor(mask)).sums["lin.weight" if where == "root" else "0.lin.weight"]
 
     torch.testing.assert_close(sums([True, False, True]), sums([True, True, True]) - sums([False, True, False]))
 
@@ -1486,3 +1493,66 @@ def test_frozen_parameters_passed_in_params_warn_and_an_all_frozen_model_says_so
         step(pdpsgd.trainable_params(m), b)
     with pytest.raises(ValueError, match="params is empty: pass pdpsgd.trainable_params"):
         pdpsgd.make_dp_step(nn.Linear(2, 2), mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0)({}, b)
+
+
+# ---- tests for the survivors of a mutation review of clipping, per_sample, functional (round 42) ----
+def test_a_flat_list_of_two_names_is_refused_and_one_name_is_one_group():
+    """The flat-list guard's boundary: two names are as ambiguous as four; a single name reads as one group."""
+    from pdpsgd.clipping import as_spec
+
+    with pytest.raises(ValueError, match="flat list of parameter names"):
+        as_spec(["0.weight", "0.bias"])
+    m, _ = mlp_case(3, 6, 4, 5)
+    with pytest.raises(ValueError, match="flat list of parameter names"):
+        pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.3, noise_multiplier=0.0, clipping=["0.weight", "0.bias"])
+    assert as_spec(["0.weight"]) == [["0.weight"]]
+
+
+def test_an_empty_clipping_group_and_a_zero_budget_weight_are_refused_by_name():
+    from pdpsgd.clipping import make_groups
+
+    with pytest.raises(ValueError, match="clipping group 1 is empty"):
+        make_groups(["a", "b"], [["a", "b"], []], 1.0)
+    with pytest.raises(ValueError, match="clipping group 0 is empty"):
+        make_groups(["a", "b"], {"none": [], "all": ["a", "b"]}, 1.0)
+    for budget in ([1.0, 0.0], [0.0, 0.0], [0, 2]):  # (an all-zero budget divided by zero)
+        with pytest.raises(ValueError, match="budget needs 2 positive finite weights"):
+            make_groups(["a", "b"], [["a"], ["b"]], 1.0, budget=budget)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+@pytest.mark.parametrize("method", ["vmap", "bk"])
+def test_automatic_clipping_matches_the_oracle(clipping, method):
+    """C / (‖g‖ + γ) exactly (the hypothesis test's derandomised draws reached clip_fn='automatic' on
+    all-padding batches only, whose sums are 0 whatever the formula: C / max(‖g‖, γ) survived)."""
+    m, b = mlp_case(1, 5, 4, 5)
+    for gamma in (0.01, 0.5):
+        assert_exact(m, mlp_loss, b, method=method, max_grad_norm=0.5, clipping=clipping, clip_fn="automatic",
+                     gamma=gamma, rtol=1e-9)
+
+
+def test_default_chunk_is_one_example_for_a_model_past_the_budget():
+    from pdpsgd.per_sample import CPU_CHUNK_BUDGET_ELEMS, default_chunk_size
+
+    assert default_chunk_size(8, 355_000_000) == 1
+    assert default_chunk_size(8, CPU_CHUNK_BUDGET_ELEMS + 1) == 1
+    assert default_chunk_size(0, 10) == 1
+
+
+def test_model_structure_layout_sees_requires_grad_and_an_instance_forward():
+    """The structure key drops the step's memos (probe, example-order verdicts) when a parameter is frozen or
+    unfrozen, or a module's forward is replaced on the instance (a patched forward may mix examples)."""
+    import types
+
+    from pdpsgd.functional import model_structure
+
+    m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    k0 = model_structure(m)[0][0]
+    assert model_structure(m)[0][0] == k0
+    m[2].weight.requires_grad_(False)
+    assert model_structure(m)[0][0] != k0
+    m[2].weight.requires_grad_(True)
+    assert model_structure(m)[0][0] == k0
+    m[0].forward = types.MethodType(
+        lambda self, x: nn.Linear.forward(self, x).mean(0, keepdim=True).expand_as(nn.Linear.forward(self, x)), m[0])
+    assert model_structure(m)[0][0] != k0

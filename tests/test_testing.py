@@ -367,3 +367,37 @@ def test_assert_exact_reads_every_form_of_clipping_spec_the_step_reads():
     assert_exact(m, mlp_loss, b, max_grad_norm=0.05, clipping={"a": names[0], "b": rest}, clip_budget=[1, 3])
     assert_exact(m, mlp_loss, b, max_grad_norm=0.05, clipping=[names[0], rest], clip_budget=[1, 3])
     assert_exact(m, mlp_loss, b, max_grad_norm=0.05, clipping=(g for g in [[names[0]], rest]), clip_budget=[1, 3])
+
+
+def test_a_neighbour_differing_in_one_coordinate_of_an_example_counts_that_example_and_nan_is_no_change():
+    """``check_sensitivity``'s neighbour: an example counts as replaced if any coordinate differs (mutation
+    review, round 42: .all(1) survived), and NaN in both is no change (review, round 42: a NaN row counted as
+    replaced, loosening the bound by 2C; a NaN in a non-batched float raised 'differs outside its examples')."""
+    from pdpsgd.testing import _differing
+
+    b = {"x": torch.arange(12.0).reshape(4, 3), "y": torch.tensor([0, 1, 2, 0])}
+    nb = {"x": b["x"].clone(), "y": b["y"].clone()}
+    nb["x"][2, 1] += 1.0
+    assert _differing(b, nb, 4) == (2,)
+    nb["y"][0] = 2
+    assert _differing(b, nb, 4) == (0, 2)
+    w = {"x": torch.randn(4, 3), "w": torch.tensor([1.0, float("nan"), 1.0, 1.0]), "s": float("nan"),
+         "t": torch.tensor([float("nan"), 1.0])}
+    same = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in w.items()}
+    assert _differing(w, same, 4) == ()
+    same["w"][1] = 0.0
+    assert _differing(w, same, 4) == (1,)
+    with pytest.raises(ValueError, match="outside its examples"):
+        _differing(w, {**same, "t": torch.tensor([0.0, 1.0])}, 4)
+
+
+def test_naive_clipped_sum_refuses_groups_without_thresholds_and_an_unknown_clip_fn():
+    from pdpsgd.testing import naive_clipped_sum
+
+    torch.manual_seed(0)
+    m = mlp(3, 4, 2).double()
+    b = {"x": torch.randn(3, 3, dtype=torch.float64), "y": torch.tensor([0, 1, 0])}
+    with pytest.raises(ValueError, match="one threshold each"):
+        naive_clipped_sum(m, mlp_loss, b, max_grad_norm=1.0, groups=[["0.weight"]])
+    with pytest.raises(ValueError, match="clip_fn must be 'abadi' or 'automatic'"):
+        naive_clipped_sum(m, mlp_loss, b, max_grad_norm=1.0, clip_fn="automatc")
