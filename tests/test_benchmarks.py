@@ -49,6 +49,15 @@ def test_phases_and_noise_bench_run():
     assert "native" in out or "torch" in out
 
 
+def test_noise_overlap_runs():
+    from pdpsgd import native_rng
+
+    if not native_rng.available():
+        pytest.skip("the native noise kernel does not build here")
+    out = _run(["benchmarks/noise_overlap.py", "--configs", "tiny", "--reps", "1"])
+    assert "noise at SCHED_IDLE" in out and "step, then noise" in out
+
+
 def test_guard_cost_runs_and_a_step_keeps_the_structure():
     out = _run(["benchmarks/guard_cost.py", "--configs", "tiny", "--reps", "3"])
     assert "structure unchanged by a step: True" in out and "model_structure" in out
