@@ -3873,7 +3873,8 @@ def _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registr
                 f"book-keeping computes {len(fb)} parameter(s) by the exact vmap fallback ({why}"
                 f"{'; ...' if len(fb) > 3 else ''}; all: dp_step.fallback_reasons(batch)), and torch.func.vmap "
                 f"cannot run this model: {type(err).__name__}: {first} "
-                "Fix: freeze those parameters (requires_grad_(False), or leave them out of params), or register "
+                "Fix: leave those parameters out of params (freeze them: requires_grad_(False), and pass "
+                "pdpsgd.trainable_params(model)), or register "
                 "a rule for their layer type (bk_options={'registry': ...}), or make the model's forward "
                 "vmap-compatible (no data-dependent shapes or .item() on the batch).") from err
         for n in fb:

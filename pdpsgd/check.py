@@ -173,11 +173,21 @@ def check_file(path: str, methods: Iterable[str] = ("vmap", "bk", "auto"), *, rt
 def _mixing(u: Dict[str, Any], float64: bool, rtol: float) -> Optional[str]:
     """Why the model's batched forward is not each example alone (the first real example whose loss
     in the batch differs from its loss run alone), or None. DP-SGD's per-example gradients are each
-    example's loss run alone (``vmap`` and the naive loop; book-keeping sends what it finds mixing to
-    that exact fallback), so every method is exact and within its bound on such a model, and what
-    trains is not the batched forward the user evaluates (review, round 42: ``pdpsgd check`` said
-    OK). Compared in eval mode (dropout draws differ between the runs), in float64 unless
-    ``--no-float64``; a model that cannot run one example alone is left to the methods' checks."""
+    example's loss run alone (``vmap`` and the naive loop; book-keeping sends what its example-order
+    check finds mixing to that exact fallback), so on such a model what trains is not the batched
+    forward the user evaluates (review, round 42: ``pdpsgd check`` said OK). Compared in eval mode,
+    and in the model's own mode too where that is training and its forward draws no random numbers
+    (two batched runs equal, the CPU random state unmoved: a batch statistic used in training only;
+    dropout masks differ between a batch and one example, so a forward that draws is compared in
+    eval mode only). In float64 unless ``--no-float64``. A model or batch this cannot run (no copy, one
+    example alone failing) is left to the methods' own checks."""
+    try:
+        return _mixing_found(u, float64, rtol)
+    except Exception:  # (the methods' checks report why it cannot run, as a readable line)
+        return None
+
+
+def _mixing_found(u: Dict[str, Any], float64: bool, rtol: float) -> Optional[str]:
     import copy
 
     import torch
@@ -189,36 +199,39 @@ def _mixing(u: Dict[str, Any], float64: bool, rtol: float) -> Optional[str]:
     B = batch_size(batch)
     if B < 2:
         return None
-    if float64:
-        model, batch = to_float64(u["model"]), to_float64(batch)  # (a copy)
-    else:
-        model = copy.deepcopy(u["model"])
-    model.eval()
-    rows = range(B) if u["mask"] is None else torch.as_tensor(u["mask"], dtype=torch.bool).nonzero().flatten().tolist()
-    try:
+    copy_of = (lambda m: to_float64(m)) if float64 else copy.deepcopy
+    batch = to_float64(batch) if float64 else batch
+    rows = list(range(B)) if u["mask"] is None else \
+        torch.as_tensor(u["mask"], dtype=torch.bool).nonzero().flatten().tolist()
+    runs = [("eval mode", copy_of(u["model"]).eval())]
+    if any(m.training for m in u["model"].modules()):
+        runs.append(("the model's own (training) mode", copy_of(u["model"])))
+    for mode, model in runs:
         with torch.no_grad():
-            together = u["loss_fn"](model, batch)
-            alone = [u["loss_fn"](model, select_examples(batch, torch.tensor([i]))) for i in rows]
-        together = together.detach().double().flatten()
-        alone_t = torch.cat([a.detach().double().flatten() for a in alone])
-    except Exception:  # (the methods' own checks report why it cannot run)
-        return None
-    if together.shape != (B,) or alone_t.shape != (len(rows),):
-        return None
-    together = together[list(rows)]
-    finite = torch.isfinite(together) & torch.isfinite(alone_t)
-    if not bool(finite.any()):
-        return None
-    scale = float(torch.maximum(together[finite].abs(), alone_t[finite].abs()).max())
-    diff = (together - alone_t).abs().masked_fill(~finite, 0)
-    j = int(diff.argmax())
-    if float(diff[j]) <= max(rtol, 1e-12) * max(scale, 1e-30):
-        return None
-    return (f"example {list(rows)[j]}'s loss in the batch is {float(together[j]):.10g}, alone {float(alone_t[j]):.10g} "
-            "(eval mode): the forward or the loss mixes examples (a batch statistic, in-batch negatives, a "
-            "normalisation over the batch). DP-SGD's per-example gradients are each example's loss run alone "
-            "(that is what every method computes and what the checks below compare), so what would train is "
-            "each example alone, not this batched forward. Make the forward and the loss per-example")
+            state = torch.get_rng_state()
+            together = u["loss_fn"](model, batch).detach().double().flatten()
+            drew = not torch.equal(state, torch.get_rng_state())
+            again = u["loss_fn"](model, batch).detach().double().flatten()
+            if drew or not torch.allclose(together, again, rtol=0, atol=0, equal_nan=True) or together.shape != (B,):
+                continue  # (random numbers, or not one loss per example: the methods' checks say so)
+            alone = torch.cat([u["loss_fn"](model, select_examples(batch, torch.tensor([i]))).detach().double()
+                               .flatten() for i in rows])
+        together = together[rows]
+        fin_t, fin_a = torch.isfinite(together), torch.isfinite(alone)
+        both = fin_t & fin_a
+        scale = float(torch.maximum(together[both].abs(), alone[both].abs()).max()) if bool(both.any()) else 0.0
+        diff = (together - alone).abs().masked_fill(~both, 0)
+        bad = (fin_t != fin_a) | (diff > max(rtol, 1e-12) * max(scale, 1e-30))
+        if bool(bad.any()):
+            j = int(bad.nonzero()[0])
+            return (f"example {rows[j]}'s loss in the batch is {float(together[j]):.10g}, alone {float(alone[j]):.10g} "
+                    f"({mode}): the forward or the loss mixes examples (a batch statistic, in-batch negatives, a "
+                    "normalisation over the batch). DP-SGD's per-example gradients are each example's loss run "
+                    "alone (what vmap and the naive loop below compute), so what would train is each example "
+                    "alone, not this batched forward; and book-keeping, which runs the batch, keeps a layer on "
+                    "its rules only where its example-order check (eval mode) finds no mixing. Make the forward "
+                    "and the loss per-example")
+    return None
 
 
 def _sensitivity(u: Dict[str, Any], method: str, max_grad_norm: float, float64: bool):

@@ -123,7 +123,8 @@ class ParamIndex:
             warn(f"params includes {len(frozen)} parameter(s) the model has frozen (requires_grad=False), e.g. "
                  f"{frozen[0]!r}: the step trains them all the same (their gradients are computed, clipped into "
                  "the norm and noised). To keep them frozen leave them out of params: "
-                 "pdpsgd.trainable_params(model) lists only the parameters with requires_grad=True")
+                 "pdpsgd.trainable_params(model) lists only the parameters with requires_grad=True (a DPTrainer "
+                 "keeps the params it was built with: build it again after freezing)")
         return out
 
 

@@ -309,7 +309,8 @@ def _differing(batch: Any, other: Any, B: int) -> Tuple[int, ...]:
 def _same_leaf(u: Any, v: Any) -> bool:
     """A non-batched leaf unchanged: tensors equal with NaN in the same places, floats equal or both NaN."""
     if isinstance(u, Tensor):
-        return torch.equal(u, v) or (u.is_floating_point() and torch.allclose(u, v, rtol=0, atol=0, equal_nan=True))
+        return torch.equal(u, v) or (u.is_floating_point() and u.dtype == v.dtype and u.device == v.device
+                                     and torch.allclose(u, v, rtol=0, atol=0, equal_nan=True))
     if isinstance(u, float) and isinstance(v, float) and math.isnan(u) and math.isnan(v):
         return True
     return bool(u == v)

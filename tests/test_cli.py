@@ -471,6 +471,42 @@ def test_check_ok_and_mismatch(tmp_path, capsys):
     assert rc == 0 and "MIXES" not in out, out
 
 
+CHECK_TRAIN_MIXING = '''
+import torch, torch.nn as nn
+torch.manual_seed(0)
+class Centre(nn.Module):  # a hand-written batch normalisation: the batch mean in training, a running mean in eval
+    def __init__(s, d):
+        super().__init__(); s.register_buffer("mu", torch.zeros(d))
+    def forward(s, h):
+        return h - (h.mean(0) if s.training else s.mu)
+model = nn.Sequential(nn.Linear(4, 8), Centre(8), nn.Tanh(), nn.Linear(8, 3))
+def loss_fn(model, batch):
+    return nn.functional.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+batch = {"x": torch.randn(6, 4), "y": torch.randint(0, 3, (6,))}
+'''
+
+
+def test_check_sees_training_mode_mixing_and_does_not_call_a_random_forward_mixing(tmp_path, capsys):
+    """Review of round 42's mixing check: a batch statistic used in training only passed it (eval mode only) while
+    vmap trained the layer before it with a zero gradient; it is compared in the model's own mode when the forward
+    draws nothing. A forward that draws random numbers (in eval mode too) is not called mixing (the methods'
+    checks judge it), and a batch the check cannot run is reported by the methods as a readable line."""
+    f = tmp_path / "train_mix.py"
+    f.write_text(CHECK_TRAIN_MIXING)
+    rc, out, err = run_cli(["check", str(f), "--method", "vmap"], capsys)
+    assert rc == 1 and "[model] MIXES EXAMPLES" in out and "(the model's own (training) mode)" in out, out + err
+    g = tmp_path / "noisy.py"
+    g.write_text(CHECK_OK.replace("nn.Tanh(),", "nn.Tanh(), type('Noise', (nn.Module,), {'forward': lambda s, h: "
+                                  "h + 0.1 * torch.randn_like(h)})(),"))
+    rc, out, err = run_cli(["check", str(g), "--method", "vmap", "--no-sensitivity"], capsys)
+    assert "MIXES" not in out and "[vmap] MISMATCH" in out, out + err
+    h = tmp_path / "nobatch.py"
+    h.write_text("import torch\nmodel = torch.nn.Linear(3, 1)\ndef loss_fn(model, b):\n"
+                 "    return model(torch.tensor(b['x'])).sum(1)\nbatch = {'x': [[1.0, 2.0, 3.0], [0.0, 1.0, 0.0]]}\n")
+    rc, out, err = run_cli(["check", str(h), "--method", "vmap"], capsys)
+    assert rc == 1 and "[vmap] ERROR" in out and "Traceback" not in out + err, out + err
+
+
 def test_check_reports_an_exceeded_sensitivity_bound(tmp_path, capsys, monkeypatch):
     """`pdpsgd check` also checks the bound on the step's own sums: a step whose masked sums (one
     example alone, one removed) are scaled past C is reported, though its full-batch sum is exact."""
@@ -517,7 +553,9 @@ def test_check_fails_when_the_step_drops_every_example(tmp_path, capsys):
     f.write_text(CHECK_NAN_ALONE)
     rc, out, err = run_cli(["check", str(f), "--method", "vmap"], capsys)
     assert rc == 1 and "[vmap] EXACTNESS NOT SHOWN" in out and "every example" in out and "non-finite" in out, out + err
-    assert "FAILED: vmap" in out and "EXCEEDED" not in out and "MISMATCH" not in out and "[vmap] OK" not in out, out
+    assert "FAILED: model, vmap" in out and "EXCEEDED" not in out and "MISMATCH" not in out and "[vmap] OK" not in out, out
+    # (round 42: a loss finite in the batch and NaN alone is a batch statistic: the mixing check names it)
+    assert "[model] MIXES EXAMPLES" in out and "alone nan (eval mode)" in out, out
     g = tmp_path / "one_nan.py"
     g.write_text(CHECK_OK.replace('return {"x": torch.randn(5, 4)', 'return {"x": torch.randn(5, 4).index_fill(0, torch.tensor([3]), float("nan"))'))
     rc, out, err = run_cli(["check", str(g), "--method", "vmap"], capsys)

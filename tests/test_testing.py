@@ -389,6 +389,8 @@ def test_a_neighbour_differing_in_one_coordinate_of_an_example_counts_that_examp
     assert _differing(w, same, 4) == (1,)
     with pytest.raises(ValueError, match="outside its examples"):
         _differing(w, {**same, "t": torch.tensor([0.0, 1.0])}, 4)
+    with pytest.raises(ValueError, match="outside its examples"):  # (another dtype: not allclose's error)
+        _differing(w, {**same, "t": torch.tensor([float("nan"), 1.0], dtype=torch.float64)}, 4)
 
 
 def test_naive_clipped_sum_refuses_groups_without_thresholds_and_an_unknown_clip_fn():

@@ -9,8 +9,7 @@
 from __future__ import annotations
 
 import math
-import warnings
-from typing import Any, Dict, NamedTuple, Optional, Tuple, Type, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Type, Union
 
 import numpy as np
 
@@ -144,12 +143,19 @@ def calibrate_noise(
     acct = make_accountant(accountant, **accountant_options)
 
     cache: Dict[float, float] = {}
+    # the accountant warns once per reason, and each σ tried has its own (review, round 42: five warnings
+    # from one call): its fallbacks are read from ``last_fallback_reason`` and told once, below
+    fell: List[str] = []
+    if isinstance(acct, PRVAccountant):
+        acct._quiet_fallback = True
 
     def upper(sigma: float) -> float:
         if sigma not in cache:
             acct.reset()
             acct.step(noise_multiplier=sigma, sample_rate=q, num_steps=steps)
             cache[sigma] = acct.epsilon(delta).upper
+            if getattr(acct, "last_fallback_reason", None):
+                fell.append(acct.last_fallback_reason)
         return cache[sigma]
 
     tol = -math.log1p(-rtol)  # bracket width in log σ
@@ -164,27 +170,17 @@ def calibrate_noise(
 
     guess = _rdp_sigma(target, delta, q, steps, s_min, s_max, rel=0.01)
     slope = _rdp_log_slope(guess, delta, q, steps)  # d log ε / d log σ (< 0)
-    # the accountant warns once per reason, and each σ tried has its own (review, round 42: five warnings
-    # from one call): the search's fallback warnings are collected and given once, the others as they came
-    caught: list = []
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            return _search(g, upper, guess, slope, tol, u_min, u_max, s_min, s_max, sig, target, delta, q, steps)
-    finally:  # (the filters restored: given as the caller's filters say)
-        fell = [w for w in caught if str(w.message).startswith("PRV accounting unreliable")]
-        for w in caught:
-            if w not in fell:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return _search(g, upper, guess, slope, tol, u_min, u_max, s_min, s_max, sig, target, delta, q, steps)
+    finally:
         if fell:
-            warn(f"{str(fell[0].message).split(';')[0]}; at {len(fell)} of the σ the search tried, which used "
-                 "dp-accounting's PLD accountant instead (or RDP, where that is tighter or the PLD is not "
-                 "reliable)", RuntimeWarning)
+            warn(f"PRV accounting unreliable here ({fell[0]}); at {len(fell)} of the σ the search tried, which used "
+                 "dp-accounting's PLD accountant instead (or RDP, where that is tighter or the PLD is not reliable)",
+                 RuntimeWarning)
 
 
 def _search(g, upper, guess, slope, tol, u_min, u_max, s_min, s_max, sig, target, delta, q, steps) -> float:
     """``calibrate_noise``'s search over log σ (see there)."""
-
     lo: Optional[Tuple[float, float]] = None  # (u, g) with g > 0, largest u
     hi: Optional[Tuple[float, float]] = None  # (u, g) with g <= 0, smallest u
     u = min(max(math.log(guess) + math.log(0.95), u_min), u_max)

@@ -767,7 +767,7 @@ class PRVAccountant(HistoryAccountant):
 
     def _on_failure(self, reason: str) -> None:
         self.last_fallback_reason = reason
-        if reason not in self._warned:
+        if reason not in self._warned and not getattr(self, "_quiet_fallback", False):  # (calibrate_noise: told once)
             self._warned.add(reason)
             warn(
                 f"PRV accounting unreliable here ({reason}); using dp-accounting's PLD accountant "
