@@ -4311,20 +4311,23 @@ def test_a_model_changed_after_the_step_was_built_is_checked_again():
     m.mid = _Mix()
     assert step.clipped_sum(params, b).routes["a.weight"] == "vmap"
     assert _max_removal_move(step, params, b) <= 1.0 + 1e-9
-    # the same through torch's global module hooks and a patch of the class's forward (review: 1.91 C)
-    for how in ("global hook", "class forward"):
+    # the same through torch's global module hooks, a patch of the class's forward (review: 1.91 C) and a
+    # forward hook of the module itself (mutation review, round 42: the structure key without instance hooks)
+    for how in ("global hook", "class forward", "module hook"):
         m.mid = nn.Identity()
         step.clipped_sum(params, b)  # (checked anew: on the rules again)
         if how == "global hook":
             mixing = nn.modules.module.register_module_forward_hook(
                 lambda mod, i, o: o + 0.5 * o.mean(0, keepdim=True) if isinstance(mod, nn.Identity) else None)
+        elif how == "module hook":
+            mixing = m.mid.register_forward_hook(lambda mod, i, o: o + 0.5 * o.mean(0, keepdim=True))
         else:
             identity_forward, nn.Identity.forward = nn.Identity.forward, _Mix.forward
         try:
             assert step.clipped_sum(params, b).routes["a.weight"] == "vmap", how
             assert _max_removal_move(step, params, b) <= 1.0 + 1e-9, how
         finally:
-            if how == "global hook":
+            if how != "class forward":
                 mixing.remove()
             else:
                 nn.Identity.forward = identity_forward

@@ -878,3 +878,19 @@ def test_forward_writing_to_a_trained_parameter_is_refused(method):
     step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, method=method)
     with pytest.raises(ValueError, match=r"wrote to \['lin.bias'\].*without noise"):
         step(pdpsgd.trainable_params(m), batch())
+
+
+def test_an_oom_in_the_eager_rerun_leaves_the_vmap_error_as_it_is():
+    """(Mutation review, round 42.) vmap's error is re-run eagerly to report the user's own error as it reads; an
+    OOM in that re-run is not the user's error and must not replace vmap's."""
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def loss(mod, b):
+        if b[0].shape[0] == 1:  # (one example: under vmap)
+            raise RuntimeError("vmap-side failure")
+        raise torch.OutOfMemoryError("eager run out of memory")
+
+    st = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8, method="vmap")
+    with pytest.raises(RuntimeError, match="vmap-side failure") as got:
+        st(pdpsgd.trainable_params(m), (torch.randn(8, 4), torch.zeros(8, dtype=torch.long)))
+    assert not isinstance(got.value, torch.OutOfMemoryError)

@@ -1556,3 +1556,74 @@ def test_model_structure_layout_sees_requires_grad_and_an_instance_forward():
     m[0].forward = types.MethodType(
         lambda self, x: nn.Linear.forward(self, x).mean(0, keepdim=True).expand_as(nn.Linear.forward(self, x)), m[0])
     assert model_structure(m)[0][0] != k0
+
+
+# ---- tests for the survivors of the rest of that mutation review (round 42, 24 mutants, 7 real survivors) ----
+def test_a_forward_that_has_drawn_once_never_has_padding_chunks_skipped():
+    """Once a chunk has moved the random state every later chunk runs, even if a later chunk draws
+    nothing; else a masked chunk skipped after a quiet one shifts the later examples' draws."""
+    import random
+
+    calls = [0]
+
+    class EveryOther(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(5, 7), nn.Linear(7, 3)
+
+        def forward(self, x):
+            calls[0] += 1
+            s = 0.5 + random.random() if calls[0] % 2 else 1.0  # (draws on odd calls only)
+            return self.b(torch.tanh(self.a(x)) * s)
+
+    torch.manual_seed(0)
+    m = EveryOther().double().eval()
+    b = {"x": torch.randn(4, 5, dtype=torch.float64) * 3, "y": torch.randint(0, 3, (4,))}
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=1,
+                               method="vmap", chunk_size=1)
+    params = pdpsgd.trainable_params(m)
+    keep = torch.tensor([True, True, False, True])
+    outs = []
+    for mask in (None, keep):
+        calls[0] = 0
+        random.seed(3)
+        outs.append(step.clipped_sum(params, b, mask).per_sample_norms)
+    torch.testing.assert_close(outs[1][keep], outs[0][keep], rtol=0, atol=0)
+
+
+def test_an_fp16_gradient_whose_square_overflows_fp16_is_clipped_not_dropped():
+    """Finite fp16 gradients whose squares pass 65504: the norm is taken in float32, the example kept."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2).half()
+    loss = lambda mod, b: (mod(b["x"]).float() * 1000.0).sum(1)  # noqa: E731
+    b = {"x": torch.ones(3, 4).half()}
+    params = pdpsgd.trainable_params(m)
+    for method in ("vmap", "bk"):
+        step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=3,
+                                   method=method)
+        part = step.clipped_sum(params, b)
+        assert part.kept.tolist() == [True, True, True]
+        torch.testing.assert_close(part.per_sample_norms.double(),
+                                   torch.full((3,), 1000.0 * 10 ** 0.5, dtype=torch.float64), rtol=1e-6, atol=0)
+        out = step(params, b)
+        assert int(out.num_nonfinite) == 0 and all(bool(torch.isfinite(g).all()) for g in out.grads.values())
+
+
+@pytest.mark.parametrize("method", ["vmap", "bk"])
+def test_b_containers_of_tensors_are_not_taken_for_per_example_values(method):
+    """A batch of as many containers of tensors as examples (a tuple of tuples, a list of dicts) is a pytree of
+    tensors, not a list of per-example values (the check looks into the containers)."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2)
+    x, y = torch.randn(2, 3), torch.tensor([0, 1])
+    params = pdpsgd.trainable_params(m)
+    ref = pdpsgd.make_dp_step(m, lambda mod, b: F.cross_entropy(mod(b[0]), b[1], reduction="none"), max_grad_norm=1.0,
+                              noise_multiplier=0.0, expected_batch_size=2, method=method)(params, (x, y))
+    for batch, lf in ((((x, torch.ones(2, 3)), (y,)),
+                       lambda mod, b: F.cross_entropy(mod(b[0][0] * b[0][1]), b[1][0], reduction="none")),
+                      ([{"x": x}, {"y": y}],
+                       lambda mod, b: F.cross_entropy(mod(b[0]["x"]), b[1]["y"], reduction="none"))):
+        step = pdpsgd.make_dp_step(m, lf, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=2, method=method)
+        out = step(params, batch)
+        for n in params:
+            torch.testing.assert_close(out.grads[n], ref.grads[n])

@@ -403,3 +403,61 @@ def test_naive_clipped_sum_refuses_groups_without_thresholds_and_an_unknown_clip
         naive_clipped_sum(m, mlp_loss, b, max_grad_norm=1.0, groups=[["0.weight"]])
     with pytest.raises(ValueError, match="clip_fn must be 'abadi' or 'automatic'"):
         naive_clipped_sum(m, mlp_loss, b, max_grad_norm=1.0, clip_fn="automatc")
+
+
+class _Shifted:
+    """A wrong step: its sum on one particular batch (the neighbour) shifted by a vector of norm ``by``."""
+
+    def __init__(self, step, target, name, by):
+        self.step, self.target, self.name, self.by = step, target, name, by
+        self.sensitivity = step.sensitivity
+
+    def clipped_sum(self, params, batch, mask=None):
+        part = self.step.clipped_sum(params, batch, mask)
+        if batch is not self.target:
+            return part
+        sums = dict(part.sums)
+        v = sums[self.name]
+        sums[self.name] = v + self.by / v.numel() ** 0.5
+        return part._replace(sums=sums)
+
+
+def test_check_sensitivity_holds_a_replaced_example_to_2c():
+    """(Mutation review, round 42: a bound of 2(k+1)C for k replaced examples survived.)"""
+    import pdpsgd
+    from pdpsgd.testing import check_sensitivity
+
+    torch.manual_seed(0)
+    m = mlp().double()
+    b = {"x": torch.randn(4, 5, dtype=torch.float64) * 5, "y": torch.randint(0, 3, (4,))}
+    nb = {"x": b["x"].clone(), "y": b["y"].clone()}
+    nb["x"][1, 0] *= 1 + 1e-9
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.1, noise_multiplier=1.0, method="bk")
+    assert check_sensitivity(step, params, b, neighbour=nb).differing == (1,)
+    with pytest.raises(AssertionError, match=r"replacing example\(s\) \[1\] moves the clipped sum"):
+        check_sensitivity(_Shifted(step, nb, "0.bias", 2.5 * 0.1), params, b, neighbour=nb)
+
+
+def test_assert_exact_catches_an_error_in_a_parameter_with_a_small_gradient(monkeypatch):
+    """(Mutation review, round 42: a per-parameter floor of 1e-3 of the total's scale survived.) A parameter
+    whose sum is ~1e-5 of the total, 1e-8 off, fails at rtol=1e-9."""
+    class Small(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(5, 3)
+            self.t = torch.nn.Parameter(torch.zeros(1, 3))
+
+        def forward(self, x):
+            return self.a(x) + 1e-5 * self.t
+
+    torch.manual_seed(0)
+    m = Small().double()
+    loss = lambda mod, b: torch.nn.functional.cross_entropy(mod(b["x"]), b["y"], reduction="none")  # noqa: E731
+    b = {"x": torch.randn(5, 5, dtype=torch.float64), "y": torch.randint(0, 3, (5,))}
+    assert_exact(m, loss, b, max_grad_norm=10.0, method="vmap")
+    real = per_sample.weighted_sum
+    monkeypatch.setattr(per_sample, "weighted_sum",
+                        lambda w, g: real(w, g) * (1 + 1e-8) if tuple(g.shape[1:]) == (1, 3) else real(w, g))
+    with pytest.raises(AssertionError, match="differs from the naive per-example loop"):
+        assert_exact(m, loss, b, max_grad_norm=10.0, method="vmap")
