@@ -1817,10 +1817,10 @@ def _rng_replay(params: Params, state: Optional[Tuple[Tensor, Dict[int, Tensor]]
 
 
 def _side_collect(loss_module, params, constants, batch, registry, overrides, probe_memo, weights: Tensor,
-                  no_expand=None, seed: Optional[int] = None) -> "_Collected":
-    """A check's capture: module flags in eval mode (dropout masks would differ between its runs),
-    forked random streams, losses weighted, no nested checks."""
-    with _EvalFlags(loss_module.model), _own_rng(params, seed):
+                  no_expand=None, seed: Optional[int] = None, own_mode: bool = False) -> "_Collected":
+    """A check's capture: module flags in eval mode (dropout masks would differ between its runs; as
+    they are with ``own_mode``), forked random streams, losses weighted, no nested checks."""
+    with _EvalFlags(loss_module.model, keep=own_mode), _own_rng(params, seed):
         return _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast=False,
                         loss_weights=weights, no_expand=no_expand, check_order=False)
 
@@ -1839,12 +1839,17 @@ def _memo_put(memo: Optional[Dict], key, value) -> None:
 
 class _EvalFlags:
     """Every module's ``training`` flag False for the block, then restored, by assignment: no module's
-    own ``train()`` override runs (loralib's merges its LoRA weights into the frozen one on eval)."""
+    own ``train()`` override runs (loralib's merges its LoRA weights into the frozen one on eval).
+    ``keep``: the flags stay as they are (the example-order check of a model whose own mode draws no
+    random numbers: ``_draws_nothing``)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, keep: bool = False):
         self.modes = [(m, m.training) for m in model.modules()]
+        self.keep = keep
 
     def __enter__(self):
+        if self.keep:
+            return
         for m, _ in self.modes:
             m.training = False
 
@@ -3002,13 +3007,14 @@ def _grid_splits(B: int) -> List[List[Tensor]]:
 
 
 def _alone_norms(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
-                 names: List[str], singles: Tensor) -> Dict[str, Tensor]:
+                 names: List[str], singles: Tensor, own_mode: bool = False) -> Dict[str, Tensor]:
     """{parameter: (len(singles),) squared norms}: the gradient of each chosen example's loss with
     that example alone (a batch of one), by plain autograd through the model's own forward (no rule,
-    no capture: the naive loop's definition); module flags in eval mode, forked random streams."""
+    no capture: the naive loop's definition); module flags in eval mode (as they are with
+    ``own_mode``), forked random streams."""
     leaves = {n: v.detach().requires_grad_(True) for n, v in params.items()}
     out: Dict[str, List[Tensor]] = {n: [] for n in names}
-    with _EvalFlags(loss_module.model), torch.enable_grad():
+    with _EvalFlags(loss_module.model, keep=own_mode), torch.enable_grad():
         for i in singles.tolist():
             with preserve_module_state(loss_module.model), _own_rng(params, 0):
                 loss = functional_call(loss_module, LossModule.prefixed({**constants, **leaves}),
@@ -3020,6 +3026,27 @@ def _alone_norms(loss_module: LossModule, params: Params, constants: Mapping[str
                 out[n].append(torch.zeros(1, dtype=acc, device=params[n].device) if g is None
                               else g.detach().to(acc).pow(2).sum().reshape(1))
     return {n: torch.cat(v) for n, v in out.items()}
+
+
+def _draws_nothing(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch) -> bool:
+    """Whether the example-order check may run in the model's own mode: some module is in training mode,
+    and two forwards of the batch there, on forked random streams seeded apart, give the same losses
+    (bitwise; NaN in the same places). Its runs then compare as in eval mode, and a batch statistic
+    taken in training only (a hand-written batch normalisation) is seen (review, round 42: checked in
+    eval mode only, such a model stayed on the rules, 1.43 C). A forward that draws (dropout, a module's
+    own generator) is checked in eval mode, as before: its masks would differ between the runs."""
+    model = loss_module.model
+    if not any(m.training for m in model.modules()):
+        return False
+    outs = []
+    for seed in (0, 1):
+        with torch.no_grad(), mha_fastpath_off(), preserve_module_state(model), _own_rng(params, seed):
+            out = _plain_forward(loss_module, params, constants, batch)
+        if not isinstance(out, Tensor):
+            return False
+        outs.append(out.detach())
+    return outs[0].shape == outs[1].shape and (bool(torch.equal(outs[0], outs[1])) or (
+        outs[0].is_floating_point() and bool(torch.allclose(outs[0], outs[1], rtol=0, atol=0, equal_nan=True))))
 
 
 def _watch_order(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
@@ -3267,8 +3294,11 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
            "(each example's own, up to its loss weight, should not): does the model reorder the batch or "
            "mix examples inside its forward or loss? (exact fallback)")
 
+    own = False  # (the module flags of the runs below: ``_draws_nothing``)
+
     def run(b, w, seed):
-        return _side_collect(loss_module, params, constants, b, registry, overrides, probe_memo, w, no_expand, seed)
+        return _side_collect(loss_module, params, constants, b, registry, overrides, probe_memo, w, no_expand, seed,
+                             own_mode=own)
 
     if _all_rows_equal(batch, B):
         # every example the same: no mixing could show (a mean over copies is each one's own value);
@@ -3278,6 +3308,7 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
     bnd2: Dict[str, Tensor] = {}
     cpu_exact = _cpu_full_precision((params, constants, batch))
     try:
+        own = _draws_nothing(loss_module, params, constants, batch)
         reordered = _watch_order(loss_module, params, constants, batch, B)
         s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
         names = sorted(s1.uses)
@@ -3296,7 +3327,7 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
         tot = sum((n1[n].detach().double().cpu().nan_to_num(0.0, 0.0, 0.0) for n in names),
                   torch.zeros(B, dtype=torch.float64))
         singles = _singles(tot, B)
-        n3 = _alone_norms(loss_module, params, constants, batch, names, singles)
+        n3 = _alone_norms(loss_module, params, constants, batch, names, singles, own_mode=own)
         # (no rule ran alone: an example's terms are bounded as in run 1, for the rounding exemption)
         bnd3 = {n: bnd1[n].index_select(0, singles.to(bnd1[n].device)) for n in names}
         # past ORDER_SINGLES, the batch split apart twice (``_grid_splits``): each pass's norms and

@@ -229,8 +229,8 @@ def _mixing_found(u: Dict[str, Any], float64: bool, rtol: float) -> Optional[str
                     "normalisation over the batch). DP-SGD's per-example gradients are each example's loss run "
                     "alone (what vmap and the naive loop below compute), so what would train is each example "
                     "alone, not this batched forward; and book-keeping, which runs the batch, keeps a layer on "
-                    "its rules only where its example-order check (eval mode) finds no mixing. Make the forward "
-                    "and the loss per-example")
+                    "its rules only where its example-order check finds no mixing (in eval mode where the forward "
+                    "draws random numbers). Make the forward and the loss per-example")
     return None
 
 

@@ -4285,6 +4285,40 @@ class _Mix(nn.Module):
         return h + 0.5 * h.mean(0, keepdim=True)
 
 
+class _TrainCentre(nn.Module):
+    """A hand-written batch normalisation: the batch mean in training, a running mean in eval."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.register_buffer("mu", torch.zeros(d, dtype=torch.float64))
+
+    def forward(self, h):
+        return h - (h.mean(0) if self.training else self.mu)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_the_order_check_runs_in_the_models_own_mode_when_its_forward_draws_nothing(dropout):
+    """Review, round 42: the example-order check ran in eval mode only, so a batch statistic taken in training
+    only stayed on the rules and removing an example moved the sum by 1.43 C. A training-mode forward that draws
+    nothing is checked as it runs (the mixing layers take the exact fallback, removal moves the sum by ≤ C); one
+    with dropout is checked in eval mode as before (its masks would differ between the runs), so there the
+    mixing stays unseen (the documented limit), and a model in eval mode is checked as it is."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), _TrainCentre(8), nn.Tanh(), nn.Dropout(dropout), nn.Linear(8, 3)).double()
+    loss = lambda mm, b: F.cross_entropy(mm(b["x"]), b["y"], reduction="none")  # noqa: E731
+    b = {"x": torch.randn(6, 4, dtype=torch.float64) * 2, "y": torch.randint(0, 3, (6,))}
+    params = trainable_params(m)
+    step = make_dp_step(m, loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk", expected_batch_size=1.0)
+    routes = step.clipped_sum(params, b).routes
+    if dropout == 0.0:
+        assert set(routes.values()) == {"vmap"}, routes  # (the last layer's input is centred on the batch too)
+        assert _max_removal_move(step, params, b) <= 0.1 * (1 + 1e-9)
+    else:
+        assert routes["0.weight"] in ("ghost", "explicit"), routes
+    m.eval()
+    assert set(step.clipped_sum(params, b).routes.values()) <= {"ghost", "explicit"}
+
+
 class _ThreeStage(nn.Module):
     def __init__(self):
         super().__init__()
