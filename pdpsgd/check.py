@@ -199,7 +199,7 @@ def _mixing_found(u: Dict[str, Any], float64: bool, rtol: float) -> Optional[str
     B = batch_size(batch)
     if B < 2:
         return None
-    copy_of = (lambda m: to_float64(m)) if float64 else copy.deepcopy
+    copy_of = to_float64 if float64 else copy.deepcopy
     batch = to_float64(batch) if float64 else batch
     rows = list(range(B)) if u["mask"] is None else \
         torch.as_tensor(u["mask"], dtype=torch.bool).nonzero().flatten().tolist()
@@ -280,7 +280,7 @@ def run_check(path: str, methods: Iterable[str], *, rtol: Optional[float] = None
     results = check_file(path, methods, rtol=rtol, max_grad_norm=max_grad_norm, float64=float64,
                          sensitivity=sensitivity)
     bad = [r.method for r in results if not r.ok]
-    if not [r for r in results if r.method != "model"]:  # (review, round 39: every method skipped passed as "exact (none)")
+    if not [r for r in results if r.method != "model"]:  # (review, round 39: all skipped passed as "exact (none)")
         print("FAILED: no method was checked (book-keeping is not available: check --method vmap)", file=sys.stdout)
         return 1
     if bad:

@@ -649,12 +649,14 @@ def run_train(a: argparse.Namespace) -> int:
     # ---- final evaluation and report -------------------------------------------------------------
     ev = evaluate(model, test_data, batch_size=2 * a.max_physical_batch, device=device)
     telemetry.record_eval(trainer.step_count, accuracy=ev["accuracy"], loss=ev["loss"], epsilon=trainer.last_epsilon)
-    # the median step leaves out each run's first step (resumed runs: each process's), which pays the one-off
-    # checks and probes of a batch shape (~20x a step on a tiny model), as the non-private baseline leaves out
-    # its warm-up (review, round 42: a two-step smoke test reported 11.55x, the mean of a 21.7 s and a 2.5 s step)
-    starts = {0, first_of_run}  # (an earlier resumed run's first step stays in: the median absorbs a few)
+    # the median step leaves out the run's first step and this process's first (after a resume), which pay the
+    # one-off checks and probes of a batch shape (~20x a step on a tiny model), as the non-private baseline leaves
+    # out its warm-up (review, round 42: a two-step smoke test reported 11.55x, the mean of a 21.7 s and a 2.5 s
+    # step); an earlier resumed process's first step stays in (not recorded apart; the median absorbs a few)
+    starts = {0, first_of_run}
     steady = [t for i, t in enumerate(trainer.step_times) if i not in starts]
     step_time = statistics.median(steady or trainer.step_times) if trainer.step_times else 0.0
+    first_step = trainer.step_times[first_of_run] if len(trainer.step_times) > first_of_run else None
     nonpriv = trainer.nonprivate_step_time() if not a.no_dp else step_time
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="PRV accounting unreliable")
@@ -668,8 +670,8 @@ def run_train(a: argparse.Namespace) -> int:
         "sample_rate": plan.sample_rate, "expected_batch_size": plan.expected_batch_size,
         "steps": trainer.step_count, "steps_on_ledger": trainer.released if not a.no_dp else 0,
         "wall_time_s": wall, "train_time_s": sum(trainer.step_times), "process_cpu_s": time.process_time(),
-        "time_per_step_s": step_time, "first_step_s": trainer.step_times[first_of_run] if len(trainer.step_times) >
-        first_of_run else None, "resumed": bool(a.resume), "nonprivate_step_s": nonpriv,
+        "time_per_step_s": step_time, "first_step_s": first_step, "resumed": bool(a.resume),
+        "nonprivate_step_s": nonpriv,
         "slowdown_vs_nonprivate": step_time / nonpriv if nonpriv > 0 else None,
     }
     report = {
