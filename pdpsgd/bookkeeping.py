@@ -3028,37 +3028,35 @@ def _alone_norms(loss_module: LossModule, params: Params, constants: Mapping[str
     return {n: torch.cat(v) for n, v in out.items()}
 
 
-def _draws_nothing(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch) -> bool:
+def _draws_nothing(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
+                   first: Any) -> bool:
     """Whether the example-order check may run in the model's own mode: some module is in training mode,
-    and two forwards of the batch there, on forked random streams seeded apart, give the same losses
-    (bitwise; NaN in the same places). Its runs then compare as in eval mode, and a batch statistic
-    taken in training only (a hand-written batch normalisation) is seen (review, round 42: checked in
-    eval mode only, such a model stayed on the rules, 1.43 C). A forward that draws (dropout, a module's
-    own generator) is checked in eval mode, as before: its masks would differ between the runs."""
+    and a forward of the batch there on forked random streams seeded 1 gives the losses ``first`` that
+    ``_watch_order``'s forward (seeded 0) gave, bitwise (NaN in the same places). Its runs then compare
+    as in eval mode, and a batch statistic taken in training only (a hand-written batch normalisation)
+    is seen (review, round 42: checked in eval mode only, such a model stayed on the rules, 1.43 C). A
+    forward that draws (dropout, a module's own generator) is checked in eval mode, as before: its masks
+    would differ between the runs."""
     model = loss_module.model
-    if not any(m.training for m in model.modules()):
+    if not isinstance(first, Tensor) or not any(m.training for m in model.modules()):
         return False
-    outs = []
-    for seed in (0, 1):
-        with torch.no_grad(), mha_fastpath_off(), preserve_module_state(model), _own_rng(params, seed):
-            out = _plain_forward(loss_module, params, constants, batch)
-        if not isinstance(out, Tensor):
-            return False
-        outs.append(out.detach())
-    return outs[0].shape == outs[1].shape and (bool(torch.equal(outs[0], outs[1])) or (
-        outs[0].is_floating_point() and bool(torch.allclose(outs[0], outs[1], rtol=0, atol=0, equal_nan=True))))
+    with torch.no_grad(), mha_fastpath_off(), preserve_module_state(model), _own_rng(params, 1):
+        again = _plain_forward(loss_module, params, constants, batch)
+    return isinstance(again, Tensor) and first.shape == again.shape and (bool(torch.equal(first, again)) or (
+        first.is_floating_point() and bool(torch.allclose(first, again, rtol=0, atol=0, equal_nan=True))))
 
 
 def _watch_order(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
-                 B: int) -> Optional[str]:
+                 B: int) -> Tuple[Optional[str], Any]:
     """One forward of the batch in the step's own mode (module flags as they are: a sort taken only
-    in training is seen), without gradients, on forked random streams, under ``ReorderWatch``: where
-    it selected or placed the batch's rows by a computed order, or None."""
+    in training is seen), without gradients, on forked random streams seeded 0, under ``ReorderWatch``:
+    (where it selected or placed the batch's rows by a computed order, or None; its losses, for
+    ``_draws_nothing``)."""
     watch = ReorderWatch(B)
     with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params, 0):
         with watch:
-            _plain_forward(loss_module, params, constants, batch)
-    return watch.found
+            losses = _plain_forward(loss_module, params, constants, batch)
+    return watch.found, losses
 
 
 _UNSEEN, _FRAGILE = object(), object()  # (draw-check memo: no verdict yet; verdicts kept per batch size)
@@ -3308,8 +3306,9 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
     bnd2: Dict[str, Tensor] = {}
     cpu_exact = _cpu_full_precision((params, constants, batch))
     try:
-        own = _draws_nothing(loss_module, params, constants, batch)
-        reordered = _watch_order(loss_module, params, constants, batch, B)
+        reordered, losses = _watch_order(loss_module, params, constants, batch, B)
+        own = _draws_nothing(loss_module, params, constants, batch, losses)
+        del losses
         s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
         names = sorted(s1.uses)
         n1, fb1 = _example_norms(s1, params, names, B, bnd1), dict(s1.fallback)
