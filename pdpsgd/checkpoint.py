@@ -170,8 +170,14 @@ def save_checkpoint(path: os.PathLike, state: Mapping[str, Any]) -> None:
 
     Tensors are moved to CPU. Use ``load_checkpoint`` to read it back safely.
     """
-    payload = {"format": "pdpsgd-checkpoint", "format_version": FORMAT_VERSION, **_to_cpu(dict(state))}
-    _check_loadable(payload, "state")
+    state = dict(state)
+    _check_loadable(state, "state")  # (first: a namedtuple, say, is refused by name, not by _to_cpu's rebuild)
+    header = {"format": "pdpsgd-checkpoint", "format_version": FORMAT_VERSION}
+    for k, v in header.items():  # (a state read back by load_checkpoint holds the header itself: the same values)
+        if k in state and state[k] != v:
+            raise ValueError(f"state[{k!r}] = {state[k]!r}: {k!r} is the checkpoint's own header ({v!r}), which "
+                             "load_checkpoint checks; store that value under another key")
+    payload = {**_to_cpu(state), **header}
 
     def write(f):
         # the digest line's place is held while torch.save streams through the hash, then filled in:

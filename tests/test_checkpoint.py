@@ -17,7 +17,7 @@ import torch
 from pdpsgd.checkpoint import (CheckpointError, atomic_write_json, check_fingerprint, load_checkpoint,
                                save_checkpoint)
 from pdpsgd.cli import main
-from test_cli import make_tiny_data, make_tiny_model, one_thread, tiny_args  # noqa: F401
+from test_cli import make_tiny_data, make_tiny_model, one_thread, run_cli, tiny_args  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -479,3 +479,106 @@ def test_a_checkpoint_that_cannot_be_written_is_a_clear_cli_error(tiny, tmp_path
     assert "the previous one is intact" in err and "--resume" in err, err
     monkeypatch.setattr(ck, "save_checkpoint", real)
     assert main(_args(tiny, out, "--resume")) == 0
+
+
+# (mutation review, round 43) kills K02 (prefix check dropped) and K03 (newline check dropped):
+# a flipped bit in the digest line's own text (past its first 10 bytes) loaded without complaint
+@pytest.mark.parametrize("where", ["prefix", "newline"])
+def test_a_flipped_bit_in_the_digest_line_itself_is_refused(tmp_path, where):
+    from pdpsgd import checkpoint as ck
+
+    p = tmp_path / "ck.pt"
+    save_checkpoint(p, {"step": 5, "w": torch.arange(8.0)})
+    bad = bytearray(p.read_bytes())
+    i = 15 if where == "prefix" else ck._DIGEST_LINE - 1  # (inside "sha256:" / the line's "\n")
+    bad[i] ^= 1 << 1
+    p.write_bytes(bytes(bad))
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_checkpoint(p)
+
+
+# (mutation review, round 43) kills K06 (format_version not checked)
+def test_a_checkpoint_of_another_format_version_is_refused(tmp_path):
+    p = tmp_path / "future.pt"
+    torch.save({"format": "pdpsgd-checkpoint", "format_version": 2, "step": 1}, p)
+    with pytest.raises(CheckpointError, match="checkpoint format 2, this pdpsgd reads 1"):
+        load_checkpoint(p)
+
+
+# (mutation review, round 43) kills K07 (a file holding a non-dict raised AttributeError,
+# not CheckpointError)
+def test_a_file_holding_no_dict_is_not_a_checkpoint(tmp_path):
+    p = tmp_path / "list.pt"
+    torch.save([1, 2, 3], p)
+    with pytest.raises(CheckpointError, match="not a pdpsgd checkpoint"):
+        load_checkpoint(p)
+
+
+# (mutation review, round 43) kills K08 (float tolerance 1e-12 -> 1e-3) and K09 (keys only in
+# one fingerprint not compared)
+def test_fingerprint_compares_floats_tightly_and_names_keys_on_one_side_only():
+    with pytest.raises(CheckpointError, match="clip: 1.0 in the checkpoint vs 1.0005 now"):
+        check_fingerprint({"clip": 1.0}, {"clip": 1.0005})
+    with pytest.raises(CheckpointError, match="noise_multiplier"):
+        check_fingerprint({"noise_multiplier": 0.8}, {"noise_multiplier": 0.8 * (1 + 1e-6)})
+    check_fingerprint({"clip": 1.0}, {"clip": 1.0 + 1e-15})  # (a float's rounding is no difference)
+    with pytest.raises(CheckpointError, match="frozen_random_init: '<missing>' in the checkpoint vs 'abc' now"):
+        check_fingerprint({"a": 1}, {"a": 1, "frozen_random_init": "abc"})
+    with pytest.raises(CheckpointError, match="b: 2 in the checkpoint vs '<missing>' now"):
+        check_fingerprint({"a": 1, "b": 2}, {"a": 1})
+
+
+# (mutation review, round 43) kills K14 (the 0-byte check dropped: the existing test's
+# match="empty.*intact copy" also matches the generic "corrupt" message through the file name empty.pt)
+def test_an_empty_checkpoint_is_named_as_empty(tmp_path):
+    p = tmp_path / "zero.pt"
+    p.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"is empty \(0 bytes"):
+        load_checkpoint(p)
+
+
+# (mutation review, round 43)
+# kills L06 (a resumed run whose streams were re-seeded from fresh entropy still records the checkpoint's --seed
+# in report.json, which then claims a seed reproduces a run no seed reproduces)
+def test_a_reseeded_resume_records_no_seed(tiny, tmp_path, capsys):
+    from pdpsgd.checkpoint import atomic_write_json
+
+    out = tmp_path / "crash"
+    assert run_cli(tiny_args(tiny, out, "--seed", "7", "--interrupt-after", "2"), capsys)[0] == 130
+    ledger = json.loads((out / "ledger.json").read_text())
+    ledger["steps_released"] = 3  # (step 3 released, then a hard kill before its checkpoint)
+    ledger["accountant"]["history"][0][2] = 3
+    atomic_write_json(out / "ledger.json", ledger)
+    rc, _, err = run_cli(tiny_args(tiny, out, "--seed", "7", "--resume"), capsys)
+    assert rc == 0 and "released after the last checkpoint" in err, err
+    assert json.loads((out / "report.json").read_text())["settings"]["seed"] is None
+
+
+# (mutation review, round 43) kills L07 (an interrupted run writes trained_params.pt, the file
+# a user releases, though the run has not finished)
+def test_an_interrupted_run_writes_no_trained_params(tiny, tmp_path, capsys):
+    out = tmp_path / "int"
+    assert run_cli(tiny_args(tiny, out, "--interrupt-after", "1"), capsys)[0] == 130
+    assert (out / "checkpoint.pt").is_file() and not (out / "trained_params.pt").exists()
+    assert run_cli(tiny_args(tiny, out, "--resume"), capsys)[0] == 0
+    assert (out / "trained_params.pt").is_file()
+
+
+def test_a_state_cannot_overwrite_the_checkpoints_header_and_a_namedtuple_is_refused_by_name(tmp_path):
+    """Mutation review, round 43 (bugs): a state key ``format_version`` replaced the header, the save succeeded and
+    the file could never be loaded; a namedtuple in the state failed inside the copy to the CPU with a TypeError
+    about its constructor. Both are refused before anything is written, by name; a state read back (which holds
+    the header itself) saves again."""
+    import collections
+
+    p = tmp_path / "h.pt"
+    with pytest.raises(ValueError, match="'format_version' is the checkpoint's own header"):
+        save_checkpoint(p, {"format_version": 2, "step": 1})
+    with pytest.raises(TypeError, match=r"state\['t'\] is a .*P"):
+        save_checkpoint(p, {"t": collections.namedtuple("P", "a b")(1, 2)})
+    assert not p.exists()
+    save_checkpoint(p, {"step": 1})
+    state = load_checkpoint(p)
+    state["step"] += 1
+    save_checkpoint(p, state)
+    assert load_checkpoint(p)["step"] == 2
