@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["ReorderWatch", "DrawWatch"]
+__all__ = ["ReorderWatch", "DrawWatch", "DropoutOff"]
 
 # ops whose integer outputs are an order, or positions found by value
 ORDERINGS = frozenset({"sort", "argsort", "msort", "topk", "kthvalue", "randperm", "nonzero", "nonzero_static",
@@ -307,6 +307,32 @@ class DrawWatch(TorchFunctionMode):
             if (name.endswith("_") or name == "__setitem__") and args and isinstance(args[0], Tensor):
                 self._from_batch[id(args[0])] = weakref.ref(args[0])  # (written with the batch's values)
         return out
+
+
+
+class DropoutOff(TorchFunctionMode):
+    """A TorchFunctionMode under which torch's dropouts drop nothing: every call of a dropout function
+    (``F.dropout`` and its 1d/2d/3d, alpha and feature forms, ``torch.dropout``, ``native_dropout``, the
+    in-place ones; so every ``nn.Dropout`` module) runs with rate 0, and ``scaled_dot_product_attention``
+    with ``dropout_p=0``. Other random draws (``bernoulli_`` on a tensor of one's own, a drop path, an
+    RNN's dropout between layers) are left as they are. For the example-order check of a training-mode
+    forward whose only random numbers are dropout (``bookkeeping._check_mode``): its runs then compare as
+    they do without dropout, and a batch statistic taken in training only is seen."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "")
+        if name in _DROPOUTS:
+            if len(args) > 1:
+                args = (args[0], 0.0, *args[2:])
+            else:
+                kwargs["p"] = 0.0
+        elif name == "scaled_dot_product_attention":
+            if len(args) > 4:
+                args = (*args[:4], 0.0, *args[5:])
+            else:
+                kwargs["dropout_p"] = 0.0
+        return func(*args, **kwargs)
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep

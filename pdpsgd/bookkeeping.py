@@ -85,7 +85,7 @@ _gradient_edge = _edge_fn()
 from ._compat import mha_fastpath_off
 from ._types import Batch, EngineResult, Params, WeightsFn
 from ._warn import warn
-from .batch_order import DrawWatch, ReorderWatch
+from .batch_order import DrawWatch, DropoutOff, ReorderWatch
 from .clipping import MIN_THRESHOLD, sum_sq_norms
 from .functional import LossModule, ParamIndex, model_constants, preserve_module_state
 from .per_sample import (_LOW, _PRECISION_LOCK, DETACHED_LOSS, OOM_ERRORS, _caller_matmuls, _ieee_matmuls, _matmul_knobs, _rng_state, _same_state, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks, check_batch_entries,
@@ -1819,8 +1819,9 @@ def _rng_replay(params: Params, state: Optional[Tuple[Tensor, Dict[int, Tensor]]
 def _side_collect(loss_module, params, constants, batch, registry, overrides, probe_memo, weights: Tensor,
                   no_expand=None, seed: Optional[int] = None, own_mode: bool = False) -> "_Collected":
     """A check's capture: module flags in eval mode (dropout masks would differ between its runs; as
-    they are with ``own_mode``), forked random streams, losses weighted, no nested checks."""
-    with _EvalFlags(loss_module.model, keep=own_mode), _own_rng(params, seed):
+    they are, with dropout at rate 0, with ``own_mode``), forked random streams, losses weighted, no
+    nested checks."""
+    with _EvalFlags(loss_module.model, keep=own_mode), _own_rng(params, seed), _dropout_off(own_mode):
         return _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast=False,
                         loss_weights=weights, no_expand=no_expand, check_order=False)
 
@@ -1835,6 +1836,12 @@ def _memo_put(memo: Optional[Dict], key, value) -> None:
     while len(memo) >= PROBE_MEMO_MAX:
         memo.pop(next(iter(memo)))
     memo[key] = value
+
+
+def _dropout_off(on: bool):
+    """``DropoutOff`` (torch's dropouts at rate 0) for the example-order check's runs in the model's own
+    mode (``_draws_nothing``), else nothing."""
+    return DropoutOff() if on else contextlib.nullcontext()
 
 
 class _EvalFlags:
@@ -3010,11 +3017,11 @@ def _alone_norms(loss_module: LossModule, params: Params, constants: Mapping[str
                  names: List[str], singles: Tensor, own_mode: bool = False) -> Dict[str, Tensor]:
     """{parameter: (len(singles),) squared norms}: the gradient of each chosen example's loss with
     that example alone (a batch of one), by plain autograd through the model's own forward (no rule,
-    no capture: the naive loop's definition); module flags in eval mode (as they are with
-    ``own_mode``), forked random streams."""
+    no capture: the naive loop's definition); module flags in eval mode (as they are, with dropout at
+    rate 0, with ``own_mode``), forked random streams."""
     leaves = {n: v.detach().requires_grad_(True) for n, v in params.items()}
     out: Dict[str, List[Tensor]] = {n: [] for n in names}
-    with _EvalFlags(loss_module.model, keep=own_mode), torch.enable_grad():
+    with _EvalFlags(loss_module.model, keep=own_mode), torch.enable_grad(), _dropout_off(own_mode):
         for i in singles.tolist():
             with preserve_module_state(loss_module.model), _own_rng(params, 0):
                 loss = functional_call(loss_module, LossModule.prefixed({**constants, **leaves}),
@@ -3030,17 +3037,20 @@ def _alone_norms(loss_module: LossModule, params: Params, constants: Mapping[str
 
 def _draws_nothing(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
                    first: Any) -> bool:
-    """Whether the example-order check may run in the model's own mode: some module is in training mode,
-    and a forward of the batch there on forked random streams seeded 1 gives the losses ``first`` that
-    ``_watch_order``'s forward (seeded 0) gave, bitwise (NaN in the same places). Its runs then compare
-    as in eval mode, and a batch statistic taken in training only (a hand-written batch normalisation)
-    is seen (review, round 42: checked in eval mode only, such a model stayed on the rules, 1.43 C). A
-    forward that draws (dropout, a module's own generator) is checked in eval mode, as before: its masks
-    would differ between the runs."""
+    """Whether the example-order check may run in the model's own mode, with torch's dropouts at rate 0
+    (``DropoutOff``): some module is in training mode, and a forward of the batch there on forked random
+    streams seeded 1 gives the losses ``first`` that ``_watch_order``'s forward (seeded 0) gave, bitwise
+    (NaN in the same places). Its runs then compare as in eval mode, and a batch statistic taken in
+    training only (a hand-written batch normalisation) is seen (review, round 42: checked in eval mode
+    only, such a model stayed on the rules, 1.43 C; round 43: also where the forward's only random
+    numbers are torch's dropouts, which had sent it to eval mode). A forward that draws otherwise (a
+    drop path's ``torch.rand``, a ``bernoulli_`` of its own, an LSTM's dropout between layers, a
+    module's own generator) is checked in eval mode, as before: its draws would differ between the
+    runs."""
     model = loss_module.model
     if not isinstance(first, Tensor) or not any(m.training for m in model.modules()):
         return False
-    with torch.no_grad(), mha_fastpath_off(), preserve_module_state(model), _own_rng(params, 1):
+    with torch.no_grad(), mha_fastpath_off(), preserve_module_state(model), _own_rng(params, 1), DropoutOff():
         again = _plain_forward(loss_module, params, constants, batch)
     return isinstance(again, Tensor) and first.shape == again.shape and (bool(torch.equal(first, again)) or (
         first.is_floating_point() and bool(torch.allclose(first, again, rtol=0, atol=0, equal_nan=True))))
@@ -3051,10 +3061,10 @@ def _watch_order(loss_module: LossModule, params: Params, constants: Mapping[str
     """One forward of the batch in the step's own mode (module flags as they are: a sort taken only
     in training is seen), without gradients, on forked random streams seeded 0, under ``ReorderWatch``:
     (where it selected or placed the batch's rows by a computed order, or None; its losses, for
-    ``_draws_nothing``)."""
+    ``_draws_nothing``: so torch's dropouts run at rate 0 here, ``DropoutOff``)."""
     watch = ReorderWatch(B)
     with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params, 0):
-        with watch:
+        with DropoutOff(), watch:  # (the watch innermost: it sees the model's own calls, not ours)
             losses = _plain_forward(loss_module, params, constants, batch)
     return watch.found, losses
 

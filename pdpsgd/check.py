@@ -176,10 +176,10 @@ def _mixing(u: Dict[str, Any], float64: bool, rtol: float) -> Optional[str]:
     example's loss run alone (``vmap`` and the naive loop; book-keeping sends what its example-order
     check finds mixing to that exact fallback), so on such a model what trains is not the batched
     forward the user evaluates (review, round 42: ``pdpsgd check`` said OK). Compared in eval mode,
-    and in the model's own mode too where that is training and its forward draws no random numbers
-    (two batched runs equal, the CPU random state unmoved: a batch statistic used in training only;
-    dropout masks differ between a batch and one example, so a forward that draws is compared in
-    eval mode only). In float64 unless ``--no-float64``. A model or batch this cannot run (no copy, one
+    and in the model's own mode too where that is training and, with torch's dropouts at rate 0
+    (``DropoutOff``; round 43), its forward draws no random numbers (two batched runs equal, the CPU
+    random state unmoved: a batch statistic used in training only; other draws, a drop path's say,
+    differ between a batch and one example, so such a forward is compared in eval mode only). In float64 unless ``--no-float64``. A model or batch this cannot run (no copy, one
     example alone failing) is left to the methods' own checks."""
     try:
         return _mixing_found(u, float64, rtol)
@@ -188,10 +188,12 @@ def _mixing(u: Dict[str, Any], float64: bool, rtol: float) -> Optional[str]:
 
 
 def _mixing_found(u: Dict[str, Any], float64: bool, rtol: float) -> Optional[str]:
+    import contextlib
     import copy
 
     import torch
 
+    from .batch_order import DropoutOff
     from .per_sample import batch_size, select_examples
     from .testing import to_float64
 
@@ -203,11 +205,11 @@ def _mixing_found(u: Dict[str, Any], float64: bool, rtol: float) -> Optional[str
     batch = to_float64(batch) if float64 else batch
     rows = list(range(B)) if u["mask"] is None else \
         torch.as_tensor(u["mask"], dtype=torch.bool).nonzero().flatten().tolist()
-    runs = [("eval mode", copy_of(u["model"]).eval())]
+    runs = [("eval mode", copy_of(u["model"]).eval(), contextlib.nullcontext)]
     if any(m.training for m in u["model"].modules()):
-        runs.append(("the model's own (training) mode", copy_of(u["model"])))
-    for mode, model in runs:
-        with torch.no_grad():
+        runs.append(("the model's own (training) mode, torch's dropouts at rate 0", copy_of(u["model"]), DropoutOff))
+    for mode, model, ctx in runs:
+        with torch.no_grad(), ctx():
             state = torch.get_rng_state()
             together = u["loss_fn"](model, batch).detach().double().flatten()
             drew = not torch.equal(state, torch.get_rng_state())
@@ -230,7 +232,7 @@ def _mixing_found(u: Dict[str, Any], float64: bool, rtol: float) -> Optional[str
                     "alone (what vmap and the naive loop below compute), so what would train is each example "
                     "alone, not this batched forward; and book-keeping, which runs the batch, keeps a layer on "
                     "its rules only where its example-order check finds no mixing (in eval mode where the forward "
-                    "draws random numbers). Make the forward and the loss per-example")
+                    "draws random numbers other than torch's dropouts). Make the forward and the loss per-example")
     return None
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import pdpsgd
-from pdpsgd.batch_order import DrawWatch, ReorderWatch
+from pdpsgd.batch_order import DrawWatch, DropoutOff, ReorderWatch
 from pdpsgd.testing import assert_exact, check_sensitivity
 
 V = 30
@@ -363,3 +363,34 @@ def test_draw_watch_sees_fused_rnn_dropout_in_place_dropout_and_gumbel():
     assert "native_dropout" in _draw_found(lambda x: torch.native_dropout(pos, 0.3, None), x)
     assert "gumbel_softmax" in _draw_found(lambda x: x + F.gumbel_softmax(pos), x)
     assert _draw_found(lambda x: F.gumbel_softmax(x), x) is None
+
+
+def test_dropout_off_runs_every_torch_dropout_at_rate_0_and_leaves_other_draws():
+    """``DropoutOff`` (the example-order check's runs of a training-mode forward, round 43): every form of
+    torch's dropout, positional or keyword, in place or not, module or function, returns its input, and SDPA
+    drops no attention weight; a draw of the model's own (``bernoulli_``, ``torch.rand``) still draws, and the
+    same calls outside the mode still drop."""
+    x = torch.randn(4, 6, 5)
+    q = torch.randn(2, 4, 3)
+    sdpa = F.scaled_dot_product_attention(q, q, q)
+    calls = [lambda t: F.dropout(t, 0.5), lambda t: F.dropout(t, p=0.5, training=True), lambda t: nn.Dropout(0.3)(t),
+             lambda t: nn.Dropout(0.5, inplace=True)(t.clone()), lambda t: F.dropout(t.clone(), 0.5, True, True),
+             lambda t: torch.dropout(t, 0.5, True), lambda t: torch.native_dropout(t, 0.5, True)[0],
+             lambda t: F.alpha_dropout(t, 0.5, True), lambda t: F.feature_alpha_dropout(t, 0.5, True),
+             lambda t: F.dropout1d(t, 0.5, True), lambda t: F.dropout2d(t, 0.5, True), lambda t: nn.Dropout3d(0.5)(t[None]),
+             lambda t: torch.feature_dropout(t, 0.5, True), lambda t: torch.dropout_(t.clone(), 0.5, True)]
+    for i, f in enumerate(calls):
+        with DropoutOff():
+            got = f(x)
+        assert torch.equal(got.reshape(x.shape), x), i
+        assert not torch.equal(f(x).reshape(x.shape), x), i
+    for f in (lambda: F.scaled_dot_product_attention(q, q, q, dropout_p=0.5),
+              lambda: F.scaled_dot_product_attention(q, q, q, None, 0.5)):
+        with DropoutOff():
+            assert torch.equal(f(), sdpa)
+        assert not torch.equal(f(), sdpa)
+    with DropoutOff():
+        state = torch.get_rng_state()
+        own = torch.empty(100).bernoulli_(0.5)
+        assert not torch.equal(state, torch.get_rng_state()) and 0 < int(own.sum()) < 100
+        assert not torch.equal(torch.rand(3), torch.rand(3))

@@ -4296,13 +4296,29 @@ class _TrainCentre(nn.Module):
         return h - (h.mean(0) if self.training else self.mu)
 
 
+class _DropPath(nn.Module):
+    """A drop path (stochastic depth) of its own: ``torch.rand`` per example, not one of torch's dropouts."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+
+    def forward(self, h):
+        if not self.training:
+            return h
+        keep = (torch.rand(h.shape[0], 1, dtype=h.dtype) >= self.p).to(h.dtype)
+        return h * keep / (1 - self.p)
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_the_order_check_runs_in_the_models_own_mode_when_its_forward_draws_nothing(dropout):
     """Review, round 42: the example-order check ran in eval mode only, so a batch statistic taken in training
     only stayed on the rules and removing an example moved the sum by 1.43 C. A training-mode forward that draws
-    nothing is checked as it runs (the mixing layers take the exact fallback, removal moves the sum by ≤ C); one
-    with dropout is checked in eval mode as before (its masks would differ between the runs), so there the
-    mixing stays unseen (the documented limit), and a model in eval mode is checked as it is."""
+    nothing is checked as it runs (the mixing layers take the exact fallback, removal moves the sum by ≤ C);
+    since round 43 so is one whose only random numbers are torch's dropouts (run at rate 0 in the check): it had
+    been checked in eval mode, where the mixing stayed unseen. Its step then computes each example alone, as
+    ``method="vmap"`` does on the same random streams. A forward that draws otherwise (a drop path's
+    ``torch.rand``) is still checked in eval mode (the documented limit), and a model in eval mode as it is."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 8), _TrainCentre(8), nn.Tanh(), nn.Dropout(dropout), nn.Linear(8, 3)).double()
     loss = lambda mm, b: F.cross_entropy(mm(b["x"]), b["y"], reduction="none")  # noqa: E731
@@ -4310,11 +4326,25 @@ def test_the_order_check_runs_in_the_models_own_mode_when_its_forward_draws_noth
     params = trainable_params(m)
     step = make_dp_step(m, loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk", expected_batch_size=1.0)
     routes = step.clipped_sum(params, b).routes
+    assert set(routes.values()) == {"vmap"}, routes  # (the last layer's input is centred on the batch too)
     if dropout == 0.0:
-        assert set(routes.values()) == {"vmap"}, routes  # (the last layer's input is centred on the batch too)
         assert _max_removal_move(step, params, b) <= 0.1 * (1 + 1e-9)
-    else:
-        assert routes["0.weight"] in ("ghost", "explicit"), routes
+    else:  # (removal moves the other examples' dropout masks: compared with vmap's sums instead)
+        vm = make_dp_step(m, loss, max_grad_norm=0.1, noise_multiplier=0.0, method="vmap", expected_batch_size=1.0)
+        torch.manual_seed(3)
+        ours = step.clipped_sum(params, b).sums
+        torch.manual_seed(3)
+        theirs = vm.clipped_sum(params, b).sums
+        for n in ours:
+            torch.testing.assert_close(ours[n], theirs[n], rtol=1e-9, atol=1e-12)
+    # no mixing, dropout on: the rules (the check's runs agree with dropout at rate 0)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 3)).double()
+    ps = make_dp_step(plain, loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk", expected_batch_size=1.0)
+    assert set(ps.clipped_sum(trainable_params(plain), b).routes.values()) <= {"ghost", "explicit"}
+    # a draw of the model's own: eval mode, where the training-only centring is not seen
+    dp = nn.Sequential(nn.Linear(4, 8), _TrainCentre(8), nn.Tanh(), _DropPath(0.3), nn.Linear(8, 3)).double()
+    ds = make_dp_step(dp, loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk", expected_batch_size=1.0)
+    assert ds.clipped_sum(trainable_params(dp), b).routes["0.weight"] in ("ghost", "explicit")
     m.eval()
     assert set(step.clipped_sum(params, b).routes.values()) <= {"ghost", "explicit"}
 
