@@ -252,7 +252,14 @@ def test_missing_columns_and_one_class_and_empty(tiny, tmp_path, capsys):
                                              ("--device", "meta", "runs on cpu or cuda"),
                                              ("--device", "mps", "runs on cpu or cuda"),
                                              # (the library's advice named sigma_range and sample_rate)
-                                             ("--epsilon", "0.001", "Raise --epsilon or --delta")])
+                                             ("--epsilon", "0.001", "Raise --epsilon or --delta"),
+                                             # (mutation review, round 43: without these checks, a ZeroDivisionError
+                                             # traceback after the model loaded; --delta 1 accepted; -1 training
+                                             # silently on every row but the last, texts[:-1])
+                                             ("--eval-every", "0", "--eval-every must be > 0"),
+                                             ("--checkpoint-every", "0", "--checkpoint-every must be > 0"),
+                                             ("--delta", "1", "--delta must be in (0, 1)"),
+                                             ("--max-train-examples", "-1", "--max-train-examples must be > 0")])
 def test_bad_settings(tiny, tmp_path, capsys, opt, val, needle):
     rc, _, err = run_cli(tiny_args(tiny, tmp_path / "o") + [opt, val], capsys)
     _check_one_line_error(rc, err, needle)
@@ -490,11 +497,12 @@ def test_check_sees_training_mode_mixing_and_does_not_call_a_random_forward_mixi
     """Review of round 42's mixing check: a batch statistic used in training only passed it (eval mode only) while
     vmap trained the layer before it with a zero gradient; it is compared in the model's own mode when the forward
     draws nothing. A forward that draws random numbers (in eval mode too) is not called mixing (the methods'
-    checks judge it), and a batch the check cannot run is reported by the methods as a readable line."""
-    f = tmp_path / "train_mix.py"
-    f.write_text(CHECK_TRAIN_MIXING)
-    rc, out, err = run_cli(["check", str(f), "--method", "vmap"], capsys)
-    assert rc == 1 and "[model] MIXES EXAMPLES" in out and "(the model's own (training) mode)" in out, out + err
+    checks judge it; torch's dropouts are run at rate 0 there, since round 43), and a batch the check cannot run is reported by the methods as a readable line."""
+    for dropout in ("", "nn.Dropout(0.3), "):  # (round 43: also with torch's dropouts, run at rate 0)
+        f = tmp_path / "train_mix.py"
+        f.write_text(CHECK_TRAIN_MIXING.replace("nn.Tanh(), ", "nn.Tanh(), " + dropout))
+        rc, out, err = run_cli(["check", str(f), "--method", "vmap"], capsys)
+        assert rc == 1 and "[model] MIXES EXAMPLES" in out and "(the model's own (training) mode" in out, out + err
     g = tmp_path / "noisy.py"
     g.write_text(CHECK_OK.replace("nn.Tanh(),", "nn.Tanh(), type('Noise', (nn.Module,), {'forward': lambda s, h: "
                                   "h + 0.1 * torch.randn_like(h)})(),"))
@@ -526,6 +534,9 @@ def test_check_reports_an_exceeded_sensitivity_bound(tmp_path, capsys, monkeypat
     rc, out, err = run_cli(["check", str(ok), "--method", "vmap", "--clip", "0.05"], capsys)
     assert rc == 1 and "[vmap] OK" in out and "[vmap] SENSITIVITY EXCEEDED" in out and "FAILED: vmap" in out, out
     assert "exceeds its sensitivity bound" in out and "MISMATCH" not in out, out
+    # (mutation review, round 43: without the `continue` after a sensitivity failure the method also reported an
+    # ERROR and was listed twice in FAILED)
+    assert "ERROR" not in out and "FAILED: vmap (" in out and "vmap, vmap" not in out, out
     rc, out, err = run_cli(["check", str(ok), "--method", "vmap", "--clip", "0.05", "--no-sensitivity"], capsys)
     assert rc == 0 and "sensitivity OK" not in out, out
 
@@ -779,3 +790,123 @@ def test_check_refuses_what_the_step_refuses_and_says_what_it_did_not_exercise(t
         "mask = torch.tensor([True, True, True, True, False])", "mask = torch.tensor([False, True, True, True, True])"))
     rc, out, err = run_cli(["check", str(nan), "--method", "vmap"], capsys)
     assert "dropped examples [3]" in out, out
+
+
+# (mutation review, round 43) kills C04 (mixing tolerance floor raised from 1e-12 to 1e-4)
+def test_check_sees_a_weak_mixing_of_examples(tmp_path, capsys):
+    """A batch statistic with a small weight (1e-6) still makes the training differ from the batched
+    forward: in float64 at rtol 1e-9 it is a finding, not OK."""
+    f = tmp_path / "weak_mix.py"
+    f.write_text(CHECK_MIXING.replace("out.mean(0, keepdim=True) * 3", "out.mean(0, keepdim=True) * 1e-6"))
+    rc, out, err = run_cli(["check", str(f), "--method", "vmap", "--no-sensitivity"], capsys)
+    assert rc == 1 and "[model] MIXES EXAMPLES" in out and "FAILED: model" in out, out + err
+
+
+# (mutation review, round 43) kills C07 (the batch's losses not restricted to the mask's rows: the
+# comparison then fails on a shape mismatch, which is swallowed, and a mixing model with a mask passes)
+def test_check_sees_mixing_in_a_masked_batch(tmp_path, capsys):
+    f = tmp_path / "mix_masked.py"
+    f.write_text(CHECK_MIXING + "mask = torch.tensor([True, True, False, True, True])\n")
+    rc, out, err = run_cli(["check", str(f), "--method", "vmap", "--no-sensitivity"], capsys)
+    assert rc == 1 and "[model] MIXES EXAMPLES" in out, out + err
+
+
+# (mutation review, round 43) kills C13 (the "no example was clipped" NOTE printed when only some
+# examples were below C, i.e. `.any()` -> `.all()`)
+def test_check_notes_unexercised_clipping_only_when_no_example_is_clipped(tmp_path, capsys):
+    f = tmp_path / "some_clipped.py"
+    f.write_text(CHECK_OK.replace('reduction="none")', 'reduction="none") * b["w"]').replace(
+        '"y": torch.tensor([0, 1, 2, 0, 1])}', '"y": torch.tensor([0, 1, 2, 0, 1]), "w": torch.tensor([1., 1., 1., 1., 0.])}'))
+    rc, out, err = run_cli(["check", str(f), "--method", "vmap", "--clip", "0.01"], capsys)
+    assert rc == 0 and "[vmap] sensitivity OK" in out, out + err
+    assert "no example was clipped" not in out, out  # (four examples are clipped, the fifth has no gradient)
+
+
+# (mutation review, round 43) kills C16 (a float64 model under --no-float64 checked at rtol 1e-4
+# instead of its own precision, 1e-9)
+def test_no_float64_keeps_a_float64_models_tight_tolerance(tmp_path, capsys):
+    f = tmp_path / "f64.py"
+    f.write_text(CHECK_OK.replace("nn.Linear(6, 3))", "nn.Linear(6, 3)).double()").replace(
+        "torch.randn(5, 4)", "torch.randn(5, 4, dtype=torch.float64)"))
+    rc, out, err = run_cli(["check", str(f), "--method", "vmap", "--no-float64"], capsys)
+    assert rc == 0 and "rtol=1e-09" in out, out + err
+
+
+# (mutation review, round 43) kills C17 (bf16 / fp16 models under --no-float64 checked at 1e-4
+# instead of 1e-2)
+def test_no_float64_gives_a_bf16_model_its_precisions_tolerance(tmp_path, capsys):
+    f = tmp_path / "bf16.py"
+    f.write_text(CHECK_OK.replace("nn.Linear(6, 3))", "nn.Linear(6, 3)).bfloat16()").replace(
+        "torch.randn(5, 4)", "torch.randn(5, 4).bfloat16()"))
+    rc, out, err = run_cli(["check", str(f), "--method", "vmap", "--no-float64", "--no-sensitivity"], capsys)
+    assert "rtol=0.01" in out, out + err
+
+
+# (mutation review, round 43) kills C19 (a file's own `params` not cast to float64 with the model in
+# the sensitivity check)
+def test_check_with_the_files_own_params_checks_sensitivity_in_float64(tmp_path, capsys):
+    f = tmp_path / "with_params.py"
+    f.write_text(CHECK_OK + "model = make_model()\nparams = {n: p.detach().clone() for n, p in model.named_parameters()}\n")
+    rc, out, err = run_cli(["check", str(f), "--method", "vmap", "--clip", "0.05"], capsys)
+    assert rc == 0 and "[vmap] OK" in out and "[vmap] sensitivity OK" in out, out + err
+
+
+# (mutation review, round 43) kills C21, C22, C23, C24, L08 (each a one-line user error, rc 2, not a
+# traceback or a per-method ERROR with rc 1)
+def test_check_user_errors_of_the_file_and_the_method_list(tmp_path, capsys):
+    txt = tmp_path / "model.txt"
+    txt.write_text(CHECK_OK)
+    rc, _, err = run_cli(["check", str(txt)], capsys)
+    _check_one_line_error(rc, err, "expected a Python file")
+    f = tmp_path / "notfn.py"
+    f.write_text(CHECK_OK + "loss_fn = 3\n")
+    rc, _, err = run_cli(["check", str(f), "--method", "vmap"], capsys)
+    _check_one_line_error(rc, err, "loss_fn must be a function")
+    g = tmp_path / "notmodule.py"
+    g.write_text(CHECK_OK + "model = lambda x: x\n")
+    rc, _, err = run_cli(["check", str(g), "--method", "vmap"], capsys)
+    _check_one_line_error(rc, err, "model must be a torch.nn.Module")
+    ok = tmp_path / "ok_model.py"
+    ok.write_text(CHECK_OK)
+    rc, out, err = run_cli(["check", str(ok), "--method", "vmap,fast"], capsys)
+    _check_one_line_error(rc, err, "--method 'fast'")
+    rc, _, err = run_cli(["check", str(ok), "--rtol", "0"], capsys)  # (kills L08: a tolerance of zero is none)
+    _check_one_line_error(rc, err, "--rtol must be a finite number > 0")
+
+
+# (mutation review, round 43) kills L01 (the run's first step, index 0, left in the median of a resumed
+# run) and L02 (the resumed process's first step left in)
+def test_a_resumed_runs_median_step_leaves_out_both_first_steps(tiny, tmp_path, capsys):
+    import statistics
+
+    out = tmp_path / "r"
+    assert run_cli(tiny_args(tiny, out, "--seed", "1", "--interrupt-after", "2"), capsys)[0] == 130
+    rc, stdout, err = run_cli(tiny_args(tiny, out, "--seed", "1", "--resume"), capsys)
+    assert rc == 0, err
+    rep = json.loads((out / "report.json").read_text())
+    r, times = rep["results"], [h["step_time"] for h in rep["history"]]
+    assert r["steps"] == len(times) == 4 and r["resumed"] is True
+    assert r["first_step_s"] == times[2]
+    assert r["time_per_step_s"] == statistics.median([times[1], times[3]])
+
+
+# (mutation review, round 43) kills L14 (a
+# ledger of 0 released steps, left by a private run stopped before its first update, blocks a new run there)
+def test_a_ledger_of_no_released_step_does_not_block_a_new_run(tiny, tmp_path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "ledger.json").write_text(json.dumps({"steps_released": 0}))
+    rc, _, err = run_cli(tiny_args(tiny, out, "--epochs", "0.25"), capsys)
+    assert rc == 0, err
+    assert json.loads((out / "ledger.json").read_text())["steps_released"] == 1
+
+
+# (mutation review, round 43) kills L16 (a one-step run's table calls its only step a median and names
+# a "first step" apart from it) and L03 (a one-step run: statistics.median([]) raised StatisticsError)
+def test_a_one_step_run_reports_its_only_step(tiny, tmp_path, capsys):
+    out = tmp_path / "one"
+    rc, stdout, err = run_cli(tiny_args(tiny, out, "--epochs", "0.25"), capsys)
+    assert rc == 0, err
+    r = json.loads((out / "report.json").read_text())["results"]
+    assert r["steps"] == 1 and r["time_per_step_s"] == r["first_step_s"] > 0
+    assert "time per step" in stdout and "one-off checks" not in stdout, stdout
