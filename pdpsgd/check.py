@@ -112,10 +112,16 @@ def check_file(path: str, methods: Iterable[str] = ("vmap", "bk", "auto"), *, rt
     if rtol is None:  # (review of round 40: --no-float64 kept 1e-9 and failed every float32 model)
         rtol = 1e-9 if float64 else _precision_rtol(u["model"])
     results = []
-    mixing = _mixing(u, float64, rtol)
+    compared: List[str] = []
+    mixing = _mixing(u, float64, rtol, compared)
     if mixing:
         results.append(CheckResult("model", False, error=mixing))
         print(f"[model] MIXES EXAMPLES\n{_indent(mixing)}", file=out)
+    elif compared:  # (a user sees that the check ran; round 43's walkthrough had to build a mixing model to know)
+        print(f"[model] each example's loss in the batch equals its loss alone ({' and '.join(compared)})", file=out)
+    else:
+        print("[model] batch vs alone not compared (one example, random numbers drawn in every mode, or a forward "
+              "that cannot run here: the methods below report why)", file=out)
     for m in methods:
         m = m.strip()
         if not m:
@@ -147,10 +153,13 @@ def check_file(path: str, methods: Iterable[str] = ("vmap", "bk", "auto"), *, rt
                 if u["mask"] is not None:
                     print(f"[{m}] (the sensitivity check ran on the {int(u['mask'].sum())} rows the mask keeps)",
                           file=out)
+                top = float(sens.contributions.max()) if sens.contributions.numel() else 0.0
                 if sens.contributions.numel() and not bool((sens.contributions >= max_grad_norm * (1 - 1e-6)).any()):
+                    fix = (f"run it again with a smaller --clip (below {top:.3g})" if top > 0 else
+                           "every example's contribution is 0 (no gradient reaches the trained parameters: a "
+                           "detached or unused output, a zero loss?), so there is nothing to clip")
                     print(f"[{m}] NOTE: no example's gradient norm reached C = {max_grad_norm:g}, so no example was "
-                          "clipped and the check did not exercise clipping: run it again with a smaller --clip "
-                          f"(below {float(sens.contributions.max()):.3g})", file=out)
+                          f"clipped and the check did not exercise clipping: {fix}", file=out)
                 if sens.dropped:
                     rows = list(sens.dropped)
                     if u["mask"] is not None:  # (the check ran on the kept rows: name the file's rows)
@@ -170,7 +179,7 @@ def check_file(path: str, methods: Iterable[str] = ("vmap", "bk", "auto"), *, rt
     return results
 
 
-def _mixing(u: Dict[str, Any], float64: bool, rtol: float) -> Optional[str]:
+def _mixing(u: Dict[str, Any], float64: bool, rtol: float, compared: List[str]) -> Optional[str]:
     """Why the model's batched forward is not each example alone (the first real example whose loss
     in the batch differs from its loss run alone), or None. DP-SGD's per-example gradients are each
     example's loss run alone (``vmap`` and the naive loop; book-keeping sends what its example-order
@@ -180,14 +189,15 @@ def _mixing(u: Dict[str, Any], float64: bool, rtol: float) -> Optional[str]:
     (``DropoutOff``; round 43), its forward draws no random numbers (two batched runs equal, the CPU
     random state unmoved: a batch statistic used in training only; other draws, a drop path's say,
     differ between a batch and one example, so such a forward is compared in eval mode only). In float64 unless ``--no-float64``. A model or batch this cannot run (no copy, one
-    example alone failing) is left to the methods' own checks."""
+    example alone failing) is left to the methods' own checks. ``compared``: the modes compared are
+    appended."""
     try:
-        return _mixing_found(u, float64, rtol)
+        return _mixing_found(u, float64, rtol, compared)
     except Exception:  # (the methods' checks report why it cannot run, as a readable line)
         return None
 
 
-def _mixing_found(u: Dict[str, Any], float64: bool, rtol: float) -> Optional[str]:
+def _mixing_found(u: Dict[str, Any], float64: bool, rtol: float, compared: List[str]) -> Optional[str]:
     import contextlib
     import copy
 
@@ -224,6 +234,7 @@ def _mixing_found(u: Dict[str, Any], float64: bool, rtol: float) -> Optional[str
         scale = float(torch.maximum(together[both].abs(), alone[both].abs()).max()) if bool(both.any()) else 0.0
         diff = (together - alone).abs().masked_fill(~both, 0)
         bad = (fin_t != fin_a) | (diff > max(rtol, 1e-12) * max(scale, 1e-30))
+        compared.append(mode)
         if bool(bad.any()):
             j = int(bad.nonzero()[0])
             return (f"example {rows[j]}'s loss in the batch is {float(together[j]):.10g}, alone {float(alone[j]):.10g} "

@@ -44,6 +44,11 @@ def batch_size(batch: Batch) -> int:
         if np_ is not None and any(isinstance(x, np_.ndarray) for x in leaves):
             raise ValueError("the batch holds NumPy arrays, which are not converted: pass tensors "
                              "(torch.from_numpy(a) or torch.as_tensor(a)), with the examples on the leading dim")
+        if len(leaves) == 1 and hasattr(leaves[0], "__iter__") and not isinstance(leaves[0], (str, bytes)):
+            raise ValueError(f"the batch is a {type(leaves[0]).__name__}, not a batch of tensors: iterate it and pass "
+                             "each batch (a tensor, or a dict/tuple of tensors with leading dim B); for private "
+                             "training draw the batches with pdpsgd.PoissonSampler and pdpsgd.to_physical_batches "
+                             "(the accountant assumes Poisson sampling, which a DataLoader's fixed batches are not)")
         raise ValueError("the batch has no tensor: pass a tensor or a dict/tuple of tensors with leading dim B")
     if len(sizes) > 1:
         detail = ", ".join(f"leaves {v} have {k}" for k, v in sizes.items())

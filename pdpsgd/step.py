@@ -84,11 +84,27 @@ class ClippedSum(NamedTuple):
             self.at if self.at is not None else other.at,
         )
 
+    def __radd__(self, other: Any) -> "ClippedSum":
+        """``0 + part``, so ``sum(parts)`` works (its start value is 0); anything else is not a part."""
+        if isinstance(other, int) and not isinstance(other, bool) and other == 0:
+            return self
+        return NotImplemented
+
 
 def _check_loss_signature(loss_fn: Any) -> None:
     """A clear error now for a loss_fn that cannot be called as ``loss_fn(model, batch)`` (review of
     round 40: ``loss_fn(batch)`` / ``loss_fn(model, x, y)`` failed at the first step with Python's bare
     'takes 1 positional argument but 2 were given', from inside torch.func)."""
+    # (round 43, a user's walkthrough: Opacus's habits gave torch's and Python's bare errors)
+    if isinstance(loss_fn, torch.optim.Optimizer):
+        raise TypeError("loss_fn is a torch.optim optimizer: make_dp_step(model, loss_fn, *, max_grad_norm=..., "
+                        "noise_multiplier=..., ...) wraps no optimizer or data loader (unlike Opacus's make_private). "
+                        "Pass a loss function loss_fn(model, batch) -> Tensor[B], then set p.grad = out.grads[name] "
+                        "and call your optimizer's step() yourself")
+    if isinstance(loss_fn, nn.modules.loss._Loss):
+        raise TypeError(f"loss_fn is a torch loss module ({type(loss_fn).__name__}), called as loss(input, target); "
+                        "pdpsgd calls loss_fn(model, batch) and needs one loss per example, e.g. def loss_fn(model, "
+                        "b): return F.cross_entropy(model(b['x']), b['y'], reduction='none')")
     try:
         # (not followed into a functools.wraps wrapper's function: the wrapper is what is called, and a
         # decorator that fills in arguments takes fewer than its function; review of round 40)
@@ -285,7 +301,7 @@ class DPStep:
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not callable(loss_fn):
+        if not callable(loss_fn) and not isinstance(loss_fn, torch.optim.Optimizer):  # (that one: named below)
             raise TypeError("loss_fn must be callable: loss_fn(model, batch) -> Tensor[B]")
         _check_loss_signature(loss_fn)
         max_grad_norm = _real("max_grad_norm", max_grad_norm)

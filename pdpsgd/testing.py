@@ -31,6 +31,11 @@ def _example(batch: Any, i: int) -> Any:
     return tree_map(lambda x: x[i : i + 1] if isinstance(x, Tensor) else x, batch)
 
 
+def _rows(batch: Any, rows: Tensor) -> Any:
+    """The batch's rows ``rows`` (every tensor leaf has the batch in dim 0, as ``_example`` takes it)."""
+    return tree_map(lambda x: x.index_select(0, rows.to(x.device)) if isinstance(x, Tensor) else x, batch)
+
+
 def _batch_len(batch: Any) -> int:
     leaves, _ = tree_flatten(batch)
     return next(int(x.shape[0]) for x in leaves if isinstance(x, Tensor))
@@ -342,6 +347,7 @@ def check_sensitivity(
     batch: Any,
     *,
     neighbour: Any = None,
+    mask: Optional[Tensor] = None,
     seed: int = 0,
     rtol: float = 1e-5,
 ) -> SensitivityReport:
@@ -360,6 +366,10 @@ def check_sensitivity(
     * given ``neighbour`` (the batch with some examples replaced, same shapes), the sum moves by at
       most 2C per replaced example.
 
+    ``mask`` (a physical batch's padding mask, True for real rows): the check runs on the real rows
+    alone (a padding row is no example), and the report's example indices count those rows; the
+    ``neighbour``, if given, is cut to the same rows.
+
     Every call runs with the same seed of torch's, Python's ``random`` and numpy's global generators,
     so a train-mode model's dropout masks (and a forward's own draws from them) are the same in each
     (the caller's states are restored afterwards). Raises ``AssertionError``
@@ -368,6 +378,15 @@ def check_sensitivity(
     whose every example is dropped fails (its sum is 0: the bounds hold vacuously). Cost: 2·B + 3
     clipped sums, B more when deterministic, 1 more with ``neighbour``.
     """
+    if mask is not None:  # (round 43, a user's walkthrough: a padded physical batch needed slicing by hand)
+        B = _batch_len(batch)
+        m = torch.as_tensor(mask)
+        if m.dtype != torch.bool or m.shape != (B,):
+            raise ValueError(f"mask must be a bool tensor of shape ({B},), one entry per row of the batch (True for "
+                             f"real rows), got {m.dtype} of shape {tuple(m.shape)}")
+        rows = m.nonzero().flatten()
+        batch = _rows(batch, rows)
+        neighbour = None if neighbour is None else _rows(neighbour, rows)
     B = _batch_len(batch)
     C = float(step.sensitivity)
     dev = next(iter(params.values())).device

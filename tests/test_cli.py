@@ -910,3 +910,23 @@ def test_a_one_step_run_reports_its_only_step(tiny, tmp_path, capsys):
     r = json.loads((out / "report.json").read_text())["results"]
     assert r["steps"] == 1 and r["time_per_step_s"] == r["first_step_s"] > 0
     assert "time per step" in stdout and "one-off checks" not in stdout, stdout
+
+
+def test_check_says_the_mixing_comparison_ran_and_a_zero_gradient_needs_no_smaller_clip(tmp_path, capsys):
+    """Round 43 (a user's walkthrough): `pdpsgd check` printed nothing when the batch-vs-alone comparison passed
+    (one had to build a mixing model to see it ran), and for a model whose every gradient is 0 it advised a
+    --clip "below 0". It now says which modes it compared, and that there is nothing to clip."""
+    f = tmp_path / "ok.py"
+    f.write_text(CHECK_OK + "model = make_model().train()\nbatch = make_batch()\n")
+    rc, out, err = run_cli(["check", str(f), "--method", "vmap", "--no-sensitivity"], capsys)
+    assert rc == 0 and "[model] each example's loss in the batch equals its loss alone (eval mode and the " \
+        "model's own (training) mode" in out, out + err
+    z = tmp_path / "zero.py"
+    z.write_text(CHECK_OK.replace('return F.cross_entropy(model(b["x"]), b["y"], reduction="none")',
+                                  'return 0 * F.cross_entropy(model(b["x"]), b["y"], reduction="none")'))
+    rc, out, err = run_cli(["check", str(z), "--method", "vmap"], capsys)
+    assert "no example was clipped" in out and "nothing to clip" in out and "below 0" not in out, out + err
+    one = tmp_path / "one.py"
+    one.write_text(CHECK_OK.replace("torch.randn(5, 4)", "torch.randn(1, 4)").replace("[0, 1, 2, 0, 1]", "[0]"))
+    rc, out, err = run_cli(["check", str(one), "--method", "vmap", "--no-sensitivity"], capsys)
+    assert "[model] batch vs alone not compared" in out, out + err

@@ -805,6 +805,17 @@ def test_a_users_error_under_vmap_is_reported_as_it_reads_eagerly():
         st(params, (np.zeros((8, 4), np.float32), np.zeros(8, np.int64)))
     with pytest.raises(ValueError, match="0-dim.*closure"):
         st(params, (torch.randn(8, 4), y.clamp_max(2), torch.tensor(0.5)))
+    # (round 43, a user's walkthrough: Opacus's habits gave torch's and Python's bare errors)
+    with pytest.raises(TypeError, match="optimizer.*wraps no optimizer.*p.grad = out.grads"):
+        pdpsgd.make_dp_step(m, torch.optim.SGD(m.parameters(), lr=0.1), max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(TypeError, match=r"torch loss module \(CrossEntropyLoss\).*loss_fn\(model, batch\)"):
+        pdpsgd.make_dp_step(m, nn.CrossEntropyLoss(reduction="none"), max_grad_norm=1.0, noise_multiplier=1.0)
+    from torch.utils.data import DataLoader, TensorDataset
+
+    dl = DataLoader(TensorDataset(torch.randn(8, 4), y.clamp_max(2)), batch_size=4)
+    for loader in (dl, iter(dl)):
+        with pytest.raises(ValueError, match="not a batch of tensors: iterate it.*PoissonSampler"):
+            st(params, loader)
 
 
 @pytest.mark.parametrize("method", ["vmap", "bk", "auto"])

@@ -1271,6 +1271,10 @@ def test_accumulation_refuses_a_part_twice_and_parts_of_other_parameter_values()
     with pytest.raises(ValueError, match="added twice"):
         (p1 + p2) + p2
     total = p1 + p2
+    summed = sum([p1, p2])  # (round 43: ``sum(parts)`` starts from 0; a user's walkthrough got a TypeError)
+    assert summed.ids == total.ids and all(torch.equal(summed.sums[n], total.sums[n]) for n in total.sums)
+    with pytest.raises(TypeError):
+        1 + p1
     out = step.finalize(total)
     with pytest.raises(ValueError, match="finalized already"):
         step.finalize(total)

@@ -239,6 +239,28 @@ def test_check_sensitivity_sees_a_model_that_mixes_examples():
     assert check_sensitivity(vm, params, b).max_ratio <= 1 + 1e-9
 
 
+def test_check_sensitivity_takes_a_physical_batchs_mask():
+    """Round 43 (a user's walkthrough): a padded physical batch is checked on its real rows, as ``pdpsgd check``
+    does with a file's mask (a padding row is no example); the report is that of the sliced batch. A mask of the
+    wrong shape or dtype is refused."""
+    import pdpsgd
+    from pdpsgd.testing import check_sensitivity
+
+    torch.manual_seed(0)
+    m = mlp().double()
+    b = {"x": torch.randn(5, 5, dtype=torch.float64) * 3, "y": torch.randint(0, 3, (5,))}
+    keep = torch.tensor([True, True, False, True, True])
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.1, noise_multiplier=1.0, method="bk")
+    got = check_sensitivity(step, params, b, mask=keep)
+    want = check_sensitivity(step, params, {k: v[keep] for k, v in b.items()})
+    assert got.contributions.shape == (4,) and torch.equal(got.contributions, want.contributions)
+    assert got.max_ratio == want.max_ratio
+    for bad in (torch.tensor([1, 1, 0, 1, 1]), torch.ones(4, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="mask must be a bool tensor of shape \\(5,\\)"):
+            check_sensitivity(step, params, b, mask=bad)
+
+
 @pytest.mark.parametrize("chunk", [1, 2, None])
 def test_check_sensitivity_train_mode_vmap_chunks(chunk):
     """Train-mode dropout on the vmap path with chunks smaller than the batch: every chunk runs in
