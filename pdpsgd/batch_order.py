@@ -152,8 +152,10 @@ class ReorderWatch(TorchFunctionMode):
         if pos is not None:  # x.select(0, order[k]), x.narrow(0, order[k], 1): one row by an entry of an order
             index = args[pos[1]] if len(args) > pos[1] else kwargs.get("index" if name == "select" else "start")
             dim = _int_dim(args[pos[0]] if len(args) > pos[0] else kwargs.get("dim"), x.dim())
+            # (an entry, or a one-element part: ``x.select(0, p)`` for ``p`` in ``order.split(1)`` takes row
+            # int(p); mutation review, round 43: the part was not seen)
             return (dim is not None and 0 <= dim < x.dim() and x.shape[dim] == self.B and self._is_entry(index)
-                    and index.dim() == 0)
+                    and index.numel() == 1)
         pos = ROW_OPS.get(name)
         if pos is None:
             return False

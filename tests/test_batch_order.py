@@ -394,3 +394,160 @@ def test_dropout_off_runs_every_torch_dropout_at_rate_0_and_leaves_other_draws()
         own = torch.empty(100).bernoulli_(0.5)
         assert not torch.equal(state, torch.get_rng_state()) and 0 < int(own.sum()) < 100
         assert not torch.equal(torch.rand(3), torch.rand(3))
+
+
+# ---- tests/test_batch_order.py ---------------------------------------------------------------------
+
+# (mutation review, round 43) kills B01 ("unique" out of ORDERINGS), B02 ("randperm"), B03 ("multinomial"), B24 ("kthvalue")
+def test_every_listed_ordering_op_marks_its_outputs():
+    x, lengths = torch.randn(4, 3), torch.tensor([3, 3, 3, 3])
+    assert _watch(lambda: x[torch.randperm(4)], 4) is not None  # a model that shuffles its batch
+    assert _watch(lambda: x[torch.multinomial(torch.ones(4), 4)], 4) is not None
+    assert _watch(lambda: x[torch.unique(lengths, return_inverse=True)[1]], 4) is not None
+    assert _watch(lambda: x[torch.kthvalue(torch.randn(4, 4), 1, dim=1).indices], 4) is not None
+    # the same selections by an index not computed by an ordering op are not reported
+    assert _watch(lambda: x[torch.arange(4)], 4) is None
+    assert _watch(lambda: x[lengths - 3], 4) is None
+
+
+# (mutation review, round 43) kills B05 ("scatter_" out of ROW_OPS), B06 (take_along_dim's (dim, index) positions swapped),
+#   B07 ("index_add"), B23 ("index_copy")
+def test_the_watch_sees_each_row_op_that_places_or_takes_rows_by_an_order():
+    x, lengths = torch.randn(4, 3), torch.tensor([3, 3, 3, 3])
+    o = lambda: torch.argsort(lengths)  # noqa: E731
+    assert _watch(lambda: torch.zeros_like(x).index_copy(0, o(), x), 4) is not None
+    assert _watch(lambda: torch.zeros_like(x).index_add(0, o(), x), 4) is not None
+    assert _watch(lambda: torch.zeros_like(x).scatter_(0, o()[:, None].expand(4, 3), x), 4) is not None
+    assert _watch(lambda: torch.take_along_dim(x, o()[:, None].expand(4, 3), 0), 4) is not None
+    assert _watch(lambda: torch.take_along_dim(x, o()[:, None].expand(4, 3), dim=0), 4) is not None
+    # (the same ops by an index not computed by an ordering op)
+    idx = torch.arange(4)
+    assert _watch(lambda: torch.zeros_like(x).index_copy(0, idx, x), 4) is None
+    assert _watch(lambda: torch.take_along_dim(x, idx[:, None].expand(4, 3), dim=0), 4) is None
+
+
+# (mutation review, round 43) kills B08 (_is_order without "B entries": entries of an order of another length tagged),
+#   B09 (_orders without "the dimension has B rows"), B11 (a Python list of any length),
+#   B12 (a marked bool mask taken as an order), B15 (gather/scatter index of another extent)
+def test_the_watch_leaves_indices_that_are_not_an_order_of_the_b_rows_alone():
+    x, lengths = torch.randn(4, 3), torch.tensor([3, 1, 2, 3])
+    o = lambda: torch.argsort(lengths)  # noqa: E731
+    # an entry of an order of 5 things (a token position) picking a row of a (B, ...) tensor
+    t5 = torch.tensor([5.0, 1.0, 4.0, 3.0, 9.0])  # (its argsort's first entry: 1, a row of x)
+    assert _watch(lambda: x[torch.argsort(t5)[0]], 4) is None
+    assert _watch(lambda: x.select(0, torch.argsort(t5)[0]), 4) is None
+    # the batch's order of B entries used on a table of another size (6 rows): no batch rows are moved
+    table = torch.randn(6, 3)
+    assert _watch(lambda: table[o()], 4) is None
+    assert _watch(lambda: table.index_select(0, o()), 4) is None
+    # a Python list of fewer than B entries
+    assert _watch(lambda: x[[0, 2]], 4) is None
+    # a mask by comparison of an order's values: rows kept in their order
+    assert _watch(lambda: x[o() >= 2], 4) is None
+    # a token mask's positions (11 of them) gathered on the batch dimension: another length
+    mask = torch.arange(5)[None] < torch.tensor([2, 5, 3, 1])[:, None]
+    assert _watch(lambda: torch.gather(x, 0, mask.nonzero()[:, :1].expand(-1, 3)), 4) is None  # (11, 3)
+    # (and the watch still sees the real thing)
+    assert _watch(lambda: x[o().tolist()], 4) is not None
+
+
+# (mutation review, round 43) kills B20 (entries of a part of an order, e.g. ``for p in order.split(2): for i in p``, not tagged)
+def test_the_watch_sees_entries_of_the_parts_of_an_order():
+    x, lengths = torch.randn(4, 3), torch.tensor([3, 3, 3, 3])
+    o = lambda: torch.argsort(lengths)  # noqa: E731
+    assert _watch(lambda: torch.stack([x[i] for p in o().split(2) for i in p]), 4) is not None
+    assert _watch(lambda: torch.stack([x[p[0]] for p in o().chunk(4)]), 4) is not None
+
+
+# (mutation review, round 43) kills B14; and a bug it found: a 1-element part of an order given to ``select`` (``x.select(0, p)`` for ``p`` in
+# ``order.split(1)``) reordered the batch unseen
+def test_the_watch_sees_select_by_a_one_element_part_of_an_order():
+    x, lengths = torch.randn(4, 3), torch.tensor([3, 1, 2, 4])
+    assert _watch(lambda: torch.stack([x.select(0, p) for p in torch.argsort(lengths).split(1)]), 4) is not None
+
+
+# (mutation review, round 43) kills D03 (an RNN of one layer with dropout= set taken as drawing), D04 (CPU SDPA dropout reported),
+#   D05 (SDPA's own-kernel dropout off the CPU never reported; a meta tensor stands for an accelerator)
+def test_draw_watch_fused_rnn_of_one_layer_and_sdpa_by_device():
+    x = torch.randn(3, 5, 4)
+    with pytest.warns(UserWarning):  # (torch: dropout with one layer draws nothing)
+        one = nn.LSTM(4, 4, num_layers=1, dropout=0.5, batch_first=True)
+    assert _draw_found(lambda x: one(x), x) is None
+    assert _draw_found(lambda x: F.scaled_dot_product_attention(x, x, x, dropout_p=0.3), x) is None  # (CPU: as vmap)
+    m = torch.empty(3, 5, 4, device="meta")
+    assert "scaled_dot_product_attention with dropout_p=0.3" in _draw_found(
+        lambda x: F.scaled_dot_product_attention(x, x, x, dropout_p=0.3), m)
+    assert _draw_found(lambda x: F.scaled_dot_product_attention(x, x, x), m) is None
+
+
+# (mutation review, round 43) kills D06 (torch.rrelu's default taken as training), D12 ("uniform_" out of _DRAWS_LIKE), D13 ("normal_"),
+#   D14 ("rand_like"), D17 (every leaf of the batch taken as the batch's, whatever its first size),
+#   D18 (randint's size read from its keyword only), D23 (the location names torch's frame, not the model's)
+def test_draw_watch_each_listed_draw_and_where_it_points():
+    import os
+    x = torch.randn(3, 5, 4)
+    pos = torch.randn(5, 4)
+    assert _draw_found(lambda x: torch.rrelu(pos), x) is None  # (torch.rrelu's training defaults to False)
+    assert "rrelu" in _draw_found(lambda x: x + F.rrelu(pos, training=True), x)
+    assert "uniform_" in _draw_found(lambda x: x + torch.empty(5, 4).uniform_(), x)
+    assert "normal_" in _draw_found(lambda x: x + pos.clone().normal_(), x)
+    assert "rand_like" in _draw_found(lambda x: x + torch.rand_like(pos), x)
+    assert _draw_found(lambda x: x + torch.randint(0, 10, (3, 5, 4)), x) is None  # (B rows: one per example)
+    assert "randint(size=(5, 4))" in _draw_found(lambda x: x + torch.randint(0, 10, (5, 4)), x)
+    # a leaf of the batch with another first size (a shared table passed in the batch) is not the batch's
+    watch = DrawWatch(3, {"x": x, "table": pos})
+    with torch.no_grad(), watch:
+        F.dropout(pos, 0.3)
+    assert "does not come from the batch" in watch.found
+    # the reported place is the model's line (this file), not torch's dropout module
+    found = _draw_found(lambda x: x + nn.Dropout(0.1)(pos), x)
+    assert os.path.basename(__file__) in found, found
+
+
+# (mutation review, round 43) kills D07 (normal(size=...) of B rows vs other sizes swapped), D08 (a factory of B rows not marked fragile),
+#   D10 (a (T, B, d) read as batch-first at T = B not marked fragile), D16 (fixed_sizes ignored)
+def test_draw_watch_marks_verdicts_that_rest_on_a_size_meeting_b_as_fragile():
+    def watch_of(fn, x, fixed=()):
+        w = DrawWatch(x.shape[0], {"x": x}, fixed)
+        with torch.no_grad(), w:
+            fn(x)
+        return w
+
+    x = torch.randn(3, 5, 4)
+    w = watch_of(lambda x: x + torch.normal(0.0, 1.0, size=(3, 5, 4)), x)
+    assert w.found is None and w.fragile
+    w = watch_of(lambda x: x + torch.normal(0.0, 1.0, size=(5, 4)), x)
+    assert "normal(size=(5, 4))" in w.found
+    w = watch_of(lambda x: x + torch.rand(3, 5, 4), x)
+    assert w.found is None and w.fragile
+    w = watch_of(lambda x: F.dropout(x, 0.3), x)
+    assert w.found is None and not w.fragile
+    sq = torch.randn(3, 3, 4)  # (B, T, d) with T = B: a time-major tensor would read the same
+    w = watch_of(lambda x: F.dropout(x, 0.3), sq)
+    assert w.found is None and w.fragile
+    assert watch_of(lambda x: x, x, fixed={3, 7}).fragile and not watch_of(lambda x: x, x, fixed={5, 4}).fragile
+
+
+# (mutation review, round 43) kills D22 ("feature_alpha_dropout_" out of _DROPOUTS: DropoutOff leaves it dropping, DrawWatch misses it)
+def test_the_in_place_feature_alpha_dropout_is_a_dropout():
+    from pdpsgd.batch_order import DropoutOff
+
+    t = torch.randn(4, 6, 5)
+    with DropoutOff():
+        assert torch.equal(torch.feature_alpha_dropout_(t.clone(), 0.5, True), t)
+    assert not torch.equal(torch.feature_alpha_dropout_(t.clone(), 0.5, True), t)
+    x, pos = torch.randn(3, 5, 4), torch.randn(2, 5, 4)
+    assert "feature_alpha_dropout_" in _draw_found(lambda x: torch.feature_alpha_dropout_(pos.clone(), 0.5, True), x)
+
+
+# (mutation review, round 43) kills D09 (randperm not reported), D15 (a tensor written with the batch's rows by ``t[...] = x`` not followed:
+#   ``__setitem__`` returns None, so only the in-place marking of its target follows it)
+def test_draw_watch_randperm_and_a_buffer_filled_by_setitem():
+    x = torch.randn(3, 5, 4)
+    assert "randperm" in _draw_found(lambda x: x[torch.randperm(3)], x)
+    buf = torch.zeros(3, 5, 4)
+
+    def filled(x):
+        buf[:] = x
+        return buf.bernoulli_(0.5)
+    assert _draw_found(filled, x) is None

@@ -1117,3 +1117,66 @@ def test_the_nonprivate_step_time_times_one_logical_step_after_a_warm_up_and_lea
     clock = iter([0.0, 100.0, 100.0, 101.0, 101.0, 103.0, 103.0, 106.0])  # warm-up 100 s, then 1, 2, 3 s
     monkeypatch.setattr(train_mod.time, "perf_counter", lambda: next(clock))
     assert tr.nonprivate_step_time(repeats=3) == 2.0
+
+
+# (mutation review, round 43) kills T04 (plan_training without its "batch size ≤ N" check; a fixed σ skips the calibration that raised)
+def test_plan_training_refuses_a_batch_larger_than_the_data_with_a_fixed_sigma():
+    from pdpsgd.train import plan_training
+
+    with pytest.raises(ValueError, match="batch size 11 must be in"):
+        plan_training(10, batch_size=11, epochs=1, target_epsilon=None, delta=1e-5, noise_multiplier=1.0)
+
+
+# (mutation review, round 43) kills T16 (a ledger file that cannot be read taken as counting 0 releases: the trainer steps on and overwrites it)
+def test_a_ledger_file_that_became_unreadable_stops_the_next_step(tmp_path):
+    ledger = tmp_path / "ledger.json"
+    tr, model, *_ = _mlp_setup(ledger=ledger)
+    tr.step()
+    ledger.write_text("{not json")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="is unreadable"):
+        tr.step()
+    assert ledger.read_text() == "{not json" and tr.released == 1 and tr.accountant.num_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# (mutation review, round 43) kills T18 (a ledger of another δ taken as this run's), T20 (a state saved with another C accepted),
+#   T21 (a state saved for another N accepted)
+def test_a_state_or_ledger_of_another_delta_clip_or_dataset_size_is_refused(tmp_path):
+    from pdpsgd.train import DPTrainer, plan_training
+
+    tr, model, data, plan = _mlp_setup(seed=1, ledger=tmp_path / "ledger.json")
+    tr.step()
+    state, led = tr.state_dict(), json.loads((tmp_path / "ledger.json").read_text())
+    with pytest.raises(ValueError, match="another run's .*delta"):
+        _mlp_setup(seed=1)[0].load_state_dict(state, ledger=dict(led, delta=1e-3))
+    other_c = DPTrainer(model, tr.loss_fn, data, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), plan=plan,
+                        max_grad_norm=2.0, max_physical_batch=4, seed=1)
+    with pytest.raises(ValueError, match="other privacy settings .*max_grad_norm"):
+        other_c.load_state_dict(state, ledger=led)
+    big = {"x": torch.randn(50, 5), "y": torch.randint(0, 3, (50,))}
+    plan50 = plan_training(50, batch_size=10, epochs=1.0, target_epsilon=2.0, delta=1e-5)  # (same q and T)
+    assert plan50.sample_rate == plan.sample_rate and plan50.steps == plan.steps
+    other_n = DPTrainer(model, tr.loss_fn, big, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), plan=plan50,
+                        max_grad_norm=1.0, max_physical_batch=4, seed=1)
+    with pytest.raises(ValueError, match="other privacy settings .*num_examples"):
+        other_n.load_state_dict(state, ledger=led)
+
+
+# (mutation review, round 43) kills T22 (a re-seed that leaves the sampling stream: the next batch is the released step's batch again),
+#   T23 (a re-seed that leaves torch's global stream: the released step's dropout masks again)
+def test_a_reseed_moves_every_stream_off_the_checkpoint(tmp_path):
+    tr, *_ = _mlp_setup(seed=1, epochs=2)
+    for _ in range(2):
+        tr.step()
+    state = tr.state_dict()
+    tr2, *_ = _mlp_setup(seed=1, epochs=2)
+    msg = tr2.load_state_dict(state)  # (no ledger: every stream re-seeded)
+    assert "re-seeded" in msg and tr2.reseeded
+    assert not torch.equal(tr2.noise_generator.get_state(), state["rng"]["noise"])
+    assert not torch.equal(tr2.sample_generator.get_state(), state["rng"]["sample"])
+    assert not torch.equal(torch.get_rng_state(), state["rng"]["torch"])
+    # (a ledger that counts exactly this state's releases: every stream continues)
+    tr3, *_ = _mlp_setup(seed=1, epochs=2)
+    assert tr3.load_state_dict(state, ledger=tr._ledger()) is None
+    assert torch.equal(tr3.sample_generator.get_state(), state["rng"]["sample"])
