@@ -311,15 +311,15 @@ class DrawWatch(TorchFunctionMode):
         return out
 
 
-
 class DropoutOff(TorchFunctionMode):
     """A TorchFunctionMode under which torch's dropouts drop nothing: every call of a dropout function
     (``F.dropout`` and its 1d/2d/3d, alpha and feature forms, ``torch.dropout``, ``native_dropout``, the
     in-place ones; so every ``nn.Dropout`` module) runs with rate 0, and ``scaled_dot_product_attention``
     with ``dropout_p=0``. Other random draws (``bernoulli_`` on a tensor of one's own, a drop path, an
     RNN's dropout between layers) are left as they are. For the example-order check of a training-mode
-    forward whose only random numbers are dropout (``bookkeeping._check_mode``): its runs then compare as
-    they do without dropout, and a batch statistic taken in training only is seen."""
+    forward whose only random numbers are dropout (``bookkeeping._draws_nothing`` decides; ``pdpsgd check``
+    compares losses under it too): its runs then compare as they do without dropout, and a batch statistic
+    taken in training only is seen."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})

@@ -188,9 +188,9 @@ def _mixing(u: Dict[str, Any], float64: bool, rtol: float, compared: List[str]) 
     and in the model's own mode too where that is training and, with torch's dropouts at rate 0
     (``DropoutOff``; round 43), its forward draws no random numbers (two batched runs equal, the CPU
     random state unmoved: a batch statistic used in training only; other draws, a drop path's say,
-    differ between a batch and one example, so such a forward is compared in eval mode only). In float64 unless ``--no-float64``. A model or batch this cannot run (no copy, one
-    example alone failing) is left to the methods' own checks. ``compared``: the modes compared are
-    appended."""
+    differ between a batch and one example, so such a forward is compared in eval mode only). In
+    float64 unless ``--no-float64``. A model or batch this cannot run (no copy, one example alone
+    failing) is left to the methods' own checks. ``compared``: the modes compared are appended."""
     try:
         return _mixing_found(u, float64, rtol, compared)
     except Exception:  # (the methods' checks report why it cannot run, as a readable line)
