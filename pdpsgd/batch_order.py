@@ -315,7 +315,8 @@ class DropoutOff(TorchFunctionMode):
     """A TorchFunctionMode under which torch's dropouts drop nothing: every call of a dropout function
     (``F.dropout`` and its 1d/2d/3d, alpha and feature forms, ``torch.dropout``, ``native_dropout``, the
     in-place ones; so every ``nn.Dropout`` module) runs with rate 0, and ``scaled_dot_product_attention``
-    with ``dropout_p=0``. Other random draws (``bernoulli_`` on a tensor of one's own, a drop path, an
+    and ``multi_head_attention_forward`` (``nn.MultiheadAttention``'s, whose inner calls a mode does not
+    see) with ``dropout_p=0``. Other random draws (``bernoulli_`` on a tensor of one's own, a drop path, an
     RNN's dropout between layers) are left as they are. For the example-order check of a training-mode
     forward whose only random numbers are dropout (``bookkeeping._draws_nothing`` decides; ``pdpsgd check``
     compares losses under it too): its runs then compare as they do without dropout, and a batch statistic
@@ -332,6 +333,11 @@ class DropoutOff(TorchFunctionMode):
         elif name == "scaled_dot_product_attention":
             if len(args) > 4:
                 args = (*args[:4], 0.0, *args[5:])
+            else:
+                kwargs["dropout_p"] = 0.0
+        elif name == "multi_head_attention_forward":  # (nn.MultiheadAttention's: the calls inside it, its
+            if len(args) > 10:                         # F.dropout and SDPA, are not seen by a mode; review)
+                args = (*args[:10], 0.0, *args[11:])
             else:
                 kwargs["dropout_p"] = 0.0
         return func(*args, **kwargs)

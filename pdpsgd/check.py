@@ -155,7 +155,7 @@ def check_file(path: str, methods: Iterable[str] = ("vmap", "bk", "auto"), *, rt
                           file=out)
                 top = float(sens.contributions.max()) if sens.contributions.numel() else 0.0
                 if sens.contributions.numel() and not bool((sens.contributions >= max_grad_norm * (1 - 1e-6)).any()):
-                    fix = (f"run it again with a smaller --clip (below {top:.3g})" if top > 0 else
+                    fix = (f"run it again with a smaller --clip (below {top:.3g})" if top != 0.0 else
                            "every example's contribution is 0 (no gradient reaches the trained parameters: a "
                            "detached or unused output, a zero loss?), so there is nothing to clip")
                     print(f"[{m}] NOTE: no example's gradient norm reached C = {max_grad_norm:g}, so no example was "

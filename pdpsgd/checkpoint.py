@@ -174,7 +174,7 @@ def save_checkpoint(path: os.PathLike, state: Mapping[str, Any]) -> None:
     _check_loadable(state, "state")  # (first: a namedtuple, say, is refused by name, not by _to_cpu's rebuild)
     header = {"format": "pdpsgd-checkpoint", "format_version": FORMAT_VERSION}
     for k, v in header.items():  # (a state read back by load_checkpoint holds the header itself: the same values)
-        if k in state and state[k] != v:
+        if k in state and not (type(state[k]) is type(v) and state[k] == v):
             raise ValueError(f"state[{k!r}] = {state[k]!r}: {k!r} is the checkpoint's own header ({v!r}), which "
                              "load_checkpoint checks; store that value under another key")
     payload = {**_to_cpu(state), **header}

@@ -45,7 +45,8 @@ def batch_size(batch: Batch) -> int:
             raise ValueError("the batch holds NumPy arrays, which are not converted: pass tensors "
                              "(torch.from_numpy(a) or torch.as_tensor(a)), with the examples on the leading dim")
         if len(leaves) == 1 and hasattr(leaves[0], "__iter__") and not isinstance(leaves[0], (str, bytes)):
-            raise ValueError(f"the batch is a {type(leaves[0]).__name__}, not a batch of tensors: iterate it and pass "
+            where = "is" if leaves[0] is batch else "holds"
+            raise ValueError(f"the batch {where} a {type(leaves[0]).__name__}, not tensors: iterate it and pass "
                              "each batch (a tensor, or a dict/tuple of tensors with leading dim B); for private "
                              "training draw the batches with pdpsgd.PoissonSampler and pdpsgd.to_physical_batches "
                              "(the accountant assumes Poisson sampling, which a DataLoader's fixed batches are not)")

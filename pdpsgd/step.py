@@ -101,7 +101,7 @@ def _check_loss_signature(loss_fn: Any) -> None:
                         "noise_multiplier=..., ...) wraps no optimizer or data loader (unlike Opacus's make_private). "
                         "Pass a loss function loss_fn(model, batch) -> Tensor[B], then set p.grad = out.grads[name] "
                         "and call your optimizer's step() yourself")
-    if isinstance(loss_fn, nn.modules.loss._Loss):
+    if isinstance(loss_fn, nn.modules.loss._Loss) and type(loss_fn).__module__.startswith("torch."):  # (torch's own)
         raise TypeError(f"loss_fn is a torch loss module ({type(loss_fn).__name__}), called as loss(input, target); "
                         "pdpsgd calls loss_fn(model, batch) and needs one loss per example, e.g. def loss_fn(model, "
                         "b): return F.cross_entropy(model(b['x']), b['y'], reduction='none')")

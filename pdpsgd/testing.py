@@ -385,6 +385,8 @@ def check_sensitivity(
             raise ValueError(f"mask must be a bool tensor of shape ({B},), one entry per row of the batch (True for "
                              f"real rows), got {m.dtype} of shape {tuple(m.shape)}")
         rows = m.nonzero().flatten()
+        if rows.numel() == 0:  # (every bound would hold vacuously)
+            raise ValueError("mask keeps no row of the batch: there is no example to check")
         batch = _rows(batch, rows)
         neighbour = None if neighbour is None else _rows(neighbour, rows)
     B = _batch_len(batch)

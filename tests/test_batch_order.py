@@ -389,6 +389,21 @@ def test_dropout_off_runs_every_torch_dropout_at_rate_0_and_leaves_other_draws()
         with DropoutOff():
             assert torch.equal(f(), sdpa)
         assert not torch.equal(f(), sdpa)
+    # nn.MultiheadAttention's dropout runs inside F.multi_head_attention_forward, whose inner calls a mode does not
+    # see: its dropout_p is set to 0 there (review, round 43: a TransformerEncoderLayer still drew)
+    from pdpsgd._compat import mha_fastpath_off
+
+    enc = nn.TransformerEncoderLayer(6, 2, dim_feedforward=8, dropout=0.3, batch_first=True).train()
+    h = torch.randn(3, 4, 6)
+    with mha_fastpath_off():
+        runs = []
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            with DropoutOff():
+                runs.append(enc(h))
+        assert torch.equal(*runs)
+        torch.manual_seed(0)
+        assert not torch.equal(enc(h), runs[0])
     with DropoutOff():
         state = torch.get_rng_state()
         own = torch.empty(100).bernoulli_(0.5)

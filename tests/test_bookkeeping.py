@@ -4349,6 +4349,24 @@ def test_the_order_check_runs_in_the_models_own_mode_when_its_forward_draws_noth
     assert set(step.clipped_sum(params, b).routes.values()) <= {"ghost", "explicit"}
 
 
+def test_the_order_check_sees_training_only_mixing_behind_a_transformer_layer_with_dropout():
+    """Round 43's review: ``nn.MultiheadAttention`` draws its dropout inside ``F.multi_head_attention_forward``,
+    whose inner calls a TorchFunctionMode does not see, so a TransformerEncoderLayer with dropout still sent the
+    check to eval mode, where a training-only batch statistic after it stayed unseen; its ``dropout_p`` is now
+    set to 0 there too, and the layers the statistic reaches take the exact fallback."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.3,
+                                                                  batch_first=True),
+                      _TrainCentre(8), nn.Linear(8, 3)).double().train()
+    loss = lambda mm, b: (mm(b["x"]) - b["y"]).pow(2).sum((1, 2))  # noqa: E731
+    b = {"x": torch.randn(5, 3, 4, dtype=torch.float64), "y": torch.randn(5, 3, 3, dtype=torch.float64)}
+    step = make_dp_step(m, loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk", expected_batch_size=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        routes = step.clipped_sum(trainable_params(m), b).routes
+    assert routes["0.weight"] == "vmap", routes
+
+
 class _ThreeStage(nn.Module):
     def __init__(self):
         super().__init__()

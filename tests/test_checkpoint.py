@@ -576,6 +576,8 @@ def test_a_state_cannot_overwrite_the_checkpoints_header_and_a_namedtuple_is_ref
         save_checkpoint(p, {"format_version": 2, "step": 1})
     with pytest.raises(TypeError, match=r"state\['t'\] is a .*P"):
         save_checkpoint(p, {"t": collections.namedtuple("P", "a b")(1, 2)})
+    with pytest.raises(ValueError, match="'format_version' is the checkpoint's own header"):
+        save_checkpoint(p, {"format_version": torch.tensor([1.0, 2.0])})  # (not a bare "ambiguous" error)
     assert not p.exists()
     save_checkpoint(p, {"step": 1})
     state = load_checkpoint(p)

@@ -814,8 +814,16 @@ def test_a_users_error_under_vmap_is_reported_as_it_reads_eagerly():
 
     dl = DataLoader(TensorDataset(torch.randn(8, 4), y.clamp_max(2)), batch_size=4)
     for loader in (dl, iter(dl)):
-        with pytest.raises(ValueError, match="not a batch of tensors: iterate it.*PoissonSampler"):
+        with pytest.raises(ValueError, match="is a .*, not tensors: iterate it.*PoissonSampler"):
             st(params, loader)
+    with pytest.raises(ValueError, match="holds a DataLoader, not tensors"):
+        st(params, {"x": dl})
+
+    class OwnLoss(nn.modules.loss._Loss):  # (a user's own subclass taking (model, batch) is a loss_fn)
+        def forward(self, mod, b):
+            return F.cross_entropy(mod(b[0]), b[1], reduction="none")
+
+    pdpsgd.make_dp_step(m, OwnLoss(), max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8)
 
 
 @pytest.mark.parametrize("method", ["vmap", "bk", "auto"])

@@ -256,6 +256,8 @@ def test_check_sensitivity_takes_a_physical_batchs_mask():
     want = check_sensitivity(step, params, {k: v[keep] for k, v in b.items()})
     assert got.contributions.shape == (4,) and torch.equal(got.contributions, want.contributions)
     assert got.max_ratio == want.max_ratio
+    with pytest.raises(ValueError, match="mask keeps no row"):
+        check_sensitivity(step, params, b, mask=torch.zeros(5, dtype=torch.bool))
     for bad in (torch.tensor([1, 1, 0, 1, 1]), torch.ones(4, dtype=torch.bool)):
         with pytest.raises(ValueError, match="mask must be a bool tensor of shape \\(5,\\)"):
             check_sensitivity(step, params, b, mask=bad)
