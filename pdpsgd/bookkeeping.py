@@ -1821,7 +1821,7 @@ def _side_collect(loss_module, params, constants, batch, registry, overrides, pr
     """A check's capture: module flags in eval mode (dropout masks would differ between its runs; as
     they are, with dropout at rate 0, with ``own_mode``), forked random streams, losses weighted, no
     nested checks."""
-    with _EvalFlags(loss_module.model, keep=own_mode), _own_rng(params, seed), _dropout_off(own_mode):
+    with _EvalFlags(loss_module.model, keep=own_mode), _own_rng(params, seed):
         return _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast=False,
                         loss_weights=weights, no_expand=no_expand, check_order=False)
 
@@ -1838,29 +1838,27 @@ def _memo_put(memo: Optional[Dict], key, value) -> None:
     memo[key] = value
 
 
-def _dropout_off(on: bool):
-    """``DropoutOff`` (torch's dropouts at rate 0) for the example-order check's runs in the model's own
-    mode (``_draws_nothing``), else nothing."""
-    return DropoutOff() if on else contextlib.nullcontext()
-
-
 class _EvalFlags:
     """Every module's ``training`` flag False for the block, then restored, by assignment: no module's
     own ``train()`` override runs (loralib's merges its LoRA weights into the frozen one on eval).
-    ``keep``: the flags stay as they are (the example-order check of a model whose own mode draws no
-    random numbers: ``_draws_nothing``)."""
+    ``keep``: the flags stay as they are and torch's dropouts run at rate 0 (``DropoutOff``: the
+    example-order check of a model whose own mode draws nothing else, ``_draws_nothing``)."""
 
     def __init__(self, model: nn.Module, keep: bool = False):
         self.modes = [(m, m.training) for m in model.modules()]
         self.keep = keep
+        self.dropout_off = DropoutOff() if keep else None
 
     def __enter__(self):
-        if self.keep:
+        if self.dropout_off is not None:
+            self.dropout_off.__enter__()
             return
         for m, _ in self.modes:
             m.training = False
 
     def __exit__(self, *exc):
+        if self.dropout_off is not None:
+            self.dropout_off.__exit__(*exc)
         for m, mode in self.modes:
             m.training = mode
         return False
@@ -3021,7 +3019,7 @@ def _alone_norms(loss_module: LossModule, params: Params, constants: Mapping[str
     rate 0, with ``own_mode``), forked random streams."""
     leaves = {n: v.detach().requires_grad_(True) for n, v in params.items()}
     out: Dict[str, List[Tensor]] = {n: [] for n in names}
-    with _EvalFlags(loss_module.model, keep=own_mode), torch.enable_grad(), _dropout_off(own_mode):
+    with _EvalFlags(loss_module.model, keep=own_mode), torch.enable_grad():
         for i in singles.tolist():
             with preserve_module_state(loss_module.model), _own_rng(params, 0):
                 loss = functional_call(loss_module, LossModule.prefixed({**constants, **leaves}),

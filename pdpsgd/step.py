@@ -301,9 +301,9 @@ class DPStep:
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not callable(loss_fn) and not isinstance(loss_fn, torch.optim.Optimizer):  # (that one: named below)
+        _check_loss_signature(loss_fn)  # (first: it names an optimizer passed as loss_fn)
+        if not callable(loss_fn):
             raise TypeError("loss_fn must be callable: loss_fn(model, batch) -> Tensor[B]")
-        _check_loss_signature(loss_fn)
         max_grad_norm = _real("max_grad_norm", max_grad_norm)
         noise_multiplier = _real("noise_multiplier", noise_multiplier)
         if not max_grad_norm > 0:

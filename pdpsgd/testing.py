@@ -31,11 +31,6 @@ def _example(batch: Any, i: int) -> Any:
     return tree_map(lambda x: x[i : i + 1] if isinstance(x, Tensor) else x, batch)
 
 
-def _rows(batch: Any, rows: Tensor) -> Any:
-    """The batch's rows ``rows`` (every tensor leaf has the batch in dim 0, as ``_example`` takes it)."""
-    return tree_map(lambda x: x.index_select(0, rows.to(x.device)) if isinstance(x, Tensor) else x, batch)
-
-
 def _batch_len(batch: Any) -> int:
     leaves, _ = tree_flatten(batch)
     return next(int(x.shape[0]) for x in leaves if isinstance(x, Tensor))
@@ -379,6 +374,8 @@ def check_sensitivity(
     clipped sums, B more when deterministic, 1 more with ``neighbour``.
     """
     if mask is not None:  # (round 43, a user's walkthrough: a padded physical batch needed slicing by hand)
+        from .per_sample import select_examples
+
         B = _batch_len(batch)
         m = torch.as_tensor(mask)
         if m.dtype != torch.bool or m.shape != (B,):
@@ -387,8 +384,8 @@ def check_sensitivity(
         rows = m.nonzero().flatten()
         if rows.numel() == 0:  # (every bound would hold vacuously)
             raise ValueError("mask keeps no row of the batch: there is no example to check")
-        batch = _rows(batch, rows)
-        neighbour = None if neighbour is None else _rows(neighbour, rows)
+        batch = select_examples(batch, rows)
+        neighbour = None if neighbour is None else select_examples(neighbour, rows)
     B = _batch_len(batch)
     C = float(step.sensitivity)
     dev = next(iter(params.values())).device

@@ -822,24 +822,17 @@ def test_check_notes_unexercised_clipping_only_when_no_example_is_clipped(tmp_pa
     assert "no example was clipped" not in out, out  # (four examples are clipped, the fifth has no gradient)
 
 
-# (mutation review, round 43) kills C16 (a float64 model under --no-float64 checked at rtol 1e-4
-# instead of its own precision, 1e-9)
-def test_no_float64_keeps_a_float64_models_tight_tolerance(tmp_path, capsys):
-    f = tmp_path / "f64.py"
-    f.write_text(CHECK_OK.replace("nn.Linear(6, 3))", "nn.Linear(6, 3)).double()").replace(
-        "torch.randn(5, 4)", "torch.randn(5, 4, dtype=torch.float64)"))
-    rc, out, err = run_cli(["check", str(f), "--method", "vmap", "--no-float64"], capsys)
-    assert rc == 0 and "rtol=1e-09" in out, out + err
-
-
-# (mutation review, round 43) kills C17 (bf16 / fp16 models under --no-float64 checked at 1e-4
-# instead of 1e-2)
-def test_no_float64_gives_a_bf16_model_its_precisions_tolerance(tmp_path, capsys):
-    f = tmp_path / "bf16.py"
-    f.write_text(CHECK_OK.replace("nn.Linear(6, 3))", "nn.Linear(6, 3)).bfloat16()").replace(
-        "torch.randn(5, 4)", "torch.randn(5, 4).bfloat16()"))
-    rc, out, err = run_cli(["check", str(f), "--method", "vmap", "--no-float64", "--no-sensitivity"], capsys)
-    assert "rtol=0.01" in out, out + err
+# (mutation review, round 43) kills C16 (a float64 model under --no-float64 checked at rtol 1e-4 instead of its
+# own precision, 1e-9) and C17 (bf16 / fp16 models checked at 1e-4 instead of 1e-2)
+@pytest.mark.parametrize("dtype,rtol,extra", [("double", "rtol=1e-09", []), ("bfloat16", "rtol=0.01", ["--no-sensitivity"])])
+def test_no_float64_checks_at_the_models_own_precision(tmp_path, capsys, dtype, rtol, extra):
+    f = tmp_path / f"{dtype}.py"
+    f.write_text(CHECK_OK.replace("nn.Linear(6, 3))", f"nn.Linear(6, 3)).{dtype}()").replace(
+        "torch.randn(5, 4)", f"torch.randn(5, 4).{dtype}()"))
+    rc, out, err = run_cli(["check", str(f), "--method", "vmap", "--no-float64", *extra], capsys)
+    assert rtol in out, out + err
+    if dtype == "double":
+        assert rc == 0, out + err
 
 
 # (mutation review, round 43) kills C19 (a file's own `params` not cast to float64 with the model in
