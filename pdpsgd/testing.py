@@ -262,12 +262,23 @@ class SensitivityReport(NamedTuple):
     bound: float  # the step's sensitivity C (add/remove one example)
     contributions: Tensor  # (B,) ‖S(example i alone, the others masked out)‖, each ≤ C
     remove_one: Tensor  # (B,) ‖S(batch) − S(batch, example i masked out)‖, each ≤ C
-    remove_one_sliced: Optional[Tensor]  # (B,) ‖S(batch) − S(batch without row i)‖ (None: not deterministic)
+    remove_one_sliced: Optional[Tensor]  # (B,) ‖S(batch) − S(batch without row i)‖ (None: not measured, see sliced_mode)
     replace: Optional[float]  # ‖S(batch) − S(neighbour)‖ (≤ 2C per example that differs), if given
     differing: Tuple[int, ...]  # the examples in which ``neighbour`` differs from ``batch``
     deterministic: bool  # whether S(batch) is the same under two seeds, up to rounding (no dropout or other draws)
     max_ratio: float  # the largest measured distance over its bound (≤ 1 within rounding; nan fails)
     dropped: Tuple[int, ...] = ()  # real examples of ``batch`` the step dropped as non-finite (bounds hold on the rest)
+    # how ``remove_one_sliced`` was measured: "as trained" (deterministic), "dropout at rate 0" (the only draws were
+    # torch's dropouts, run at rate 0 in the model's own mode), None (not measured: the forward draws otherwise)
+    sliced_mode: Optional[str] = None
+
+
+def _removed_one(sums, full: Mapping[str, Tensor], batch: Any, B: int) -> Tensor:
+    """(B,) ‖S(batch) − S(batch without row i)‖, with ``full`` = S(batch)."""
+    out = torch.zeros(B, dtype=torch.float64)
+    for i in range(B):
+        out[i] = _distance(full, sums(_without(batch, i, B)))
+    return out
 
 
 def _distance(a: Mapping[str, Tensor], b: Optional[Mapping[str, Tensor]] = None) -> float:
@@ -357,7 +368,8 @@ def check_sensitivity(
     * removing any one example from the batch (its row dropped: a batch of B − 1, so a model that
       mixes examples shows here) moves the sum by at most C: measured when the step is
       deterministic (the same sums under two seeds), as different draws (train-mode dropout) on a
-      batch of another shape would move the others' contributions too;
+      batch of another shape would move the others' contributions too; where the only draws are
+      torch's dropouts, with them at rate 0 in the model's own mode (``sliced_mode`` says which);
     * given ``neighbour`` (the batch with some examples replaced, same shapes), the sum moves by at
       most 2C per replaced example.
 
@@ -371,7 +383,7 @@ def check_sensitivity(
     naming the example when a bound is exceeded by more than ``rtol`` or a distance is not finite;
     returns the report. Examples the step drops as non-finite are listed in ``dropped``; a batch
     whose every example is dropped fails (its sum is 0: the bounds hold vacuously). Cost: 2·B + 3
-    clipped sums, B more when deterministic, 1 more with ``neighbour``.
+    clipped sums, B more when deterministic (B + 2 more with dropout at rate 0), 1 more with ``neighbour``.
     """
     if mask is not None:  # (round 43, a user's walkthrough: a padded physical batch needed slicing by hand)
         from .per_sample import select_examples
@@ -418,7 +430,8 @@ def check_sensitivity(
     other = sums(batch, s=seed + 1)
     # (up to rounding: kernels that are not bitwise reproducible, e.g. CUDA's index_add, do not count)
     f64 = all(v.dtype == torch.float64 for v in full.values())
-    deterministic = _distance(full, other) <= (1e-12 if f64 else 1e-6) * max(_distance(full), 1e-30)
+    tol = 1e-12 if f64 else 1e-6
+    deterministic = _distance(full, other) <= tol * max(_distance(full), 1e-30)
     alone = torch.zeros(B, dtype=torch.float64)
     removed = torch.zeros(B, dtype=torch.float64)
     for i in range(B):
@@ -426,11 +439,19 @@ def check_sensitivity(
         m[i] = True
         alone[i] = _distance(sums(batch, m))
         removed[i] = _distance(full, sums(batch, ~m))
-    sliced = None
+    sliced, sliced_mode = None, None
     if deterministic:
-        sliced = torch.zeros(B, dtype=torch.float64)
-        for i in range(B):
-            sliced[i] = _distance(full, sums(_without(batch, i, B)))
+        sliced, sliced_mode = _removed_one(sums, full, batch, B), "as trained"
+    else:
+        # (round 44) the forward's only draws may be torch's dropouts: at rate 0 (``DropoutOff``, as
+        # book-keeping's example-order check runs such a model) the step may be deterministic in training
+        # mode, and removal from the batch is compared there (a batch statistic used in training shows)
+        from .batch_order import DropoutOff
+
+        with DropoutOff():
+            base = sums(batch)
+            if _distance(base, sums(batch, s=seed + 1)) <= tol * max(_distance(base), 1e-30):
+                sliced, sliced_mode = _removed_one(sums, base, batch, B), "dropout at rate 0"
     replace, differing = None, ()
     if neighbour is not None:
         differing = _differing(batch, neighbour, B)
@@ -456,7 +477,7 @@ def check_sensitivity(
     ratio = max(ratios) if ratios else 0.0
     if any(math.isnan(r) for r in ratios):
         ratio = math.nan
-    report = SensitivityReport(C, alone, removed, sliced, replace, differing, deterministic, ratio, dropped)
+    report = SensitivityReport(C, alone, removed, sliced, replace, differing, deterministic, ratio, dropped, sliced_mode)
     if bad:
         raise AssertionError("the step's clipped sum exceeds its sensitivity bound: " + "; ".join(bad[:5]))
     return report

@@ -524,6 +524,12 @@ def test_check_reports_an_exceeded_sensitivity_bound(tmp_path, capsys, monkeypat
     ok.write_text(CHECK_OK)
     rc, out, err = run_cli(["check", str(ok), "--method", "vmap", "--clip", "0.05"], capsys)
     assert rc == 0 and "[vmap] sensitivity OK" in out and "within their sensitivity bound" in out, out + err
+    # (round 44: a training-mode model with dropout has removal from the batch compared with its dropouts at rate 0)
+    drop = tmp_path / "drop_model.py"
+    drop.write_text(CHECK_OK.replace("nn.Tanh(), ", "nn.Tanh(), nn.Dropout(0.3), ").replace(
+        "nn.Linear(6, 3))", "nn.Linear(6, 3)).train()"))
+    rc, out, err = run_cli(["check", str(drop), "--method", "vmap", "--clip", "0.05"], capsys)
+    assert rc == 0 and "removed from the batch with torch's dropouts at rate 0" in out, out + err
     real = step_mod.DPStep.clipped_sum
 
     def scaled(self, params, batch, mask=None):

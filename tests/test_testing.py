@@ -153,7 +153,66 @@ def test_check_sensitivity_on_a_tied_train_mode_model():
     r = check_sensitivity(step, pdpsgd.trainable_params(m), b, neighbour=nb)
     assert torch.equal(torch.random.get_rng_state(), state)  # (the caller's RNG is left as it was)
     assert float(r.contributions.min()) > 0.3 * (1 - 1e-5) and r.differing == (1,) and r.max_ratio <= 1 + 1e-5
-    assert not r.deterministic and r.remove_one_sliced is None  # (dropout: removal from the batch not compared)
+    assert not r.deterministic  # (dropout: removal compared with torch's dropouts at rate 0, round 44)
+    assert r.sliced_mode == "dropout at rate 0" and float(r.remove_one_sliced.max()) <= 0.3 * (1 + 1e-5)
+
+
+class _TrainCentre(torch.nn.Module):
+    """A hand-written batch normalisation: the batch mean in training, a running mean in eval."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.register_buffer("mu", torch.zeros(d, dtype=torch.float64))
+
+    def forward(self, h):
+        return h - (h.mean(0) if self.training else self.mu)
+
+
+class _DropPath(torch.nn.Module):
+    """A drop path of its own: ``torch.rand`` per example, not one of torch's dropouts."""
+
+    def forward(self, h):
+        return h * (torch.rand(h.shape[0], 1, dtype=h.dtype) >= 0.3).to(h.dtype) / 0.7 if self.training else h
+
+
+def test_check_sensitivity_compares_removal_with_dropouts_at_rate_0():
+    """Round 44: a training-mode model with dropout was checked by masking only (its draws differ on a batch of
+    another shape), so a batch statistic used in training, which moves the others' gradients when an example is
+    removed, passed. Where the only draws are torch's dropouts, removal is now compared with them at rate 0 in the
+    model's own mode: the mixing shows (book-keeping with its example-order check off keeps the mixing layers on
+    the rules), the same model without the mixing passes (bk and vmap), and a draw of the model's own (a drop
+    path) leaves removal uncompared."""
+    import pdpsgd
+    from pdpsgd.testing import check_sensitivity
+
+    torch.manual_seed(0)
+    b = {"x": torch.randn(6, 4, dtype=torch.float64) * 2, "y": torch.randint(0, 3, (6,))}
+
+    def model(*mid):
+        torch.manual_seed(1)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), *mid, torch.nn.Tanh(), torch.nn.Dropout(0.3),
+                                   torch.nn.Linear(8, 3)).double().train()
+
+    def check(m, method="bk", **opts):
+        step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=0.05, noise_multiplier=1.0, method=method, **opts)
+        return check_sensitivity(step, pdpsgd.trainable_params(m), b)
+
+    with pytest.raises(AssertionError, match="removed from the batch moves the clipped sum by"):
+        check(model(_TrainCentre(8)), bk_options={"check_order": False})
+    # (the order check sends the mixing layers to the exact fallback; each example alone is centred on itself,
+    # so its output, and the step, draw nothing that matters: compared as trained)
+    r = check(model(_TrainCentre(8)))
+    assert r.sliced_mode is not None and r.max_ratio <= 1 + 1e-9
+    for method in ("bk", "vmap"):
+        r = check(model(), method)
+        assert not r.deterministic and r.sliced_mode == "dropout at rate 0" and r.max_ratio <= 1 + 1e-9
+        assert r.remove_one_sliced.shape == (6,) and float(r.remove_one_sliced.min()) > 0
+    r = check(model(_TrainCentre(8), _DropPath()), bk_options={"check_order": False})
+    assert not r.deterministic and r.sliced_mode is None and r.remove_one_sliced is None
+    det = model()
+    det[2].p = 0.0  # (no draws at all: compared as trained)
+    r = check(det)
+    assert r.deterministic and r.sliced_mode == "as trained"
 
 
 class _Scaled:
