@@ -976,3 +976,156 @@ def test_calibrate_noise_gives_one_fallback_warning_per_call():
         assert calibrate_noise(target_epsilon=3, delta=1e-5, sample_rate=0.01, steps=100, sigma_range=(5, 50)) == 5
     assert len(w) == 1 and "met already at the smallest σ" in str(w[0].message)
     assert 0 < s < 1
+
+
+# ----------------------------------------------------------------------------------
+# mutation review, round 44: each test below fails under a mutant the suite had let pass (the grid's mesh and
+# domain, the round-off guards, the PLD floor, delta_error >= delta, zero-step runs loaded, calibration's start)
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("sigma,steps,delta,delta_error,method", [(2.0, 100, 1e-5, 5e-6, "prv"),
+                                                                   (5.0, 1000, 1e-6, 9e-7, "rdp")])
+def test_epsilon_bounds_fold_a_large_delta_error_the_right_way(sigma, steps, delta, delta_error, method):
+    """With δ_error a large part of δ, upper must be read at δ − δ_err and lower at δ + δ_err:
+    the bounds still contain the exact Gaussian ε (q = 1)."""
+    exact = gaussian_epsilon(delta, math.sqrt(steps) / sigma)
+    b = prv(sigma, 1.0, steps, delta_error=delta_error).epsilon(delta)
+    assert b.lower <= exact <= b.upper, (b, exact)
+    # the PRV answers itself (an inverted δ-error fold makes its bounds inconsistent -> PLD fallback),
+    # or RDP where RDP is the tighter bound
+    assert b.method == method, b
+
+
+def test_delta_beyond_the_prv_grid_is_never_zero_and_bounds_the_exact_delta():
+    """Far past the PRV grid the discrete δ is 0; the reported upper bound must still be positive and
+    above the exact δ (the δ error is added, then RDP, tighter, answers)."""
+    sigma, steps = 2.0, 100
+    mu = math.sqrt(steps) / sigma
+    acct = prv(sigma, 1.0, steps)
+    for eps in (45.0, 60.0):
+        exact = gaussian_delta(eps, mu)
+        assert exact > 0
+        d = acct.delta(eps)
+        assert d.upper >= exact, (eps, d, exact)
+        assert d.lower <= exact
+
+
+@pytest.mark.parametrize("sigma,q,steps,delta", [(1.0, 0.01, 1000, 1e-5), (0.8, 0.05, 300, 1e-6),
+                                                  (2.0, 1.0, 50, 1e-5), (1.1, 0.02, 17, 1e-5)])
+def test_prv_grid_is_as_fine_and_as_wide_as_the_error_analysis_requires(sigma, q, steps, delta):
+    """The grid of a query must satisfy Gopi et al.'s conditions, as the upstream package computes them:
+    mesh h <= eps_error / sqrt(steps/2 · log(12/δ_err)) and domain ⊇ [-L, L] with
+    L = prv_accountant.accountant.compute_safe_domain_size(...)."""
+    from prv_accountant import PoissonSubsampledGaussianMechanism
+    from prv_accountant.accountant import compute_safe_domain_size
+
+    acct = prv(sigma, q, steps)
+    b = acct.epsilon(delta)
+    assert b.method in ("prv", "rdp")
+    derr = max(delta / 1000.0, min(1e-12, delta / 10.0))  # the documented default δ error
+    g = acct._grid_state(acct._groups(), derr).grid
+    h_req = 0.01 / math.sqrt(steps / 2.0 * math.log(12.0 / derr))
+    L_req = compute_safe_domain_size([PoissonSubsampledGaussianMechanism(sampling_probability=q, noise_multiplier=sigma)],
+                                     [steps], 0.01, derr)
+    assert g.h <= h_req * (1 + 1e-12), (g.h, h_req)
+    assert g.t_max >= L_req * (1 - 1e-9) and -g.t_min >= L_req * (1 - 1e-9), (g.t_min, g.t_max, L_req)
+
+
+def test_pld_roundoff_grows_with_the_number_of_composed_steps():
+    """dp-accounting composes n steps by an n-th power of a float64 FFT: a smooth error of up to
+    ~1.5·n ulps (measured, see prv.POWER_ROUNDOFF) that leaves no negative PMF entries. The round-off
+    bound of the PLD fallback must grow at least that fast with n, whatever the PMF shows."""
+    pess, _ = prv_module._pld_pair(((1000.0, 1.0, 1),), 0.01)
+    eps64 = float(np.finfo(np.float64).eps)
+    r1 = prv_module.pld_roundoff(pess, 1)
+    for n in (10 ** 5, 10 ** 7):
+        assert prv_module.pld_roundoff(pess, n) - r1 >= 1.5 * (n - 1) * eps64
+
+
+def test_loaded_zero_step_runs_are_dropped_like_step_drops_them():
+    """step(num_steps=0) records nothing; a state with zero-step runs loads to the same history
+    (they must not show up in ``history`` / ``state_dict``, nor make an empty history non-empty)."""
+    a = PRVAccountant.from_state_dict({"history": [[1.0, 0.1, 0], [2.0, 0.1, 5], [3.0, 0.2, 0]]})
+    assert [tuple(r) for r in a.history] == [(2.0, 0.1, 5)]
+    assert a.state_dict()["history"] == [[2.0, 0.1, 5]]
+    b = RDPAccountant.from_state_dict({"history": [[1.0, 0.1, 0]]})
+    assert b.history == () and b.epsilon(1e-5).method == "none"
+
+
+def test_pld_delta_fallback_never_reports_a_pld_delta_below_its_trusted_floor():
+    """Below PLD_MIN_DELTA (1e-12) dp-accounting's PLD is not trusted: pld_delta's answer is floored
+    there, or comes from RDP (q = 1, σ = 1, 10 steps, ε = 27: the PLD alone says 5.7e-13)."""
+    groups = ((1.0, 1.0, 10),)
+    for eps in (24.0, 27.0, 30.0):
+        d = prv_module.pld_delta(groups, eps)
+        exact = gaussian_delta(eps, math.sqrt(10) / 1.0)
+        assert d.upper >= exact
+        assert d.method == "rdp" or d.upper >= prv_module.PLD_MIN_DELTA, (eps, d)
+
+
+def test_a_delta_error_not_below_delta_is_refused():
+    """delta_error >= δ leaves no room for a bound at δ − δ_err: a ValueError, not a silent fallback."""
+    for de in (1e-5, 5e-5):
+        with pytest.raises(ValueError, match="delta_error"):
+            prv(1.0, 0.01, 100, delta_error=de).epsilon(1e-5)
+    assert prv(1.0, 0.01, 100, delta_error=5e-6).epsilon(1e-5).upper > 0
+
+
+def test_prv_epsilon_upper_covers_its_round_off_bound(monkeypatch):
+    """The PRV's estimated float round-off r is folded into δ: upper is read at δ − δ_err − r. With r
+    inflated (POWER_ROUNDOFF raised so that r ≈ 0.09 δ, still under MAX_ROUNDOFF) the upper bound must
+    still cover the exact ε at δ − r (q = 1, exact Gaussian curve)."""
+    sigma, steps, delta = 3.0, 100, 1e-5
+    eps64 = float(np.finfo(np.float64).eps)
+    monkeypatch.setattr(prv_module, "POWER_ROUNDOFF", 0.09 * delta / (steps * eps64))
+    acct = prv(sigma, 1.0, steps)
+    b = acct.epsilon(delta)
+    r = acct._compose(acct._groups(), max(delta / 1000.0, min(1e-12, delta / 10.0))).roundoff
+    assert 0.085 * delta < r < 0.1 * delta
+    assert b.method == "prv", b
+    mu = math.sqrt(steps) / sigma
+    assert b.upper >= gaussian_epsilon(delta - r, mu), (b, gaussian_epsilon(delta - r, mu))
+    assert b.lower <= gaussian_epsilon(delta + r, mu)
+
+
+def test_prv_is_not_used_where_its_round_off_exceeds_a_tenth_of_delta(monkeypatch):
+    """MAX_ROUNDOFF: the PRV answers only where its round-off bound r is below δ/10 (the estimate is
+    generous, not rigorous); with r ≈ δ/2 (POWER_ROUNDOFF raised) the accountant falls back, and the
+    fallback's bounds contain the exact ε (q = 1)."""
+    sigma, steps, delta = 3.0, 100, 1e-5
+    eps64 = float(np.finfo(np.float64).eps)
+    monkeypatch.setattr(prv_module, "POWER_ROUNDOFF", 0.5 * delta / (steps * eps64))
+    acct = prv(sigma, 1.0, steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        b = acct.epsilon(delta)
+    assert b.method != "prv", b
+    assert acct.last_fallback_reason and "round-off" in acct.last_fallback_reason
+    exact = gaussian_epsilon(delta, math.sqrt(steps) / sigma)
+    assert b.lower <= exact <= b.upper, (b, exact)
+
+
+def test_pld_epsilon_below_the_trusted_delta_is_rdps():
+    """Below PLD_MIN_DELTA (1e-12) the ε fallback is RDP's, even where the PLD's round-off check
+    would pass (one step: r ≈ 7e-15); RDP's ε is above the exact one."""
+    for sigma, delta in ((1.0, 5e-13), (5.0, 1e-13)):
+        b = prv_module.pld_epsilon(((sigma, 1.0, 1),), delta)
+        assert b.method == "rdp", b
+        assert b.upper >= gaussian_epsilon(delta, 1.0 / sigma)
+
+
+def test_calibration_needs_only_a_few_accountant_evaluations(monkeypatch):
+    """calibrate_noise starts from the RDP solution (a bisection in log σ) and needs few PRV
+    evaluations (docstring: typically 4-6); a wrong RDP start costs many more."""
+    from pdpsgd.accounting import calibrate_noise
+
+    calls = []
+    real = PRVAccountant.epsilon
+
+    def counting(self, delta):
+        calls.append(self.history)
+        return real(self, delta)
+
+    monkeypatch.setattr(PRVAccountant, "epsilon", counting)
+    sigma = calibrate_noise(target_epsilon=2.0, delta=1e-5, sample_rate=0.01, steps=500)
+    assert prv(sigma, 0.01, 500).epsilon(1e-5).upper <= 2.0
+    assert len(calls) <= 9, len(calls)

@@ -276,3 +276,16 @@ def test_audit_bounds_against_their_closed_forms_and_the_corrections():
                     A.one_run_audit_epsilon(v, r, 400, 0.0, 0.95)))
     assert res.epsilon_lower_bound == pytest.approx(max(p[0] for p in per))
     assert res.epsilon_lower_bound < max(p[1] for p in per)
+
+
+def test_empirical_epsilon_inverts_the_tpr_bound_with_delta_on_the_high_fpr_side():
+    """(Mutation review, round 44.) On the high-FPR side the (ε, δ) region is 1 − FPR ≤ e^ε (1 − TPR) + δ: the point estimate
+    log((1 − δ − FPR)/(1 − TPR)) must give back ε for a point on that edge of dp_tpr_bound."""
+    from pdpsgd import audit as A
+
+    for eps, delta, fpr in ((1.0, 0.05, 0.6), (0.5, 0.1, 0.8), (2.0, 0.01, 0.3)):
+        tpr = 1.0 - math.exp(-eps) * (1.0 - delta - fpr)  # the edge (below e^ε·FPR + δ here)
+        assert tpr < math.exp(eps) * fpr + delta
+        assert A.dp_tpr_bound(fpr, eps, delta) == pytest.approx(tpr, rel=1e-12)
+        assert A.empirical_epsilon(tpr, fpr, delta) == pytest.approx(eps, rel=1e-9)
+    assert A.empirical_epsilon(0.99, 0.5, 0.1) == pytest.approx(math.log(0.4 / 0.01))
