@@ -223,7 +223,11 @@ def _check_grad_mode(params: Mapping[str, Tensor], batch: Batch, *, tensors: boo
 
 
 def _real(name: str, v: Any) -> float:
-    """A real number option as a float: a Python or NumPy number, or a one-element tensor."""
+    """A real number option as a float: a Python or NumPy number, or a one-element tensor; not a bool
+    (mutation review, round 44: ``noise_multiplier=False`` was read as σ = 0, a step without noise)."""
+    if isinstance(v, bool) or getattr(v, "dtype", None) is torch.bool or (
+            type(v).__module__ == "numpy" and type(v).__name__ in ("bool_", "bool")):
+        raise TypeError(f"{name} must be a real number, got the bool {v!r}")
     if isinstance(v, Tensor) and v.numel() == 1 and not v.is_complex():
         return float(v)
     if isinstance(v, numbers.Real):

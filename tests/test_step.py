@@ -1631,3 +1631,231 @@ def test_b_containers_of_tensors_are_not_taken_for_per_example_values(method):
         out = step(params, batch)
         for n in params:
             torch.testing.assert_close(out.grads[n], ref.grads[n])
+
+
+# ----------------------------------------------------------------------------------
+# mutation review of step.py, round 44: each test below fails under a mutant the suite had let pass
+# ----------------------------------------------------------------------------------
+
+
+def _mr_mlp(seed=0, d_in=5, hidden=7, n_out=3):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, n_out)).double()
+
+
+def _mr_loss(model, b):
+    return F.cross_entropy(model(b["x"]), b["y"], reduction="none")
+
+
+def _mr_batch(B, seed=0, d_in=5, n_out=3):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(B, d_in, generator=g, dtype=torch.float64),
+            "y": torch.randint(0, n_out, (B,), generator=g)}
+
+
+def _mr_sum_loss(model, b):
+    return model(b["x"]).sum(1)
+
+
+def test_padding_with_expected_batch_size_does_not_warn_about_the_divisor():
+    """Mutation review, round 44: (a false 'divides by the batch's size' warning
+    when the divisor is the fixed expected_batch_size)."""
+    m = _mr_mlp()
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, _mr_loss, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4,
+                               generator=torch.Generator().manual_seed(0), noise_rng="numpy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(params, _mr_batch(4), torch.tensor([True, False, True, False]))
+
+
+@pytest.mark.parametrize("clipping", ["per_layer", [["weight"], ["bias"]]])
+def test_clip_fraction_counts_a_clip_in_any_group_not_only_the_last(clipping):
+    """Mutation review, round 44: (only the last group's clip counted). Weight group (first) is clipped, bias group (last) is not."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3).double()
+    params = pdpsgd.trainable_params(m)
+    b = {"x": torch.full((2, 4), 10.0, dtype=torch.float64)}
+    # d loss / d out = 1: ||g_bias|| = sqrt(3) = 1.73 < C/sqrt(2) = 3.54 < ||g_weight|| = 20 sqrt(3)
+    step = pdpsgd.make_dp_step(m, _mr_sum_loss, max_grad_norm=5.0, noise_multiplier=0.0, clipping=clipping)
+    out = step(params, b)
+    assert float(out.clip_fraction) == 1.0
+
+
+def test_automatic_clipping_reports_every_kept_example_as_clipped():
+    """Mutation review, round 44: (automatic clipping rescales every example: clip_fraction is 1, padding and dropped rows excluded)."""
+    m = _mr_mlp()
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, _mr_loss, max_grad_norm=1e3, noise_multiplier=0.0, clip_fn="automatic")
+    out = step(params, _mr_batch(5), torch.tensor([True, True, False, True, False]))
+    assert float(out.clip_fraction) == 1.0
+
+
+def test_per_group_clip_fraction_uses_each_groups_own_norm():
+    """Mutation review, round 44: (each group judged by the total norm). Both groups'
+    norms (sqrt 3) are under C/sqrt 2, the total (sqrt 6) is over it: nothing is clipped."""
+    m = nn.Linear(4, 3).double()
+    params = pdpsgd.trainable_params(m)
+    b = {"x": torch.full((3, 4), 0.5, dtype=torch.float64)}  # ||x|| = 1: ||g_w|| = ||g_b|| = sqrt 3
+    step = pdpsgd.make_dp_step(m, _mr_sum_loss, max_grad_norm=3.0, noise_multiplier=0.0, clipping="per_layer")
+    out = step(params, b)
+    assert float(out.clip_fraction) == 0.0
+    # and the sum is the unclipped one (factor 1 for every example)
+    for n, p in m.named_parameters():
+        ref = torch.autograd.grad(_mr_sum_loss(m, b).sum(), p)[0] / 3
+        torch.testing.assert_close(out.grads[n], ref, rtol=1e-12, atol=0)
+
+
+def _noisy_step(m, **kw):
+    return pdpsgd.make_dp_step(m, _mr_loss, max_grad_norm=1.0, noise_multiplier=1.0, noise_rng="numpy",
+                               generator=torch.Generator().manual_seed(0), **kw)
+
+
+def test_a_batch_size_that_shrinks_warns_about_the_divisor():
+    """Mutation review, round 44: (a Poisson batch smaller than the first one revealed its size by the divisor, unwarned)."""
+    m = _mr_mlp()
+    params = pdpsgd.trainable_params(m)
+    step = _noisy_step(m)
+    step(params, _mr_batch(6))
+    with pytest.warns(UserWarning, match=r"batch size changed between steps \(6 -> 5\)"):
+        step(params, _mr_batch(5))
+
+
+def test_the_divisor_warning_is_given_once():
+    """Mutation review, round 44: (warned at every step whose size differs from the first, not once)."""
+    m = _mr_mlp()
+    params = pdpsgd.trainable_params(m)
+    step = _noisy_step(m)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for B in (4, 5, 6, 3):
+            step(params, _mr_batch(B))
+    assert len([w for w in rec if "batch size changed" in str(w.message)]) == 1
+
+
+def test_clip_fraction_is_over_the_kept_examples_not_the_dropped_ones():
+    """Mutation review, round 44: (a dropped non-finite example counted as an unclipped one)."""
+    m = _mr_mlp()
+    params = pdpsgd.trainable_params(m)
+    b = _mr_batch(4)
+    b["x"][1] = float("nan")
+    step = pdpsgd.make_dp_step(m, _mr_loss, max_grad_norm=1e-6, noise_multiplier=0.0)  # every finite one clipped
+    out = step(params, b)
+    assert int(out.num_nonfinite) == 1 and int(out.num_examples) == 4
+    assert float(out.clip_fraction) == 1.0
+
+
+def test_step_output_reports_the_noise_std_sigma_C():
+    """Mutation review, round 44: (StepOutput.noise_std, what a user logs, said σ instead of σ·C)."""
+    m = _mr_mlp()
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, _mr_loss, max_grad_norm=0.5, noise_multiplier=1.3, expected_batch_size=4,
+                               noise_rng="numpy", generator=torch.Generator().manual_seed(0))
+    out = step(params, _mr_batch(4))
+    assert out.noise_std == pytest.approx(0.65, rel=1e-12)
+    out0 = pdpsgd.make_dp_step(m, _mr_loss, max_grad_norm=0.5, noise_multiplier=0.0)(params, _mr_batch(4))
+    assert out0.noise_std == 0.0
+
+
+def test_all_zero_gradients_warn_even_next_to_a_dropped_non_finite_example():
+    """Mutation review, round 44: (a NaN row's norm hid that every kept example's gradient is exactly 0)."""
+    m = nn.Linear(3, 2).double()
+    params = pdpsgd.trainable_params(m)
+    b = {"x": torch.ones(3, 3, dtype=torch.float64)}
+    b["x"][2] = float("nan")
+    step = pdpsgd.make_dp_step(m, lambda mod, bb: mod(bb["x"]).sum(1) * 0.0, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.warns(UserWarning, match="exactly 0"):
+        out = step(params, b)
+    assert int(out.num_nonfinite) == 1
+
+
+def test_the_padding_warning_is_given_once():
+    """Mutation review, round 44: (the warning repeated every padded step)."""
+    m = _mr_mlp()
+    params = pdpsgd.trainable_params(m)
+    step = _noisy_step(m)
+    pad = torch.tensor([True, True, False, False])
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            step(params, _mr_batch(4), pad)
+    assert len([w for w in rec if "padding rows" in str(w.message)]) == 1
+
+
+def test_a_fractional_expected_batch_size_is_the_exact_divisor():
+    """Mutation review, round 44: (q·N is rarely an integer: 2.5 must divide by 2.5, not 2 or 3)."""
+    m = _mr_mlp()
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, _mr_loss, max_grad_norm=0.3, noise_multiplier=0.0, expected_batch_size=2.5)
+    b = _mr_batch(3)
+    part = step.clipped_sum(params, b)
+    out = step.finalize(part)
+    for n in params:
+        torch.testing.assert_close(out.grads[n], part.sums[n] / 2.5, rtol=1e-13, atol=0)
+
+
+def test_an_all_padding_batch_without_expected_batch_size_divides_by_its_size():
+    """Mutation review, round 44: (a non-empty batch of
+    padding rows only was refused; its size, not its real count, is the divisor, so it is a zero step)."""
+    m = _mr_mlp()
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, _mr_loss, max_grad_norm=1.0, noise_multiplier=0.0)
+    out = step(params, _mr_batch(3), torch.zeros(3, dtype=torch.bool))
+    assert int(out.num_examples) == 0
+    assert all(not bool(g.any()) for g in out.grads.values())
+
+
+def test_gamma_does_not_enter_an_abadi_steps_clipping_key():
+    """Mutation review, round 44: (γ is unused by 'abadi' clipping: a part of one abadi step is finalized by another of the same C)."""
+    m = _mr_mlp()
+    params = pdpsgd.trainable_params(m)
+    a = pdpsgd.make_dp_step(m, _mr_loss, max_grad_norm=1.0, noise_multiplier=0.0, gamma=0.01)
+    b = pdpsgd.make_dp_step(m, _mr_loss, max_grad_norm=1.0, noise_multiplier=0.0, gamma=0.5)
+    part = a.clipped_sum(params, _mr_batch(3))
+    out = b.finalize(part + b.clipped_sum(params, _mr_batch(2, seed=1)))
+    assert int(out.num_examples) == 5
+
+
+def test_parts_of_different_parameter_sets_are_refused_in_either_order():
+    """Mutation review, round 44: (a part over fewer
+    parameters plus one over more silently dropped the extra parameters' sums)."""
+    m = _mr_mlp()
+    full = pdpsgd.trainable_params(m)
+    sub = {k: v for k, v in full.items() if k.startswith("2.")}
+    step = pdpsgd.make_dp_step(m, _mr_loss, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(ValueError, match="different parameter sets"):
+        step.clipped_sum(sub, _mr_batch(3)) + step.clipped_sum(full, _mr_batch(3, seed=1))
+    with pytest.raises(ValueError, match="different parameter sets"):
+        step.clipped_sum(full, _mr_batch(3)) + step.clipped_sum(sub, _mr_batch(3, seed=1))
+
+
+def test_a_sum_holding_one_already_finalized_part_is_refused():
+    """Mutation review, round 44: (finalize(p1) then
+    finalize(p1 + p2) released p1's examples twice: two noisy releases the accountant counts as one)."""
+    m = _mr_mlp()
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, _mr_loss, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+    p1 = step.clipped_sum(params, _mr_batch(2))
+    p2 = step.clipped_sum(params, _mr_batch(2, seed=1))
+    step.finalize(p1)
+    with pytest.raises(ValueError, match="finalized already"):
+        step.finalize(p1 + p2)
+    with pytest.raises(ValueError, match="finalized already"):
+        step.finalize(p2 + p1)
+
+
+@pytest.mark.parametrize("option", ["max_grad_norm", "noise_multiplier", "expected_batch_size"])
+def test_a_bool_is_not_a_number_option(option):
+    """Mutation review, round 44: ``noise_multiplier=False`` was read as σ = 0 (a step without noise, no warning),
+    ``max_grad_norm=True`` as C = 1; a bool (Python, NumPy or a bool tensor) is refused by name."""
+    import numpy as np
+
+    m = _mr_mlp()
+    for v in (True, False, np.bool_(True), torch.tensor(True)):
+        kw = dict(max_grad_norm=1.0, noise_multiplier=1.0)
+        kw[option] = v
+        with pytest.raises(TypeError, match=f"{option} must be a real number, got the bool"):
+            pdpsgd.make_dp_step(m, _mr_loss, **kw)
+    kw = dict(max_grad_norm=1.0, noise_multiplier=1.0)
+    kw[option] = np.float32(2.0)
+    assert getattr(pdpsgd.make_dp_step(m, _mr_loss, **kw), option) == 2.0
