@@ -5042,3 +5042,262 @@ def test_sq_norm_counts_every_column_at_the_block_boundaries():
     x[1, n - 1] = 2.0
     assert sq_norm_per_example(x).tolist() == [6.0, 4.0]
     assert sq_norm_per_example(x.reshape(2, 1, n)).tolist() == [6.0, 4.0]
+
+
+# ----------------------------------------------------------------------------------
+# mutation review of the norm and guard code, round 44: each test below fails under a mutant that let an
+# example's contribution exceed C and that the suite had let pass
+# ----------------------------------------------------------------------------------
+
+
+class _TwoInputs(nn.Module):
+    """Two equal-shaped linears on different inputs, outputs concatenated: their ghost norms are
+    taken in one group (``_ghost_groups``); only the SECOND member sees the underflowing input."""
+
+    def __init__(self, d, k):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, k, bias=False), nn.Linear(d, k, bias=False)
+
+    def forward(self, x1, x2):
+        return torch.cat([self.a(x1), self.b(x2)], -1)
+
+
+def test_grouped_underflow_slack_is_each_members_own():
+    """Mutation review, round 44: tiny activations (squares underflow float32, even without flush-to-zero) on the second of two
+    grouped layers: its underflow slack must be its own (a `slack[j]` -> `slack[0]` mutant gave it the
+    first member's, ~0, and the example contributed ~2 C)."""
+    torch.manual_seed(0)
+    T, d, k, C, x_val, factor = 256, 4096, 4, 1.0, 1e-23, 2.0
+    m = _TwoInputs(d, k)
+    y_val = factor * C / (T * x_val * math.sqrt(d * k))  # the b layer's true gradient norm: factor × C
+    x1 = torch.randn(1, T, d)
+    y1 = torch.randn(1, T, k) * 1e-6  # the a layer: an ordinary, small gradient
+    b = {"x1": x1, "x2": torch.full((1, T, d), x_val), "y": torch.cat([y1, torch.full((1, T, k), y_val)], -1)}
+    loss = lambda mm, bb: (mm(bb["x1"], bb["x2"]) * bb["y"]).sum((1, 2))  # noqa: E731
+    step = make_dp_step(m, loss, max_grad_norm=C, noise_multiplier=0.0, method="bk",
+                        bk_options={"cost_model": "ghost", "check_order": False})
+    part = step.clipped_sum(trainable_params(m), b)
+    assert set(part.routes.values()) == {"ghost"}, part.routes
+    contrib = math.sqrt(sum(float(g.double().pow(2).sum()) for g in part.sums.values()))
+    assert contrib <= C * (1 + 1e-5), contrib / C
+
+
+def test_explicit_embedding_summed_from_its_factors_is_bounded_by_its_rows():
+    """Mutation review, round 44: an embedding on the explicit route whose per-example table is not kept (its sum is taken from
+    the factors by index_add): an example whose +M and -M rows hit one id cancels to a norm ~0 in its
+    own table, yet in the batch's float32 sum it wipes out the others' terms on that id. Its guard
+    bound must be Σ_t ‖R_t‖, not its table's norm (a `_factor_bound` mutant using
+    `_sq_norm(_materialise(u)).sqrt()` for Index uses moved the sum by > C)."""
+    torch.manual_seed(0)
+    B, C, M, who, T, V = 8, 1.0, 1e8, 3, 8, 50
+    layer = nn.Embedding(V, 2)
+    x, w = torch.randint(0, V, (B, T)), torch.randn(B, T, 2) * 1e-3
+    x[:, 0] = 1
+    w[:, 0] = 1.0
+    x[who, 1] = 1
+    w[who] = 0
+    w[who, 0], w[who, 1] = M, -M
+    opts = {"routes": {"layer": "explicit"}, "explicit_keep_elems": 1, "check_order": False}
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, bb):
+            return (self.layer(bb["x"]) * bb["w"]).flatten(1).sum(1)
+
+    model = Net()
+    step = make_dp_step(model, lambda mm, bb: mm(bb), max_grad_norm=C, noise_multiplier=0.0, method="bk",
+                        expected_batch_size=B, bk_options=opts)
+    params = trainable_params(model)
+    every = torch.ones(B, dtype=torch.bool)
+    others = every.clone()
+    others[who] = False
+    full = step.clipped_sum(params, {"x": x, "w": w}, every)
+    rest = step.clipped_sum(params, {"x": x, "w": w}, others)
+    assert full.routes["layer.weight"] == "explicit"
+    moved = float((full.sums["layer.weight"].double() - rest.sums["layer.weight"].double()).norm())
+    assert moved <= C * (1 + 1e-4), moved
+
+
+# ----------------------------------------------------------------------------------
+# mutation review of the capture and its checks, round 44: each test below fails under a mutant the suite had
+# let pass (settings by value and buffer identity, the flattened-rows chain check, a rule giving no factor, routes
+# by module name / type, the batch-dimension probe, an unseen training-only use, the draw memo's dropout rates)
+# ----------------------------------------------------------------------------------
+
+
+def _mr_exact(m, loss, b, C=1.0, **bk):
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=C, noise_multiplier=0.0, method="bk", expected_batch_size=1.0,
+                               bk_options=bk or None)
+    out = step.clipped_sum(params, b)
+    norms, sums = naive_clipped_sum(m, loss, b, max_grad_norm=C, params=params)
+    torch.testing.assert_close(out.per_sample_norms, norms, rtol=1e-9, atol=0)
+    for n in sums:
+        torch.testing.assert_close(out.sums[n], sums[n], rtol=1e-9, atol=1e-12)
+    return out
+
+
+class _LNEpsSwitch(nn.Module):
+    """One LayerNorm called twice; the second call at another eps (a plain float attribute), restored."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.ln = nn.LayerNorm(6)
+
+    def forward(self, x):
+        h = self.inp(x)
+        a = self.ln(h)
+        self.ln.eps = 0.5
+        b = self.ln(h)
+        self.ln.eps = 1e-5
+        return torch.cat([a, b], -1)
+
+
+@pytest.mark.parametrize("check_order", [True, False])
+def test_plain_float_setting_switched_inside_the_forward_is_exact(check_order):
+    """Mutation review, round 44: a plain float attribute (LayerNorm's eps) switched inside the forward and
+    restored is part of the call's recorded settings: exact against the oracle."""
+    torch.manual_seed(0)
+    m = _LNEpsSwitch().double()
+    with torch.no_grad():
+        m.ln.weight.uniform_(0.5, 1.5)
+    loss = lambda mod, bb: ((mod(bb["x"]) - bb["y"]) ** 2).sum(1)  # noqa: E731
+    b = {"x": torch.randn(3, 4, dtype=torch.float64), "y": torch.randn(3, 12, dtype=torch.float64)}
+    _mr_exact(m, loss, b, C=1e3, check_order=check_order)
+
+
+def test_flattened_trace_through_an_unchecked_layer_falls_back_without_the_order_check():
+    """(Mutation review, round 44.) The chain check alone (``c.rows and unverified``): with check_order=False, a flattened input
+    traced through a name-matched norm that failed its call check must not stay on the rules."""
+
+    from pdpsgd.rules.rmsnorm import CustomRMSNormRule
+
+    reg = pdpsgd.rules.default_registry().copy()
+    reg.register(_ReversingRMSNorm, CustomRMSNormRule())  # (its call check fails: it reverses its rows)
+    torch.manual_seed(0)
+    m = _Chained(4, _ReversingRMSNorm).double()
+    b = {"x": torch.randn(3, 2, 4, dtype=torch.float64)}
+    out = _mr_exact(m, lambda mm, bb: mm(bb["x"]), b, C=0.1, check_order=False, registry=reg)
+    assert out.routes["norm.weight"] == "vmap" and out.routes["fc.weight"] == "vmap", out.routes
+
+
+def test_a_rule_that_gives_no_factor_for_a_parameter_sends_it_to_the_fallback():
+    """(Mutation review, round 44.) A (user's) rule whose ``uses`` omits a trained parameter of its layer: that parameter must
+    take the exact fallback, never be left with no gradient at all."""
+    from pdpsgd.rules.linear import LinearRule
+
+    class WeightOnly(LinearRule):
+        name = "weight_only"
+
+        def uses(self, module, args, kwargs, output, grad_output, batch_size):
+            got = super().uses(module, args, kwargs, output, grad_output, batch_size)
+            return None if got is None else {"weight": got["weight"]}
+
+    reg = pdpsgd.rules.default_registry().copy()
+    reg.register(nn.Linear, WeightOnly(), override=True)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    b = {"x": torch.randn(4, 5, dtype=torch.float64), "y": torch.randint(0, 3, (4,))}
+    loss = lambda mm, bb: F.cross_entropy(mm(bb["x"]), bb["y"], reduction="none")  # noqa: E731
+    out = _mr_exact(m, loss, b, C=0.5, registry=reg)
+    assert out.routes["0.bias"] == "vmap" and out.routes["0.weight"] != "vmap", out.routes
+
+
+@pytest.mark.parametrize("check_order", [True, False])
+def test_running_stats_swapped_for_a_tensor_of_the_same_version_are_seen(check_order):
+    """(Mutation review, round 44.) A BatchNorm's running statistics swapped for other tensor objects for one call and back: the
+    swap must be seen by the buffers' identity, not only their version counters (both here are 0:
+    default dtype float32, the model cast by .double(), the swapped-in stats made by .to())."""
+    from test_rules import _SharedAtrous
+
+    assert torch.get_default_dtype() == torch.float32
+    torch.manual_seed(0)
+    m = _SharedAtrous("batchnorm").double()
+    assert m.bn.running_mean._version == 0 and m.other_mean.double()._version == 0
+    loss = lambda mod, bb: (mod(bb["x"]) ** 2).sum(1) * bb["w"]  # noqa: E731
+    m.atrous = True
+    b = {"x": torch.randn(3, 2, 5, 5, dtype=torch.float64), "w": torch.rand(3, dtype=torch.float64)}
+    out = _mr_exact(m, loss, b, C=1.0, check_order=check_order)
+    assert out.routes["bn.weight"] == "vmap", out.routes
+
+
+@pytest.mark.parametrize("key", ["0", "Linear"])
+def test_a_vmap_route_asked_by_module_name_or_type_is_taken(key):
+    """(Mutation review, round 44.) ``bk_options['routes']`` naming a module (or a layer type) 'vmap' sends its parameters to the
+    exact fallback (``_model_layout``'s ``forced == "vmap"``), not only a parameter's own name."""
+    import models
+
+    torch.manual_seed(0)
+    m = models.mlp().double()
+    b = {"x": torch.randn(4, 5, dtype=torch.float64), "y": torch.randint(0, 3, (4,))}
+    out = _mr_exact(m, models.mlp_loss, b, C=0.5, routes={key: "vmap"})
+    assert out.routes["0.weight"] == "vmap" and out.routes["0.bias"] == "vmap", out.routes
+
+
+def test_a_first_dim_equal_to_b_by_coincidence_falls_back_without_the_order_check():
+    """(Mutation review, round 44.) The batch-dimension probe alone (check_order=False): a Linear applied to a (V, d) table with
+    V == B must not be split by example along V."""
+
+    torch.manual_seed(0)
+    B = 4
+    m = _ClassTable(V=B).double()
+    b = {"x": torch.randn(B, 5, dtype=torch.float64), "y": torch.randint(0, 2, (B,))}
+    loss = lambda mm, bb: F.cross_entropy(mm(bb["x"]), bb["y"], reduction="none")  # noqa: E731
+    out = _mr_exact(m, loss, b, C=0.05, check_order=False)
+    assert out.routes["proj.weight"] == "vmap", out.routes
+
+
+def test_a_parameter_only_training_reaches_is_not_trusted_when_the_check_runs_in_eval_mode():
+    """(Mutation review, round 44.) A forward that draws at random (here the loss adds noise, which moves no gradient) makes the
+    example-order check run in eval mode (``_draws_nothing``), where a training-only branch (that
+    reorders the batch) is never reached: that parameter is unverified and must take the exact
+    fallback in a step that reaches it (``_apply_order``'s unseen, non-zero use)."""
+
+    torch.manual_seed(0)
+    m = _TrainOnlyAux().double().train()
+
+    def loss(mm, bb):
+        out = ((mm(bb["x"], bb["len"]) - bb["y"]) ** 2).sum((1, 2))
+        return out + torch.rand(out.shape, dtype=out.dtype)  # (a draw: no gradient)
+
+    params = {n: p.detach() for n, p in pdpsgd.trainable_params(m).items()}
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
+    B = 4
+    g = torch.Generator().manual_seed(1)
+    b = {"x": torch.randn(B, 3, 4, generator=g, dtype=torch.float64),
+         "y": torch.randn(B, 3, 4, generator=g, dtype=torch.float64), "len": torch.tensor([3, 1, 2, 1])}
+    out = step.clipped_sum(params, b)
+    _, ref = pdpsgd.testing.naive_per_sample_grads(m, loss, b, params)
+    norms = torch.sqrt(sum(gg.flatten(1).pow(2).sum(1) for gg in ref.values()))
+    c = torch.clamp(0.5 / norms, max=1.0)
+    for n in params:
+        torch.testing.assert_close(out.sums[n], torch.einsum("b,b...->...", c, ref[n]), rtol=1e-9, atol=1e-12)
+    assert out.routes["aux.weight"] == "vmap", out.routes
+
+
+def test_the_draw_verdict_is_not_reused_once_a_dropout_rate_changes_at_the_same_batch_size():
+    """(Mutation review, round 44.) ``_one_network``'s memo key holds each module's dropout rate: a batch-free dropout at p = 0
+    draws nothing; set to 0.5 at the same batch shape and size (6, meeting no fixed size), it must
+    be checked again (every parameter to the fallback, equal to method='vmap' under one seed)."""
+
+    torch.manual_seed(0)
+    model = _SharedDraws("rate").double().train()
+    params = pdpsgd.trainable_params(model)
+    step = pdpsgd.make_dp_step(model, _pos_ce, max_grad_norm=1e9, noise_multiplier=0.0, method="bk")
+    b = {"x": torch.randn(6, 5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (6,))}
+    step.clipped_sum(params, b)  # (rate 0: no draw)
+    model.pdrop.p = 0.5
+    with pytest.warns(UserWarning, match="may draw at random"):
+        step.clipped_sum(params, b)
+    torch.manual_seed(3)
+    got = step.clipped_sum(params, b)
+    torch.manual_seed(3)
+    ref = pdpsgd.make_dp_step(model, _pos_ce, max_grad_norm=1e9, noise_multiplier=0.0,
+                              method="vmap").clipped_sum(params, b)
+    assert set(got.routes.values()) == {"vmap"}, got.routes
+    for n in params:
+        torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-12, atol=1e-14)
