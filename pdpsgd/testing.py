@@ -383,7 +383,8 @@ def check_sensitivity(
     naming the example when a bound is exceeded by more than ``rtol`` or a distance is not finite;
     returns the report. Examples the step drops as non-finite are listed in ``dropped``; a batch
     whose every example is dropped fails (its sum is 0: the bounds hold vacuously). Cost: 2·B + 3
-    clipped sums, B more when deterministic (B + 2 more with dropout at rate 0), 1 more with ``neighbour``.
+    clipped sums, B more when deterministic; otherwise 2 more (the same at rate 0 of torch's dropouts), and B
+    more if those agree; 1 more with ``neighbour``.
     """
     if mask is not None:  # (round 43, a user's walkthrough: a padded physical batch needed slicing by hand)
         from .per_sample import select_examples

@@ -202,7 +202,7 @@ def test_check_sensitivity_compares_removal_with_dropouts_at_rate_0():
     # (the order check sends the mixing layers to the exact fallback; each example alone is centred on itself,
     # so its output, and the step, draw nothing that matters: compared as trained)
     r = check(model(_TrainCentre(8)))
-    assert r.sliced_mode is not None and r.max_ratio <= 1 + 1e-9
+    assert r.deterministic and r.sliced_mode == "as trained" and r.max_ratio <= 1 + 1e-9
     for method in ("bk", "vmap"):
         r = check(model(), method)
         assert not r.deterministic and r.sliced_mode == "dropout at rate 0" and r.max_ratio <= 1 + 1e-9
