@@ -465,7 +465,8 @@ def check_sensitivity(
     bad = []
     for label, d in (("'s clipped contribution alone has norm", alone),
                      (" masked out moves the clipped sum by", removed),
-                     (" removed from the batch moves the clipped sum by", sliced)):
+                     (" removed from the batch" + (" (torch's dropouts at rate 0)" if sliced_mode == "dropout at rate 0"
+                                                   else "") + " moves the clipped sum by", sliced)):
         if d is not None:
             bad += [f"example {i}{label} {float(d[i]):.6g} > C = {C:.6g}" for i in range(B) if over(float(d[i]), lim)]
     ratios = [float(d.max()) / C for d in (alone, removed, sliced) if d is not None and B]
