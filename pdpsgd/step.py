@@ -222,11 +222,16 @@ def _check_grad_mode(params: Mapping[str, Tensor], batch: Batch, *, tensors: boo
                            "inference tensors: create them outside it, or pass a .clone() made outside it")
 
 
+def _is_bool(v: Any) -> bool:
+    """A Python, NumPy or torch bool (which ``float()`` would read as 0 or 1)."""
+    return isinstance(v, bool) or getattr(v, "dtype", None) is torch.bool or (
+        type(v).__module__ == "numpy" and type(v).__name__ in ("bool_", "bool"))
+
+
 def _real(name: str, v: Any) -> float:
     """A real number option as a float: a Python or NumPy number, or a one-element tensor; not a bool
     (mutation review, round 44: ``noise_multiplier=False`` was read as σ = 0, a step without noise)."""
-    if isinstance(v, bool) or getattr(v, "dtype", None) is torch.bool or (
-            type(v).__module__ == "numpy" and type(v).__name__ in ("bool_", "bool")):
+    if _is_bool(v):
         raise TypeError(f"{name} must be a real number, got the bool {v!r}")
     if isinstance(v, Tensor) and v.numel() == 1 and not v.is_complex():
         return float(v)
@@ -402,7 +407,7 @@ class DPStep:
         self.clip_budget = clip_budget
         self.clip_fn = clip_fn
         if clip_fn == "automatic":
-            if isinstance(gamma, bool) or (type(gamma).__module__ == "numpy" and "bool" in type(gamma).__name__):
+            if _is_bool(gamma):
                 # (review, round 39: True was read as γ = 1)
                 raise ValueError(f"gamma must be a number (γ of automatic clipping), got {gamma!r}")
             gamma = _real("gamma", gamma)

@@ -281,6 +281,11 @@ def _removed_one(sums, full: Mapping[str, Tensor], batch: Any, B: int) -> Tensor
     return out
 
 
+def _agree(a: Mapping[str, Tensor], b: Mapping[str, Tensor], tol: float) -> bool:
+    """The same sums up to rounding (relative ``tol``): a step that drew nothing that matters."""
+    return _distance(a, b) <= tol * max(_distance(a), 1e-30)
+
+
 def _distance(a: Mapping[str, Tensor], b: Optional[Mapping[str, Tensor]] = None) -> float:
     return math.sqrt(sum(float((a[n].double() - (0 if b is None else b[n].double())).pow(2).sum()) for n in a))
 
@@ -432,7 +437,7 @@ def check_sensitivity(
     # (up to rounding: kernels that are not bitwise reproducible, e.g. CUDA's index_add, do not count)
     f64 = all(v.dtype == torch.float64 for v in full.values())
     tol = 1e-12 if f64 else 1e-6
-    deterministic = _distance(full, other) <= tol * max(_distance(full), 1e-30)
+    deterministic = _agree(full, other, tol)
     alone = torch.zeros(B, dtype=torch.float64)
     removed = torch.zeros(B, dtype=torch.float64)
     for i in range(B):
@@ -451,7 +456,7 @@ def check_sensitivity(
 
         with DropoutOff():
             base = sums(batch)
-            if _distance(base, sums(batch, s=seed + 1)) <= tol * max(_distance(base), 1e-30):
+            if _agree(base, sums(batch, s=seed + 1), tol):
                 sliced, sliced_mode = _removed_one(sums, base, batch, B), "dropout at rate 0"
     replace, differing = None, ()
     if neighbour is not None:

@@ -26,7 +26,6 @@ import math
 import os
 import secrets
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
@@ -85,11 +84,9 @@ def default_delta(num_examples: int) -> float:
 
 def _real_or_none(v: Any) -> Optional[float]:
     """``step._real``'s reading of a number (Python, NumPy, a one-element tensor, a Fraction) as a
-    float; None for anything else, a bool included."""
+    float; None for anything else, a bool included (``_real`` refuses it)."""
     from .step import _real
 
-    if isinstance(v, bool) or getattr(v, "dtype", None) in (torch.bool, getattr(sys.modules.get("numpy"), "bool_", None)):
-        return None
     try:
         return _real("value", v)
     except (TypeError, OverflowError):
