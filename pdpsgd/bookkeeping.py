@@ -3044,7 +3044,7 @@ def _draws_nothing(loss_module: LossModule, params: Params, constants: Mapping[s
     numbers are torch's dropouts, which had sent it to eval mode). A forward that draws otherwise (a
     drop path's ``torch.rand``, a ``bernoulli_`` of its own, an LSTM's dropout between layers, a
     module's own generator) is checked in eval mode, as before: its draws would differ between the
-    runs."""
+    runs; since round 45 ``_mixes_under_same_draws`` then compares it in its own mode on the same draws."""
     model = loss_module.model
     if not isinstance(first, Tensor) or not any(m.training for m in model.modules()):
         return False
@@ -3053,6 +3053,54 @@ def _draws_nothing(loss_module: LossModule, params: Params, constants: Mapping[s
     return isinstance(again, Tensor) and first.shape == again.shape and (bool(torch.equal(first, again)) or (
         first.is_floating_point() and bool(torch.allclose(first, again, rtol=0, atol=0, equal_nan=True))))
 
+
+
+def _mixes_under_same_draws(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor],
+                            batch: Batch, B: int, first: Any) -> Optional[str]:
+    """For a training-mode forward that draws random numbers other than torch's dropouts (a drop path's
+    ``torch.rand``, LayerDrop's, a ``bernoulli_`` of its own), which ``_draws_nothing`` sends to eval mode
+    for the order check: whether a batch statistic taken in training only mixes its examples (round 45:
+    it was unseen there, the documented limit of rounds 42-44). A forward of the same shape on the same
+    forked streams draws the same numbers, so the batch with example 0 replaced by a copy of another
+    (seed 0, torch's dropouts at rate 0, as ``_watch_order``'s ``first``) must leave every other
+    example's loss as it was. Returns why not (those losses moved beyond rounding), or None: they did
+    not, or the check cannot tell (the same batch run again differs: draws not from the forked
+    streams, a module's own generator say; no other example with another loss; losses not (B,))."""
+    if not (isinstance(first, Tensor) and first.is_floating_point() and first.dim() >= 1 and first.shape[0] == B
+            and B > 2):
+        return None
+
+    def losses(b: Batch) -> Any:
+        with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params, 0), \
+                DropoutOff():
+            return _plain_forward(loss_module, params, constants, b)
+
+    ref = first.detach().reshape(B, -1).double()
+    again = losses(batch)
+    if not (isinstance(again, Tensor) and again.shape == first.shape
+            and bool(torch.equal(again.detach().reshape(B, -1).double().nan_to_num(0.0, 0.0, 0.0),
+                                 ref.nan_to_num(0.0, 0.0, 0.0)))):
+        return None  # (its draws are not the forked streams': the same batch gives other losses)
+    fin = torch.isfinite(ref).all(1)
+    other = [k for k in range(1, B) if bool(fin[k]) and not bool(torch.equal(ref[k], ref[0]))]
+    if not bool(fin[0]) or not other:
+        return None
+    idx = torch.arange(B)
+    idx[0] = other[0]
+    moved = losses(select_examples(batch, idx))
+    if not isinstance(moved, Tensor) or moved.shape != first.shape:
+        return None
+    got = moved.detach().reshape(B, -1).double()
+    eps = torch.finfo(first.dtype).eps
+    tol = _order_rtol(eps, _cpu_full_precision((params, constants, batch))) * torch.maximum(ref.abs(), got.abs()) \
+        + 8 * eps * float(ref[fin].abs().max())
+    rest = fin.clone()
+    rest[0] = False
+    if bool((((got - ref).abs() > tol).any(1) & rest).any()) or bool((rest & ~torch.isfinite(got).all(1)).any()):
+        return ("its training-mode forward, which draws random numbers of its own (so the example-order check "
+                "runs in eval mode), changed other examples' losses when one example was replaced, on the same "
+                "random draws: a batch statistic taken in training only mixes examples (exact fallback)")
+    return None
 
 def _watch_order(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
                  B: int) -> Tuple[Optional[str], Any]:
@@ -3316,6 +3364,8 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
     try:
         reordered, losses = _watch_order(loss_module, params, constants, batch, B)
         own = _draws_nothing(loss_module, params, constants, batch, losses)
+        mixed = (None if own or not any(m.training for m in loss_module.model.modules())
+                 else _mixes_under_same_draws(loss_module, params, constants, batch, B, losses))
         del losses
         s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
         names = sorted(s1.uses)
@@ -3443,6 +3493,10 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
         for n, v in n1b.items():
             if bool(differ(v, n1[n], n).any()):
                 res[n] = None  # random: trusted, as without the check (README)
+    if mixed is not None:  # (after the randomness exemption above: this comparison drew the same numbers)
+        for n in names:
+            if not _is_reason(res.get(n)):
+                res[n] = mixed
     if reordered is not None:
         # ordered by a computed index: whatever this batch's norms showed (its order may be the
         # identity: every length equal), another batch of this shape may be reordered. Every layer
