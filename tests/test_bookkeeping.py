@@ -5343,3 +5343,207 @@ def test_the_draw_verdict_is_not_reused_once_a_dropout_rate_changes_at_the_same_
     assert set(got.routes.values()) == {"vmap"}, got.routes
     for n in params:
         torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-12, atol=1e-14)
+
+
+
+# ---- mutation review, round 45 (book-keeping's norm, guard and clipped-sum code: 50 mutants, 4 real survivors) ----
+# the float64 guard's allowance follows the widest use of a tied weight; explicit uses summed one by one zero a
+# dropped example's rows; the Index-Index cross pair by per-example tables; each grouped member's own tokens
+
+
+class _bk45_TiedHead(nn.Module):
+    """An embedding tied to a bias-free output projection fed directly by the batch's features:
+    the loss's coefficients set the head's output gradient (L) and the embedding's (Index R)."""
+
+    def __init__(self, V, d):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.head = nn.Linear(d, V, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids, x):
+        return self.emb(ids), self.head(x)
+
+
+def _bk45_tied_loss(model, b):
+    e, logits = model(b["ids"], b["x"])
+    return (logits * b["cg"]).sum((1, 2)) + (e * b["ce"]).sum((1, 2))
+
+
+def test_bk45_float64_tied_guard_allowance_covers_the_widest_use():
+    """A tied weight whose Dense use (head: output gradient V = 16384 wide) and Index use (width d = 2)
+    have different factor widths. The head's two rows are constant vectors a·1, a2·1 whose V-long Gram
+    dot products round one-sided (~450 u each here), and R_2 ≈ -(a/a2)·R_1 cancels G down to κ ≈ 1e9
+    (under the float64 threshold): the squared norm comes out ~365 u·b² short, which the rigorous
+    allowance for P0 + P1 = V + d covers, but one for the Index use's width d alone does not: the
+    contribution would exceed C by ~2e-5 relative."""
+    torch.manual_seed(0)
+    V, d = 16384, 2
+    a, a2 = 1.0, 1.9612029098073007  # (found by a search over constant rows: V-long Grams off ~450 u)
+    model = _bk45_TiedHead(V, d).double()
+    r = torch.tensor([0.6, -0.8], dtype=torch.float64)
+    p = torch.tensor([3e-5, 2e-5], dtype=torch.float64)
+    x = torch.stack([r, -(a / a2) * r + p]).unsqueeze(0)  # (1, 2, d)
+    cg = torch.stack([torch.full((V,), a, dtype=torch.float64), torch.full((V,), a2, dtype=torch.float64)]).unsqueeze(0)
+    ids = torch.tensor([[3]])
+    ce = torch.zeros(1, 1, d, dtype=torch.float64)
+    b = {"ids": ids, "x": x, "cg": cg, "ce": ce}
+    params = trainable_params(model)
+    # the true per-example gradient: emb rows get ce, the head Σ_s cg_s ⊗ x_s (float64, exact enough)
+    G = torch.einsum("bsv,bsd->vd", cg, x)
+    true = float(G.pow(2).sum().sqrt())
+    C = true * 1e-3
+    for method in ("bk", "auto"):
+        step = make_dp_step(model, _bk45_tied_loss, max_grad_norm=C, noise_multiplier=0.0, method=method,
+                            bk_options={"cost_model": "ghost"})
+        out = step.clipped_sum(params, b)
+        assert out.routes["emb.weight"] == "ghost", out.routes
+        contrib = math.sqrt(sum(float(s.pow(2).sum()) for s in out.sums.values()))
+        assert contrib <= C * (1 + 1e-12), (method, contrib / C - 1)
+
+
+class _bk45_SharedNorm(nn.Module):
+    """One LayerNorm applied twice: its weight has two ``Explicit`` uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 7)
+        self.ln = nn.LayerNorm(7)
+        self.out = nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.out(self.ln(torch.tanh(self.ln(self.lin(x)))))
+
+
+def _bk45_cls_loss(model, b):
+    return torch.nn.functional.cross_entropy(model(b["x"]), b["y"], reduction="none")
+
+
+def test_bk45_explicit_uses_summed_from_their_own_G_skip_a_dropped_nonfinite_example():
+    """A parameter with several ``Explicit`` uses whose G is not kept (``explicit_keep_elems=1``) takes
+    its clipped sum use by use (``_weighted_use_sum``): a dropped non-finite example's NaN rows must be
+    zeroed there, never multiplied by 0."""
+    torch.manual_seed(0)
+    model = _bk45_SharedNorm()
+    x = torch.randn(6, 5)
+    x[2] = 1e30  # inf/nan in example 2 only
+    b = {"x": x, "y": torch.randint(0, 3, (6,))}
+    params = trainable_params(model)
+    keep = torch.ones(6, dtype=torch.bool)
+    keep[2] = False
+    clean = {k: v[keep] for k, v in b.items()}
+    ref = make_dp_step(model, _bk45_cls_loss, max_grad_norm=0.1, noise_multiplier=0.0,
+                       method="vmap").clipped_sum(params, clean)
+    for method in ("bk", "auto"):
+        for route in ("ghost", "explicit"):
+            step = make_dp_step(model, _bk45_cls_loss, max_grad_norm=0.1, noise_multiplier=0.0, method=method,
+                                bk_options={"cost_model": route, "explicit_keep_elems": 1})
+            got = step.clipped_sum(params, b)
+            assert int(got.kept.sum()) == 5
+            for n in params:
+                assert bool(torch.isfinite(got.sums[n]).all()), (method, route, n)
+                torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-5, atol=1e-6)
+
+
+class _bk45_TwiceLookedUp(nn.Module):
+    """A small table (4 rows) looked up twice at many positions: two Index uses of one weight whose
+    cross pair takes the per-example tables (``_index_tables``: T·S > 4 · 2 · rows · d)."""
+
+    def __init__(self, rows=4, d=3):
+        super().__init__()
+        self.emb = nn.Embedding(rows, d)
+        self.out = nn.Linear(d, 2)
+
+    def forward(self, a, b):
+        return self.out(torch.tanh(self.emb(a)) * self.emb(b))
+
+
+def _bk45_twice_loss(model, b):
+    return (model(b["a"], b["b"]) * b["c"]).sum((1, 2))
+
+
+def test_bk45_index_cross_pair_by_tables_exact():
+    g = torch.Generator().manual_seed(0)
+    B, T, rows = 3, 16, 4
+    batch = {"a": torch.randint(0, rows, (B, T), generator=g), "b": torch.randint(0, rows, (B, T), generator=g),
+             "c": torch.randn(B, T, 2, generator=g)}
+    torch.manual_seed(0)
+    for method in ("bk", "auto"):
+        for route in ("ghost", "explicit"):
+            for check in (True, False):  # (the order check alone would send a wrong norm to the vmap fallback)
+                r = assert_exact(_bk45_TwiceLookedUp(), _bk45_twice_loss, batch, method=method, max_grad_norm=0.3,
+                                 bk_options={"cost_model": route, "check_order": check})
+                assert r.routes["emb.weight"] in ("ghost", "explicit"), r.routes
+
+
+def _bk45_crafted_cancelling(B):
+    """As tests/test_bookkeeping.py's ``_crafted_cancelling``: float32 (x, G) of B examples, T = 64, example
+    0 crafted to nearly cancel (31 tokens ≈ one base input, alternating ±v output gradients, 33 zero rows)."""
+    import random
+
+    rng = random.Random(52)
+    torch.manual_seed(52)
+    T = rng.choice([8, 64, 70])
+    rng.choice([0, 1])
+    k = rng.randint(1, T // 2)
+    v = torch.randn(3, dtype=torch.float64)
+    base = torch.randn(4, dtype=torch.float64) * 10 ** rng.randint(0, 4)
+    x = torch.randn(B, T, 4, dtype=torch.float64) * 10 ** rng.randint(0, 3)
+    G = torch.zeros(B, T, 3, dtype=torch.float64)
+    for t in range(k):
+        x[0, t] = base + torch.randn(4, dtype=torch.float64) * 10 ** (-rng.randint(0, 3))
+        G[0, t] = v * (1 if t % 2 == 0 else -1) * (1 + 1e-3 * rng.random())
+    assert (T, k) == (64, 31)
+    return x.float(), G.float()
+
+
+class _bk45_Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3, bias=False)
+        self.b = nn.Linear(4, 3, bias=False)
+
+    def forward(self, xa, xb):
+        return self.a(xa), self.b(xb)
+
+
+def test_bk45_grouped_ghost_norms_guard_counts_each_members_own_tokens(monkeypatch):
+    """Two equal-shaped single-use layers whose self pairs are grouped (``_ghost_groups``): the first
+    member's examples use all 64 tokens, the second member's example 0 is the crafted float32 one that
+    nearly cancels over its 31 tokens. The cancellation guard of the second member must count its own 31
+    tokens (counting the first member's 64, its norm came out under the true one)."""
+    import pdpsgd.bookkeeping as bk
+
+    # the defaults (conftest lowers them): full self-Grams at T = 64, grouped, and no zero-row compaction
+    monkeypatch.setattr(bk, "SYM_MIN_T", 128)
+    monkeypatch.setattr(bk, "SYM_BLOCK_MIN", 32)
+    monkeypatch.setattr(bk, "ACTIVE_ROWS_MIN_WORK", 1 << 22)
+    x, G = _bk45_crafted_cancelling(2)
+    G[1] = torch.randn(64, 3)  # a full-length neighbour: no compaction, so both layers are grouped
+    g = torch.Generator().manual_seed(1)
+    xa, Ga = torch.randn(2, 64, 4, generator=g), torch.randn(2, 64, 3, generator=g)
+    true = torch.einsum("tp,tq->pq", G[0].double(), x[0].double()).norm()
+    ga0 = torch.einsum("tp,tq->pq", Ga[0].double(), xa[0].double()).norm()
+    Ga[0] *= float(1e-5 * true / ga0)  # the first member: all 64 tokens, a negligible norm for example 0
+    model = _bk45_Pair()
+    seen = []
+    real = bk._ghost_groups
+
+    counts = {}
+
+    def spy(items, rows, tokens):
+        out = real(items, rows, tokens)
+        seen.append(sorted(out))
+        counts.update({n: tokens[id(u)].tolist() for n, u, _ in items if id(u) in tokens})
+        return out
+
+    step = make_dp_step(model, lambda m, b: sum((y * c).sum((1, 2)) for y, c in zip(m(b["xa"], b["xb"]), (b["Ga"], b["G"]))),
+                        max_grad_norm=1e-3, noise_multiplier=0.0, method="bk", bk_options={"cost_model": "ghost"})
+    bk._ghost_groups = spy
+    try:
+        p = step.clipped_sum(trainable_params(model), {"xa": xa, "Ga": Ga, "xb": x, "G": G})
+    finally:
+        bk._ghost_groups = real
+    assert any(s == ["a.weight", "b.weight"] for s in seen), seen  # (the two were grouped)
+    assert counts == {"a.weight": [64, 64], "b.weight": [31, 64]}, counts  # each member's own tokens
+    assert float(p.per_sample_norms[0]) >= float(true) * (1 - 1e-6), (float(p.per_sample_norms[0]) / float(true) - 1)
