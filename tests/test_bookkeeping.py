@@ -5476,27 +5476,6 @@ def test_bk45_index_cross_pair_by_tables_exact():
                 assert r.routes["emb.weight"] in ("ghost", "explicit"), r.routes
 
 
-def _bk45_crafted_cancelling(B):
-    """As tests/test_bookkeeping.py's ``_crafted_cancelling``: float32 (x, G) of B examples, T = 64, example
-    0 crafted to nearly cancel (31 tokens ≈ one base input, alternating ±v output gradients, 33 zero rows)."""
-    import random
-
-    rng = random.Random(52)
-    torch.manual_seed(52)
-    T = rng.choice([8, 64, 70])
-    rng.choice([0, 1])
-    k = rng.randint(1, T // 2)
-    v = torch.randn(3, dtype=torch.float64)
-    base = torch.randn(4, dtype=torch.float64) * 10 ** rng.randint(0, 4)
-    x = torch.randn(B, T, 4, dtype=torch.float64) * 10 ** rng.randint(0, 3)
-    G = torch.zeros(B, T, 3, dtype=torch.float64)
-    for t in range(k):
-        x[0, t] = base + torch.randn(4, dtype=torch.float64) * 10 ** (-rng.randint(0, 3))
-        G[0, t] = v * (1 if t % 2 == 0 else -1) * (1 + 1e-3 * rng.random())
-    assert (T, k) == (64, 31)
-    return x.float(), G.float()
-
-
 class _bk45_Pair(nn.Module):
     def __init__(self):
         super().__init__()
@@ -5518,7 +5497,7 @@ def test_bk45_grouped_ghost_norms_guard_counts_each_members_own_tokens(monkeypat
     monkeypatch.setattr(bk, "SYM_MIN_T", 128)
     monkeypatch.setattr(bk, "SYM_BLOCK_MIN", 32)
     monkeypatch.setattr(bk, "ACTIVE_ROWS_MIN_WORK", 1 << 22)
-    x, G = _bk45_crafted_cancelling(2)
+    x, G = _crafted_cancelling(2)
     G[1] = torch.randn(64, 3)  # a full-length neighbour: no compaction, so both layers are grouped
     g = torch.Generator().manual_seed(1)
     xa, Ga = torch.randn(2, 64, 4, generator=g), torch.randn(2, 64, 3, generator=g)
