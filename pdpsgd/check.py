@@ -148,10 +148,13 @@ def check_file(path: str, methods: Iterable[str] = ("vmap", "bk", "auto"), *, rt
                     continue
                 how = {"as trained": "masked out and removed from the batch",
                        "dropout at rate 0": "masked out, and removed from the batch with torch's dropouts at rate 0"}.get(
-                    sens.sliced_mode, "masked out (the model draws random numbers other than torch's dropouts: "
-                                      "removal from the batch not compared)")
+                    sens.sliced_mode, "masked out" + (
+                        ", and replaced by a copy of another on the same random draws (against 2C)"
+                        if sens.replace_one_same_draws is not None else "")
+                    + " (the model draws random numbers other than torch's dropouts: removal from the batch not "
+                      "compared)")
                 print(f"[{m}] sensitivity OK: each example's clipped contribution alone, and the move of the "
-                      f"clipped sum with it {how}, at most {sens.max_ratio:.6g} × C", file=out)
+                      f"clipped sum with it {how}, at most {sens.max_ratio:.6g} × its bound", file=out)
                 if u["mask"] is not None:
                     print(f"[{m}] (the sensitivity check ran on the {int(u['mask'].sum())} rows the mask keeps)",
                           file=out)

@@ -271,6 +271,9 @@ class SensitivityReport(NamedTuple):
     # how ``remove_one_sliced`` was measured: "as trained" (deterministic), "dropout at rate 0" (the only draws were
     # torch's dropouts, run at rate 0 in the model's own mode), None (not measured: the forward draws otherwise)
     sliced_mode: Optional[str] = None
+    # (B,) ‖S(batch) − S(batch with row i replaced by a copy of row i + 1 mod B)‖ on the same random draws, each
+    # ≤ 2C; measured where removal is not (sliced_mode None) and the step is reproducible on one seed (round 45)
+    replace_one_same_draws: Optional[Tensor] = None
 
 
 def _removed_one(sums, full: Mapping[str, Tensor], batch: Any, B: int) -> Tensor:
@@ -279,6 +282,19 @@ def _removed_one(sums, full: Mapping[str, Tensor], batch: Any, B: int) -> Tensor
     for i in range(B):
         out[i] = _distance(full, sums(_without(batch, i, B)))
     return out
+
+
+def _copied_over(batch: Any, i: int, B: int) -> Any:
+    """The batch with row i replaced by a copy of row (i + 1) mod B in every tensor whose leading dim is B."""
+    idx = torch.arange(B)
+    idx[i] = (i + 1) % B
+
+    def swap(x):
+        if isinstance(x, Tensor) and x.dim() and x.shape[0] == B:
+            return x.index_select(0, idx.to(x.device))
+        return x
+
+    return tree_map(swap, batch)
 
 
 def _agree(a: Mapping[str, Tensor], b: Mapping[str, Tensor], tol: float) -> bool:
@@ -375,6 +391,9 @@ def check_sensitivity(
       deterministic (the same sums under two seeds), as different draws (train-mode dropout) on a
       batch of another shape would move the others' contributions too; where the only draws are
       torch's dropouts, with them at rate 0 in the model's own mode (``sliced_mode`` says which);
+      where it is not measured (other draws: a drop path's, LayerDrop's) and the step gives the same sums
+      twice on one seed, each example replaced by a copy of the next, on the same draws, moves the sum by
+      at most 2C (``replace_one_same_draws``; a batch statistic used in training shows there);
     * given ``neighbour`` (the batch with some examples replaced, same shapes), the sum moves by at
       most 2C per replaced example.
 
@@ -389,7 +408,7 @@ def check_sensitivity(
     returns the report. Examples the step drops as non-finite are listed in ``dropped``; a batch
     whose every example is dropped fails (its sum is 0: the bounds hold vacuously). Cost: 2·B + 3
     clipped sums, B more when deterministic; otherwise 2 more (the same at rate 0 of torch's dropouts), and B
-    more if those agree; 1 more with ``neighbour``.
+    more if those agree, else 1 more (the same seed again) and B more if that agrees; 1 more with ``neighbour``.
     """
     if mask is not None:  # (round 43, a user's walkthrough: a padded physical batch needed slicing by hand)
         from .per_sample import select_examples
@@ -458,6 +477,14 @@ def check_sensitivity(
             base = sums(batch)
             if _agree(base, sums(batch, s=seed + 1), tol):
                 sliced, sliced_mode = _removed_one(sums, base, batch, B), "dropout at rate 0"
+    swapped = None
+    if sliced is None and B > 1 and _agree(full, sums(batch), tol):
+        # (round 45) draws other than torch's dropouts (a drop path's, LayerDrop's) differ on a batch of another
+        # shape, but a batch of the same shape on the same seed draws the same numbers: each example replaced by a
+        # copy of the next moves the sum by ≤ 2C there, which a batch statistic used in training breaks
+        swapped = torch.zeros(B, dtype=torch.float64)
+        for i in range(B):
+            swapped[i] = _distance(full, sums(_copied_over(batch, i, B)))
     replace, differing = None, ()
     if neighbour is not None:
         differing = _differing(batch, neighbour, B)
@@ -474,7 +501,12 @@ def check_sensitivity(
                                                    else "") + " moves the clipped sum by", sliced)):
         if d is not None:
             bad += [f"example {i}{label} {float(d[i]):.6g} > C = {C:.6g}" for i in range(B) if over(float(d[i]), lim)]
+    if swapped is not None:
+        bad += [f"example {i} replaced by a copy of example {(i + 1) % B} (on the same random draws) moves the clipped "
+                f"sum by {float(swapped[i]):.6g} > 2C = {2 * C:.6g}" for i in range(B) if over(float(swapped[i]), 2 * lim)]
     ratios = [float(d.max()) / C for d in (alone, removed, sliced) if d is not None and B]
+    if swapped is not None:
+        ratios.append(float(swapped.max()) / (2 * C))
     if replace is not None:
         k = len(differing)
         ratios.append(replace / (2 * C * k) if k else (0.0 if replace == 0 else math.inf))
@@ -484,7 +516,8 @@ def check_sensitivity(
     ratio = max(ratios) if ratios else 0.0
     if any(math.isnan(r) for r in ratios):
         ratio = math.nan
-    report = SensitivityReport(C, alone, removed, sliced, replace, differing, deterministic, ratio, dropped, sliced_mode)
+    report = SensitivityReport(C, alone, removed, sliced, replace, differing, deterministic, ratio, dropped, sliced_mode,
+                               swapped)
     if bad:
         raise AssertionError("the step's clipped sum exceeds its sensitivity bound: " + "; ".join(bad[:5]))
     return report

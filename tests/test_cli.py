@@ -530,6 +530,13 @@ def test_check_reports_an_exceeded_sensitivity_bound(tmp_path, capsys, monkeypat
         "nn.Linear(6, 3))", "nn.Linear(6, 3)).train()"))
     rc, out, err = run_cli(["check", str(drop), "--method", "vmap", "--clip", "0.05"], capsys)
     assert rc == 0 and "removed from the batch with torch's dropouts at rate 0" in out, out + err
+    # (round 45: a drop path of its own draws; each example replaced by a copy of the next on the same draws, vs 2C)
+    path = tmp_path / "drop_path_model.py"
+    path.write_text(CHECK_OK.replace("nn.Tanh(), ", "nn.Tanh(), type('DropPath', (nn.Module,), {'forward': lambda s, h: "
+                                     "h * (torch.rand(h.shape[0], 1) >= 0.3).float() / 0.7})(), ").replace(
+        "nn.Linear(6, 3))", "nn.Linear(6, 3)).train()"))
+    rc, out, err = run_cli(["check", str(path), "--method", "vmap", "--clip", "0.05"], capsys)
+    assert rc == 0 and "replaced by a copy of another on the same random draws (against 2C)" in out, out + err
     real = step_mod.DPStep.clipped_sum
 
     def scaled(self, params, batch, mask=None):

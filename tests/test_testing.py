@@ -175,6 +175,13 @@ class _DropPath(torch.nn.Module):
         return h * (torch.rand(h.shape[0], 1, dtype=h.dtype) >= 0.3).to(h.dtype) / 0.7 if self.training else h
 
 
+class _TrainShare(torch.nn.Module):
+    """A batch sum added in training only (a strong mixing of the examples)."""
+
+    def forward(self, h):
+        return h + h.sum(0) if self.training else h
+
+
 def test_check_sensitivity_compares_removal_with_dropouts_at_rate_0():
     """Round 44: a training-mode model with dropout was checked by masking only (its draws differ on a batch of
     another shape), so a batch statistic used in training, which moves the others' gradients when an example is
@@ -207,8 +214,17 @@ def test_check_sensitivity_compares_removal_with_dropouts_at_rate_0():
         r = check(model(), method)
         assert not r.deterministic and r.sliced_mode == "dropout at rate 0" and r.max_ratio <= 1 + 1e-9
         assert r.remove_one_sliced.shape == (6,) and float(r.remove_one_sliced.min()) > 0
-    r = check(model(_TrainCentre(8), _DropPath()), bk_options={"check_order": False})
-    assert not r.deterministic and r.sliced_mode is None and r.remove_one_sliced is None
+    # a drop path (other draws): removal stays uncompared; since round 45 each example replaced by a copy of the
+    # next, on the same draws, is held to 2C instead, where strong mixing shows (a copy of another example is a
+    # milder change than arbitrary data: the centring's move stayed under 2C, a batch sum's did not)
+    with pytest.raises(AssertionError, match="replaced by a copy of example 1 \\(on the same random draws\\) moves the "
+                                             "clipped sum by"):
+        check(model(_TrainShare(), _DropPath()), bk_options={"check_order": False})
+    for m in (model(_TrainShare(), _DropPath()), model(_DropPath())):  # (bk's order check sees it since round 45)
+        r = check(m)
+        assert not r.deterministic and r.sliced_mode is None and r.remove_one_sliced is None
+        assert r.replace_one_same_draws.shape == (6,) and float(r.replace_one_same_draws.min()) > 0
+        assert float(r.replace_one_same_draws.max()) <= 2 * 0.05 * (1 + 1e-9) and r.max_ratio <= 1 + 1e-9
     det = model()
     det[2].p = 0.0  # (no draws at all: compared as trained)
     r = check(det)
