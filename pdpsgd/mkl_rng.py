@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import glob
+import math
 import os
 import site
 import sys
@@ -154,8 +155,9 @@ class MKLStream:
     def fill_(self, out: Tensor, std: float) -> Tensor:
         if out.device.type != "cpu" or not out.is_contiguous() or out.dtype not in (torch.float32, torch.float64):
             raise ValueError("MKLStream.fill_ needs a contiguous float32/float64 CPU tensor")
-        if not std > 0:
-            raise ValueError(f"MKLStream.fill_: std must be > 0, got {std}")
+        held = ctypes.c_float(std).value if out.dtype == torch.float32 else float(std)
+        if not (std > 0 and math.isfinite(std) and held > 0 and math.isfinite(held)):  # (round 45 review: inf passed)
+            raise ValueError(f"MKLStream.fill_: std must be a finite number > 0 that {out.dtype} can hold, got {std}")
         f = self.lib.vsRngGaussian if out.dtype == torch.float32 else self.lib.vdRngGaussian
         n, p, size = out.numel(), out.data_ptr(), out.element_size()
         step = 1 << 30  # the length argument is a C int

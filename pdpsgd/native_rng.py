@@ -367,10 +367,12 @@ class NativeStream:
     @staticmethod
     def _check_args(dtype: torch.dtype, std: float, scale: float) -> None:
         ctype = ctypes.c_float if dtype == torch.float32 else ctypes.c_double
-        if not (std > 0 and math.isfinite(std)) or not ctype(std).value > 0:
+        # (round 45 review: a std or scale finite in Python but past float32's range became inf there: ±inf noise)
+        held = ctype(std).value
+        if not (std > 0 and math.isfinite(std)) or not (held > 0 and math.isfinite(held)):
             raise ValueError(f"NativeStream: std must be a finite number > 0 that {dtype} can hold, got {std}")
-        if not math.isfinite(scale):
-            raise ValueError(f"NativeStream: scale must be finite, got {scale}")
+        if not (math.isfinite(scale) and math.isfinite(ctype(scale).value)):
+            raise ValueError(f"NativeStream: scale must be a finite number that {dtype} can hold, got {scale}")
 
     def _reserve(self, need: int) -> int:
         with self._lock:
@@ -413,6 +415,9 @@ class NativeStream:
             if t.dtype != dtype:
                 raise ValueError(f"NativeStream.add_many: one dtype for all tensors, got {dtype} and {t.dtype}")
         self._check_args(dtype, std, scale)
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            # (round 45 review: a chunk ≤ 0 gave no pieces: the tensors were left without noise, silently)
+            raise ValueError(f"NativeStream.add_many: chunk must be an int >= 1 (or None), got {chunk!r}")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"NativeStream.add_many: threads must be an int >= 1 (or None), got {threads!r}")
         per, es = _PER_BLOCK[dtype], outs[0].element_size()

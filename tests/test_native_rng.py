@@ -2,6 +2,7 @@
 known-answer vectors and an independent numpy implementation, its Box–Muller against float64 on
 the same words over every input class, its stream layout, keying, and its build's error and cache."""
 import math
+import subprocess
 
 import numpy as np
 import pytest
@@ -45,6 +46,19 @@ def box_muller_ref(x: np.ndarray, y: np.ndarray, e=None):
     r = np.sqrt(-2 * np.log(u1))
     return r * np.cos(t), r * np.sin(t)
 
+
+
+class _ThreadsSeen:
+    """The kernel library, with the thread count of each ``*_many`` call (its last argument) appended to ``seen``."""
+
+    def __init__(self, lib, seen):
+        self._lib, self._seen = lib, seen
+
+    def __getattr__(self, name):
+        f = getattr(self._lib, name)
+        if not name.endswith("_many"):
+            return f
+        return lambda *a: (self._seen.append(a[-1]), f(*a))[1]
 
 def stream_ref(nblocks, key, nonce, dtype, first=0):
     """The documented stream layout, from raw words, in float64 (blocks first .. first + nblocks - 1)."""
@@ -497,22 +511,11 @@ def test_step_noise_follows_torchs_thread_count_with_the_same_bits(monkeypatch):
     from pdpsgd.fused import noise_and_scale
 
     seen = []
-
-    class Spy:
-        def __init__(self, lib):
-            self._lib = lib
-
-        def __getattr__(self, name):
-            f = getattr(self._lib, name)
-            if not name.endswith("_many"):
-                return f
-            return lambda *a: (seen.append(a[-1]), f(*a))[1]
-
     real_init = native_rng.NativeStream.__init__
 
     def init(self, generator):
         real_init(self, generator)
-        self.lib = Spy(self.lib)
+        self.lib = _ThreadsSeen(self.lib, seen)
 
     monkeypatch.setattr(native_rng.NativeStream, "__init__", init)
     sizes = {"w": (700, 1000), "b": (1000,), "tiny": (3,)}
@@ -567,3 +570,197 @@ def test_radius_follows_the_gaussian_law_in_the_bulk_and_beyond_5_77_sigma(regio
         half_r2 = half_r2 - 24 * math.log(2)
         assert half_r2.min() > -1e-4 and half_r2.max() > 5  # (radii past 6.6σ occur: 1 in e^5 of the tail)
     assert stats.kstest(half_r2, "expon").pvalue > 1e-3
+
+
+# ---- mutation review, round 45 (the native kernel, its stream and build: 92 mutants over native_rng, the C kernel,
+# mkl_rng and _seeding; 25 real survivors; two bugs fixed: add_many with chunk <= 0 added no noise, silently; a std or
+# scale past float32's range gave ±inf noise)
+
+
+def _block_ref(key, nonce, first_counter):
+    """The documented 64 float32 normals of the block whose first counter is ``first_counter``, and its words."""
+    assert first_counter % 16 == 0
+    w = philox_np(np.arange(first_counter, first_counter + 16, dtype=np.uint64), key, nonce)
+    return stream_ref(1, key, nonce, torch.float32, first=first_counter // 16), w
+
+
+# key, nonce and blocks found by search: in block 44264496 counter j = 4 has w2 = 31 (a tail on the
+# w2 pair, l = 7988), in block 62140064 counter j = 4 has w0 = 4 (a tail on the w0 pair, l = 1201)
+_RNG45_KEY, _RNG45_NONCE = (0x12345678, 0x9ABCDEF0), (0x0BADF00D, 0xDEADBEEF)
+
+
+@pytest.mark.parametrize("block,word,pos", [(44264496, 2, 2 * 16 + 4), (62140064, 0, 4)])
+def test_rng45_tail_pairs_take_their_own_tail_word(block, word, pos):
+    """Beyond 5.77σ the radius uniform takes 24 more bits from the tail word of *its own* counter
+    under the tail nonce (w0 pair: word 0, w2 pair: word 1). A stream positioned at a block with a
+    tail pair on each of the two word pairs, against the independent numpy reference."""
+    ref, w = _block_ref(_RNG45_KEY, _RNG45_NONCE, block)
+    assert w[4, word] < 256  # the precondition, from the independent Philox
+    s = native_rng.NativeStream(torch.Generator().manual_seed(0))
+    s.key, s.nonce, s.counter = _RNG45_KEY, _RNG45_NONCE, block
+    z = s.fill_(torch.empty(64), 1.0).double().numpy()
+    assert math.hypot(ref[pos], ref[pos + 16]) > 5.77 and math.hypot(z[pos], z[pos + 16]) > 5.77  # the tail pair
+    assert np.abs(z - ref).max() <= 1e-6 * np.abs(ref).max()
+    # the tail pair to the documented bound (< 1e-6 absolute from float64 on the same float32 uniform):
+    # another counter's or word's tail word moves it by more (here 1.3e-6 .. 6e-6)
+    assert abs(z[pos] - ref[pos]) < 1e-6 and abs(z[pos + 16] - ref[pos + 16]) < 1e-6
+    s.counter = block
+    z3 = s.fill_(torch.empty(64, dtype=torch.float32), 3.0).double().numpy()
+    assert np.abs(z3 - 3 * ref).max() <= 3e-6 * np.abs(ref).max()
+
+
+def test_rng45_counter_space_is_never_wrapped():
+    """A stream never runs past 2^64 counters (a wrap would repeat the noise of its first blocks):
+    the last block is drawn (its counter carries into the high word), the next call is refused."""
+    s = native_rng.NativeStream(torch.Generator().manual_seed(0))
+    s.counter = 2 ** 64 - 16
+    z = s.fill_(torch.empty(64), 1.0).double().numpy()
+    ref, _ = _block_ref(s.key, s.nonce, 2 ** 64 - 16)
+    assert np.abs(z - ref).max() <= 1e-6 * np.abs(ref).max()
+    assert s.counter == 2 ** 64
+    with pytest.raises(RuntimeError, match="exhausted"):
+        s.fill_(torch.empty(1), 1.0)
+    t = native_rng.NativeStream(torch.Generator().manual_seed(0))
+    t.counter = 2 ** 64 - 16
+    with pytest.raises(RuntimeError, match="exhausted"):
+        t.add_many([torch.zeros(65)], 1.0, 1.0)
+    assert t.counter == 2 ** 64 - 16  # nothing reserved by the refused call
+
+
+def test_rng45_fill_overwrites_whatever_the_buffer_held():
+    """``fill_`` writes N(0, std²): the buffer's old contents (NaN, inf from a scratch buffer) never
+    reach the output, and the draws are those of a fresh buffer."""
+    for dtype in (torch.float32, torch.float64):
+        a = native_rng.NativeStream(torch.Generator().manual_seed(4)).fill_(torch.zeros(100, dtype=dtype), 1.0)
+        junk = torch.full((100,), float("nan"), dtype=dtype)
+        junk[::3] = float("inf")
+        b = native_rng.NativeStream(torch.Generator().manual_seed(4)).fill_(junk, 1.0)
+        assert torch.isfinite(b).all() and torch.equal(a, b)
+
+
+def test_rng45_the_cache_key_covers_the_source_and_the_cpu(tmp_path, monkeypatch):
+    """A changed kernel source (an upgrade) or another CPU's flags (a shared cache, -march=native)
+    never reuses a cached library: each gets its own file name. (The compiler is faked: no build.)"""
+    monkeypatch.setenv("PDPSGD_CACHE_DIR", str(tmp_path))
+    real = native_rng._run
+
+    def fake(cmd):
+        if "--version" in cmd:
+            return real(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(native_rng, "_run", fake)
+    first = native_rng._build(variants=([],))
+    src = tmp_path / "philox_normal.c"
+    src.write_bytes(native_rng.SOURCE.read_bytes() + b"\n/* changed */\n")
+    monkeypatch.setattr(native_rng, "SOURCE", src)
+    changed = native_rng._build(variants=([],))
+    assert changed != first
+    monkeypatch.setattr(native_rng, "_cpu_flags", lambda: "fpu sse2 (another cpu)")
+    other_cpu = native_rng._build(variants=([],))
+    assert other_cpu not in (first, changed)
+
+
+def test_rng45_native_key_and_nonce_are_four_full_32_bit_words():
+    """Key and nonce are the generator's next four draws over the whole 32-bit range (a 31-bit draw
+    would agree with seed 9's words, all below 2^31 by chance, but not with these seeds')."""
+    big = 0
+    for seed in range(8):
+        w = torch.randint(0, 1 << 32, (4,), generator=torch.Generator().manual_seed(seed), dtype=torch.int64).tolist()
+        s = native_rng.NativeStream(torch.Generator().manual_seed(seed))
+        assert (s.key, s.nonce) == (tuple(w[:2]), tuple(w[2:]))
+        big += sum(x >= 1 << 31 for x in w)
+    assert big >= 8  # (the precondition: high bits do occur in these words)
+
+
+def test_rng45_overlapping_tensors_never_reach_the_kernel_on_several_threads(monkeypatch):
+    """Overlapping tensors are handed to the kernel with one thread (two would read-add-write the
+    same elements); disjoint ones with the requested count, where the kernel is threaded."""
+    seen = []
+    x = torch.zeros(1 << 18)
+    s = native_rng.NativeStream(torch.Generator().manual_seed(2))
+    s.lib = _ThreadsSeen(s.lib, seen)
+    s.add_many([x, x[1000:]], 1.0, 1.0, 1 << 16, threads=4)
+    s.add_many([x[:1000], x[1000:]], 1.0, 1.0, 1 << 16, threads=4)
+    assert seen == [1, 4 if native_rng.threaded() else 1]
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")])
+def test_rng45_non_finite_scale_is_refused(scale):
+    s = native_rng.NativeStream(torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        s.add_(torch.zeros(8), 1.0, scale)
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        s.add_many([torch.zeros(8)], 1.0, scale)
+    assert s.counter == 0
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_rng45_a_kernel_count_that_disagrees_with_the_reservation_is_an_error(many):
+    """The guard against reused counters: a kernel that reports another number of counters than
+    were reserved is an error, never silently accepted."""
+
+    class Liar:
+        def __init__(self, lib):
+            self._lib = lib
+
+        def __getattr__(self, name):
+            f = getattr(self._lib, name)
+            return (lambda *a: f(*a) - 16) if name.startswith("pdpsgd_normal") else f
+
+    s = native_rng.NativeStream(torch.Generator().manual_seed(0))
+    s.lib = Liar(s.lib)
+    with pytest.raises(RuntimeError, match="reserved"):
+        if many:
+            s.add_many([torch.zeros(100), torch.zeros(7)], 1.0, 1.0)
+        else:
+            s.add_(torch.zeros(100), 1.0, 1.0)
+
+
+def test_rng45_box_muller_helper_takes_the_tail_for_every_word_below_256():
+    """The audit helper's tail branch covers x < 256 exactly (x = 255: the last tail word; 256: the
+    first bulk one), against the numpy reference with the tail words."""
+    x = np.array([0, 1, 128, 254, 255, 256, 257, 511], dtype=np.int64)
+    y = np.array([0x12345678, 0x9ABCDEF0, 0x0F0F0F0F, 0x77777777, 0x00ABCD12, 0x55555555, 0xFFFFFFFF, 0x1], dtype=np.int64)
+    e = np.array([0xFFFFFFFF, 0x80000000, 0x12345678, 0xCAFEBABE, 0x0BADC0DE, 0x1, 0x2, 0x3], dtype=np.int64)
+    c, s = native_rng.box_muller_f32(torch.from_numpy(x), torch.from_numpy(y), e=torch.from_numpy(e))
+    rc, rs = box_muller_ref(x, y, e)
+    # the documented bound, < 1e-6 absolute (x = 255 through the bulk formula is 2.6e-6 off)
+    assert np.abs(c.double().numpy() - rc).max() < 1e-6
+    assert np.abs(s.double().numpy() - rs).max() < 1e-6
+
+
+
+
+def test_add_many_refuses_a_chunk_that_is_not_a_positive_int():
+    """Review, round 45: ``chunk`` ≤ 0 gave no pieces (``range(0, n, -5)`` is empty), so the tensors were left as they
+    were, without noise or scaling, and nothing was raised; a bool or float chunk is refused too."""
+    for chunk in (0, -5, True, 2.0):
+        s = native_rng.NativeStream(torch.Generator().manual_seed(0))
+        x = torch.ones(1000)
+        with pytest.raises(ValueError, match="chunk must be an int >= 1"):
+            s.add_many([x], 1.0, 1.0, chunk=chunk)
+        assert s.counter == 0 and bool((x == 1).all())
+    s = native_rng.NativeStream(torch.Generator().manual_seed(0))
+    x = torch.ones(1000)
+    s.add_many([x], 1.0, 1.0, chunk=300)
+    assert not bool((x == 1).any())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_std_or_scale_past_the_dtypes_range_is_refused(dtype):
+    """Review, round 45: the message promised "a finite number > 0 that float32 can hold", but only underflow was
+    checked: std = 1e39 filled a float32 tensor with ±inf, and a scale of 1e39 made every element inf. float64 holds
+    both."""
+    s = native_rng.NativeStream(torch.Generator().manual_seed(0))
+    if dtype == torch.float32:
+        with pytest.raises(ValueError, match="std must be a finite number > 0 that torch.float32 can hold"):
+            s.fill_(torch.empty(8), 1e39)
+        with pytest.raises(ValueError, match="scale must be a finite number that torch.float32 can hold"):
+            s.add_(torch.ones(8), 1.0, 1e39)
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            s.add_many([torch.ones(8)], 1.0, -1e39)
+        assert s.counter == 0
+    else:
+        assert bool(torch.isfinite(s.fill_(torch.empty(8, dtype=dtype), 1e39)).all())
+        assert bool(torch.isfinite(s.add_(torch.ones(8, dtype=dtype), 1.0, 1e39)).all())

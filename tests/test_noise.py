@@ -1,4 +1,5 @@
 """Noise std = σC within statistical tolerance (KS test on ≥ 10^6 draws), and the test has power."""
+import ctypes
 import math
 import os
 import warnings
@@ -10,6 +11,7 @@ from scipy import stats
 from torch import nn
 
 import pdpsgd
+from pdpsgd import mkl_rng as _mkl
 from pdpsgd.fused import noise_and_scale
 
 
@@ -584,3 +586,54 @@ def test_overlap_scan_sees_a_span_inside_a_long_one_after_a_short_one():
     ref = noise_and_scale(orig, 1.0, torch.Generator().manual_seed(0), 1.0, f32, compile=False, rng="numpy")
     for n in sums:
         assert torch.equal(out[n], ref[n]), n
+
+
+# ---- mutation review, round 45: the oneMKL stream's keying and its refusals
+
+
+@needs_mkl
+@pytest.mark.parametrize("seed", [0, 12345])
+def test_rng45_mkl_stream_is_philox_keyed_by_two_full_generator_words(seed):
+    """The oneMKL stream is VSL_BRNG_PHILOX4X32X10 (16 << 20) keyed by the generator's next two 32-bit
+    words (both taken: a 64-bit key) and drawn with VSL_RNG_METHOD_GAUSSIAN_BOXMULLER2 (1): the same
+    values as that stream opened here by hand, and the generator advances by exactly those words."""
+    g = torch.Generator().manual_seed(seed)
+    words = torch.randint(0, 1 << 32, (2,), generator=torch.Generator().manual_seed(seed), dtype=torch.int64)
+    assert int(words.max()) >= 1 << 16
+    lib = _mkl.require()
+    ref = {}
+    for dtype, fn in ((torch.float32, "vsRngGaussian"), (torch.float64, "vdRngGaussian")):
+        stream = ctypes.c_void_p()
+        assert lib.vslNewStreamEx(ctypes.byref(stream), 16 << 20, 2, (ctypes.c_uint32 * 2)(*words.tolist())) == 0
+        out = torch.empty(1001, dtype=dtype)
+        assert getattr(lib, fn)(1, stream, out.numel(), out.data_ptr(), 0.0, 0.7) == 0
+        lib.vslDeleteStream(ctypes.byref(stream))
+        ref[dtype] = out
+    with _mkl.MKLStream(g) as s:
+        got32 = s.fill_(torch.empty(1001), 0.7)
+    after = torch.Generator().manual_seed(seed)
+    torch.randint(0, 1 << 32, (2,), generator=after, dtype=torch.int64)
+    assert torch.equal(g.get_state(), after.get_state())
+    assert torch.equal(got32, ref[torch.float32])
+    with _mkl.MKLStream(torch.Generator().manual_seed(seed)) as s:
+        assert torch.equal(s.fill_(torch.empty(1001, dtype=torch.float64), 0.7), ref[torch.float64])
+
+
+@needs_mkl
+def test_rng45_mkl_fill_refuses_what_it_cannot_fill_in_place():
+    """oneMKL writes n consecutive values from the data pointer: a strided view would get noise on
+    other elements than its own (half of them never drawn), so it is refused, as are other dtypes
+    and a σ that is not > 0."""
+    with _mkl.MKLStream(torch.Generator().manual_seed(0)) as s:
+        with pytest.raises(ValueError, match="contiguous"):
+            s.fill_(torch.zeros(10, 2)[:, 0], 1.0)
+        with pytest.raises(ValueError, match="contiguous"):
+            s.fill_(torch.zeros(4, dtype=torch.float16), 1.0)
+        with pytest.raises(ValueError, match="std must be a finite number > 0"):
+            s.fill_(torch.zeros(4), 0.0)
+        for std in (float("inf"), 1e39):  # (round 45 review: inf passed, and float32 cannot hold 1e39)
+            with pytest.raises(ValueError, match="std must be a finite number > 0 that torch.float32 can hold"):
+                s.fill_(torch.zeros(4), std)
+        with pytest.raises(ValueError, match="std must be a finite number > 0 that torch.float32 can hold"):
+            s.fill_(torch.zeros(4), 1e-50)  # (0 in float32: no noise)
+        assert bool(torch.isfinite(s.fill_(torch.zeros(4, dtype=torch.float64), 1e39)).all())

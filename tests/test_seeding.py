@@ -3,9 +3,12 @@ one of 2^32 (review, round 35: ``manual_seed(secrets.randbits(63))`` keeps 32 bi
 trying every 32-bit seed against a released update recovers its noise)."""
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
+from pdpsgd import _seeding
 from pdpsgd._seeding import _mt_init, entropy_key, keyed_generator, rekey, seed_key
 from pdpsgd.noise import entropy_generator
 from pdpsgd.sampling import PoissonSampler
@@ -109,3 +112,56 @@ def test_the_keyed_state_is_the_stream_torch_draws_against_numpys_mt19937():
     ref = bg.random_raw(2000)[1::2]
     got = torch.empty(1000, dtype=torch.int64).random_(0, 2**32, generator=g)
     assert got.tolist() == ref.tolist()
+
+
+# ---- mutation review, round 45: the key expansion, its width on accelerators, the entropy key
+
+
+def _rng45_words(g):
+    s = g.get_state()[24:24 + 8 * 624]
+    return [int.from_bytes(bytes(s[8 * i:8 * i + 8].tolist()), "little") for i in range(624)]
+
+
+def test_rng45_cpu_state_is_the_shake256_expansion_of_the_whole_key():
+    """Known answer, computed independently with hashlib: the 624 state words are the first 2496
+    bytes of SHAKE-256("pdpsgd-generator\\0" + key), 32 bits each, little-endian; every byte of a
+    long key counts (a key cut to its tail or head would shrink the secret)."""
+    key = bytes(range(256)) * 2 + b"tail"
+    raw = hashlib.shake_256(b"pdpsgd-generator\x00" + key).digest(4 * 624)
+    want = [int.from_bytes(raw[4 * i:4 * i + 4], "little") for i in range(624)]
+    assert _rng45_words(_seeding.keyed_generator(key)) == want
+    for i in (0, 250, len(key) - 1):  # one flipped byte anywhere: another state
+        other = bytearray(key)
+        other[i] ^= 1
+        assert _rng45_words(_seeding.keyed_generator(bytes(other))) != want
+
+
+class _Rng45FakeAcceleratorGenerator:
+    class device:
+        type = "cuda"
+
+    def __init__(self):
+        self.seeds = []
+
+    def manual_seed(self, s):
+        self.seeds.append(s)
+        return self
+
+
+def test_rng45_accelerator_generators_take_64_bits_of_the_expansion():
+    """Accelerator generators (Philox, a 64-bit seed) are seeded with the first 8 bytes of the
+    expansion, little-endian: 64 bits, not 32."""
+    seeds = []
+    for i in range(8):
+        key = f"k{i}".encode()
+        g = _Rng45FakeAcceleratorGenerator()
+        assert _seeding.rekey(g, key) is g
+        want = int.from_bytes(hashlib.shake_256(b"pdpsgd-generator\x00" + key).digest(8), "little")
+        assert g.seeds == [want]
+        seeds.append(g.seeds[0])
+    assert max(seeds) >= 1 << 32 and all(0 <= s < 1 << 64 for s in seeds)
+
+
+def test_rng45_entropy_keys_are_256_bits_from_the_os():
+    keys = {_seeding.entropy_key() for _ in range(4)}
+    assert len(keys) == 4 and all(isinstance(k, bytes) and len(k) == 32 for k in keys)
