@@ -53,6 +53,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
+import operator
 import os
 import platform
 import shlex
@@ -415,9 +416,14 @@ class NativeStream:
             if t.dtype != dtype:
                 raise ValueError(f"NativeStream.add_many: one dtype for all tensors, got {dtype} and {t.dtype}")
         self._check_args(dtype, std, scale)
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-            # (round 45 review: a chunk ≤ 0 gave no pieces: the tensors were left without noise, silently)
-            raise ValueError(f"NativeStream.add_many: chunk must be an int >= 1 (or None), got {chunk!r}")
+        if chunk is not None:  # (round 45 review: a negative chunk gave no pieces: the tensors were left without noise)
+            try:
+                ok = not isinstance(chunk, bool) and operator.index(chunk) >= 1  # (numpy's ints too)
+            except TypeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"NativeStream.add_many: chunk must be an int >= 1 (or None), got {chunk!r}")
+            chunk = operator.index(chunk)
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"NativeStream.add_many: threads must be an int >= 1 (or None), got {threads!r}")
         per, es = _PER_BLOCK[dtype], outs[0].element_size()

@@ -272,7 +272,8 @@ class SensitivityReport(NamedTuple):
     # torch's dropouts, run at rate 0 in the model's own mode), None (not measured: the forward draws otherwise)
     sliced_mode: Optional[str] = None
     # (B,) ‖S(batch) − S(batch with row i replaced by a copy of row i + 1 mod B)‖ on the same random draws, each
-    # ≤ 2C; measured where removal is not (sliced_mode None) and the step is reproducible on one seed (round 45)
+    # ≤ 2C; measured where removal is not (sliced_mode None), the step is reproducible on one seed and every such
+    # batch draws as many numbers (round 45)
     replace_one_same_draws: Optional[Tensor] = None
 
 
@@ -393,7 +394,8 @@ def check_sensitivity(
       torch's dropouts, with them at rate 0 in the model's own mode (``sliced_mode`` says which);
       where it is not measured (other draws: a drop path's, LayerDrop's) and the step gives the same sums
       twice on one seed, each example replaced by a copy of the next, on the same draws, moves the sum by
-      at most 2C (``replace_one_same_draws``; a batch statistic used in training shows there);
+      at most 2C (``replace_one_same_draws``; a batch statistic used in training shows there; not
+      measured where the replaced batches draw other numbers: their count follows the data);
     * given ``neighbour`` (the batch with some examples replaced, same shapes), the sum moves by at
       most 2C per replaced example.
 
@@ -428,13 +430,19 @@ def check_sensitivity(
     dev = next(iter(params.values())).device
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
-    def part(b: Any, mask: Optional[Tensor] = None, s: int = seed):
+    from .per_sample import _rng_state, _same_state
+
+    drawn: List[Any] = []  # the seeded streams as each call left them (``drawn_to``)
+
+    def part(b: Any, mask: Optional[Tensor] = None, s: int = seed, drawn_to: Optional[List[Any]] = None):
         # (the masks here are the check's own: the step's "padding rows" divisor warning is not about the
         # user's batches, and stays armed for them; review, round 37)
         armed = getattr(step, "_padding_warned", None)
         with _all_seeded(devices, s), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="the batch has padding rows")
             out = step.clipped_sum(params, b, mask)
+            if drawn_to is not None:
+                drawn_to.append(_rng_state(dev))
         if armed is not None:
             step._padding_warned = armed
         return out
@@ -478,13 +486,17 @@ def check_sensitivity(
             if _agree(base, sums(batch, s=seed + 1), tol):
                 sliced, sliced_mode = _removed_one(sums, base, batch, B), "dropout at rate 0"
     swapped = None
-    if sliced is None and B > 1 and _agree(full, sums(batch), tol):
+    if sliced is None and B > 1 and _agree(full, part(batch, drawn_to=drawn).sums, tol):
         # (round 45) draws other than torch's dropouts (a drop path's, LayerDrop's) differ on a batch of another
         # shape, but a batch of the same shape on the same seed draws the same numbers: each example replaced by a
-        # copy of the next moves the sum by ≤ 2C there, which a batch statistic used in training breaks
+        # copy of the next moves the sum by ≤ 2C there, which a batch statistic used in training breaks. Not
+        # measured where a replaced batch leaves the seeded streams elsewhere (the number of draws follows the
+        # data: rejection sampling, a batch trimmed to its longest row; the draws were not lined up; review)
         swapped = torch.zeros(B, dtype=torch.float64)
         for i in range(B):
-            swapped[i] = _distance(full, sums(_copied_over(batch, i, B)))
+            swapped[i] = _distance(full, part(_copied_over(batch, i, B), drawn_to=drawn).sums)
+        if not all(_same_state(drawn[0], d) for d in drawn[1:]):
+            swapped = None
     replace, differing = None, ()
     if neighbour is not None:
         differing = _differing(batch, neighbour, B)

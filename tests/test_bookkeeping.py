@@ -4378,18 +4378,19 @@ class _OwnDropPath(nn.Module):
 
 
 def _worst_replacement_move(step, params, b):
-    """max over examples j and two scales of ‖S(b) − S(b with x_j replaced)‖, both sums on the same draws (seed 7)."""
+    """max over examples j, two scales and two seeds of ‖S(b) − S(b with x_j replaced)‖, both sums on the same draws."""
     worst = 0.0
     for j in range(b["x"].shape[0]):
         for scale in (5.0, 20.0):
             b2 = {k: v.clone() for k, v in b.items()}
             b2["x"][j] = torch.randn(b["x"].shape[1], dtype=b["x"].dtype, generator=torch.Generator().manual_seed(j)) \
                 * scale
-            torch.manual_seed(7)
-            s1 = step.clipped_sum(params, b).sums
-            torch.manual_seed(7)
-            s2 = step.clipped_sum(params, b2).sums
-            worst = max(worst, float(sum(((s1[n] - s2[n]) ** 2).sum() for n in s1).sqrt()))
+            for seed in (7, 11):
+                torch.manual_seed(seed)
+                s1 = step.clipped_sum(params, b).sums
+                torch.manual_seed(seed)
+                s2 = step.clipped_sum(params, b2).sums
+                worst = max(worst, float(sum(((s1[n] - s2[n]) ** 2).sum() for n in s1).sqrt()))
     return worst
 
 
@@ -4425,6 +4426,64 @@ def test_the_order_check_sees_training_only_mixing_behind_draws_of_its_own():
         assert set(step.clipped_sum(params, b).routes.values()) <= {"ghost", "explicit"}
     step, params = step_of(_TrainCentre(8), nn.Tanh(), _OwnDropPath())
     assert step.clipped_sum(params, b).routes["0.weight"] in ("ghost", "explicit")  # (unseen: the documented limit)
+    # (review, round 45) B = 2 and 3 too: the last chunk of a split logical batch, a small Poisson batch
+    for B in (2, 3):
+        step, params = step_of(_TrainCentre(8), nn.Tanh(), _DropPath(0.3))
+        small = {k: v[:B] for k, v in b.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert set(step.clipped_sum(params, small).routes.values()) == {"vmap"}, B
+
+
+class _GammaLatent(nn.Module):
+    """A latent drawn by rejection sampling (torch's Gamma on the CPU): how many uniforms it takes follows the data."""
+
+    def forward(self, h):
+        return torch.distributions.Gamma(F.softplus(h) + 0.5, torch.ones_like(h)).rsample() if self.training else h
+
+
+class _TrimThenDraw(nn.Module):
+    """Token dropout after trimming the batch to its longest row: the draw's shape, so its count, follows the data."""
+
+    def forward(self, h, n):
+        h = h[:, :int(n.max())]
+        return h * (torch.rand(h.shape[:2], dtype=h.dtype) >= 0.2).unsqueeze(-1).to(h.dtype) if self.training else h
+
+
+def test_the_order_checks_same_draws_comparison_says_nothing_where_the_number_of_draws_follows_the_data():
+    """Review of round 45's comparison on the same draws: it assumed a batch of the same shape draws the same numbers,
+    which a forward whose number of draws follows the data breaks (rejection sampling; a batch trimmed to its longest
+    row before a draw of its shape). Replacing an example then moved the others' draws, the comparison called it a
+    training-only batch statistic, and models that mix nothing took the exact fallback (the trimming one then failed:
+    vmap cannot trim per batch). Both forwards now must leave the forked streams in the same state, or nothing is said."""
+    torch.manual_seed(0)
+    loss = lambda mm, b: F.cross_entropy(mm(b["x"]), b["y"], reduction="none")  # noqa: E731
+    b = {"x": torch.randn(5, 4, dtype=torch.float64), "y": torch.randint(0, 3, (5,))}
+    m = nn.Sequential(nn.Linear(4, 8), _GammaLatent(), nn.Linear(8, 3)).double().train()
+    step = make_dp_step(m, loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk", expected_batch_size=1.0)
+    assert set(step.clipped_sum(trainable_params(m), b).routes.values()) <= {"ghost", "explicit"}
+
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.trim, self.out = nn.Embedding(11, 8), _TrimThenDraw(), nn.Linear(8, 3)
+
+        def forward(self, ids, n):
+            return self.out(self.trim(self.emb(ids), n))
+
+    def tag_loss(mm, b):
+        logits = mm(b["ids"], b["n"])  # (B, T', 3)
+        T = logits.shape[1]
+        keep = torch.arange(T) < b["n"][:, None]
+        ce = F.cross_entropy(logits.transpose(1, 2), b["y"][:, :T], reduction="none")
+        return (ce * keep).sum(1)
+
+    g = torch.Generator().manual_seed(1)
+    n = torch.tensor([7, 3, 5, 2])  # (example 0 the longest: a copy of example 1 in its place trims the batch)
+    tb = {"ids": torch.randint(0, 11, (4, 7), generator=g), "n": n, "y": torch.randint(0, 3, (4, 7), generator=g)}
+    tm = Tagger().double().train()
+    ts = make_dp_step(tm, tag_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk", expected_batch_size=1.0)
+    assert set(ts.clipped_sum(trainable_params(tm), tb).routes.values()) <= {"ghost", "explicit"}
 
 def test_the_order_check_sees_training_only_mixing_behind_a_transformer_layer_with_dropout():
     """Round 43's review: ``nn.MultiheadAttention`` draws its dropout inside ``F.multi_head_attention_forward``,

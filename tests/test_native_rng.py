@@ -733,18 +733,20 @@ def test_rng45_box_muller_helper_takes_the_tail_for_every_word_below_256():
 
 
 def test_add_many_refuses_a_chunk_that_is_not_a_positive_int():
-    """Review, round 45: ``chunk`` ≤ 0 gave no pieces (``range(0, n, -5)`` is empty), so the tensors were left as they
-    were, without noise or scaling, and nothing was raised; a bool or float chunk is refused too."""
+    """Review, round 45: a negative ``chunk`` gave no pieces (``range(0, n, -5)`` is empty), so the tensors were left as
+    they were, without noise or scaling, and nothing was raised; 0, a bool or a float is refused too (numpy's ints are
+    taken)."""
     for chunk in (0, -5, True, 2.0):
         s = native_rng.NativeStream(torch.Generator().manual_seed(0))
         x = torch.ones(1000)
         with pytest.raises(ValueError, match="chunk must be an int >= 1"):
             s.add_many([x], 1.0, 1.0, chunk=chunk)
         assert s.counter == 0 and bool((x == 1).all())
-    s = native_rng.NativeStream(torch.Generator().manual_seed(0))
-    x = torch.ones(1000)
-    s.add_many([x], 1.0, 1.0, chunk=300)
-    assert not bool((x == 1).any())
+    for chunk in (300, np.int64(300)):
+        s = native_rng.NativeStream(torch.Generator().manual_seed(0))
+        x = torch.ones(1000)
+        s.add_many([x], 1.0, 1.0, chunk=chunk)
+        assert not bool((x == 1).any()) and s.counter == (3 * 5 + 2) * 16  # (pieces 300, 300, 300, 100: whole blocks of 64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
