@@ -3107,7 +3107,8 @@ def _mixes_under_same_draws(loss_module: LossModule, params: Params, constants: 
     if bool((((got - ref).abs() > tol).any(1) & rest).any()) or bool((rest & ~torch.isfinite(got).all(1)).any()):
         return ("its training-mode forward, which draws random numbers of its own (so the example-order check "
                 "runs in eval mode), changed other examples' losses when one example was replaced, on the same "
-                "random draws: a batch statistic taken in training only mixes examples (exact fallback)")
+                "random draws: a batch statistic taken in training only mixes examples, or the draws' layout "
+                "follows the data (a dropout on packed sequences) (exact fallback)")
     return None
 
 def _watch_order(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,

@@ -593,9 +593,11 @@ class DPStep:
             if self.expected_batch_size is None and self.noise_std > 0 and not self._padding_warned \
                     and mask.device.type == "cpu" and not bool(mask.all()):  # (a CPU mask: no device sync; round 37)
                 self._padding_warned = True
+                # (review, round 45: parts added into one sum are divided by all their rows, not this batch's B)
                 warn(f"the batch has padding rows (mask False) and no expected_batch_size was given: the step "
-                     f"divides by the batch's size, {B}, padding rows included; pass expected_batch_size (q·N "
-                     "under Poisson sampling) to divide by a fixed number")
+                     f"divides by the number of rows it finalizes, padding rows included (this batch's {B}; parts "
+                     "added into one sum: all of their rows); pass expected_batch_size (q·N under Poisson "
+                     "sampling) to divide by a fixed number")
             mask = mask.to(device=device, dtype=torch.bool)
         check_no_batch_mixing(self.model)
         if B == 0:  # an empty (Poisson-sampled) batch: every sum is 0, the step is noise alone

@@ -515,6 +515,41 @@ def test_check_sees_training_mode_mixing_and_does_not_call_a_random_forward_mixi
     assert rc == 1 and "[vmap] ERROR" in out and "Traceback" not in out + err, out + err
 
 
+
+CHECK_TRANSFORMER = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(30, 16)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2,
+                                         enable_nested_tensor=False)
+        self.head = nn.Linear(16, 3)
+    def forward(self, ids):
+        return self.head(self.enc(self.emb(ids))[:, 0])
+model = M()
+def loss_fn(model, batch):
+    return F.cross_entropy(model(batch["ids"]), batch["y"], reduction="none")
+batch = {"ids": torch.randint(0, 30, (4, 5)), "y": torch.randint(0, 3, (4,))}
+'''
+
+
+def test_check_keeps_torchs_batching_rule_note_out(tmp_path, capsys):
+    """A user's walkthrough, round 45: torch's "performance drop ... batching rule" UserWarning (vmap's speed, which
+    the check does not measure) came 132 times for a 2-layer transformer, burying the verdicts; and the check's
+    filter does not outlive it."""
+    f = tmp_path / "tf_model.py"
+    f.write_text(CHECK_TRANSFORMER)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        before = list(warnings.filters)
+        rc, out, err = run_cli(["check", str(f), "--method", "vmap", "--no-sensitivity"], capsys)
+        assert rc == 0 and "[vmap] OK" in out, out + err
+        after = list(warnings.filters)
+    assert not [w for w in got if "performance drop" in str(w.message)], [str(w.message)[:80] for w in got]
+    assert after == before
+
 def test_check_reports_an_exceeded_sensitivity_bound(tmp_path, capsys, monkeypatch):
     """`pdpsgd check` also checks the bound on the step's own sums: a step whose masked sums (one
     example alone, one removed) are scaled past C is reported, though its full-batch sum is exact."""
