@@ -74,7 +74,9 @@ def main(argv=None):
             rows.append({
                 "width": w, "T": T, "ghost_s": res["ghost"], "explicit_s": res["explicit"],
                 "ratio": res["ghost"] / res["explicit"], "faster": "ghost" if res["ghost"] < res["explicit"] else "explicit",
-                "model_ratio": 2 * T * T * (2 * w) / (T * w * w + 1e-9),  # 2T²(p+d) / (T·p·d)
+                # the time model's ghost / explicit, 2T²(p+d) / (T·p·d) = 4T/w here: it crosses 1 at T = w/4, where
+                # paper_rule (FastDP's memory rule 2T² < p·d) crosses at T = w/√2 (mutation review, round 45)
+                "model_ratio": 2 * T * T * (2 * w) / (T * w * w + 1e-9),
                 "paper_rule": "ghost" if 2 * T * T < w * w else "explicit",
                 "bk_pick": picks["bk"], "auto_pick": picks["auto"],
             })
