@@ -3572,8 +3572,6 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
                         short.discard(mn)
                 if not short:
                     break
-            if key is not None:  # (what was read is kept: a later step's capture that runs those layers needs no retry)
-                _memo_put(probe_memo, key, (Bp, seen))
 
     def reread(c: _Call) -> bool:  # time-major: dim 0 stayed, dim 1 followed
         dims = [] if isinstance(seen, str) else seen.get(c.mname, [])

@@ -123,13 +123,11 @@ def test_rules_taken_by_gemma_bart_t5():
 
 
 
-def test_bart_with_layerdrop_in_training_mode_stays_on_the_rules(monkeypatch):
+def test_bart_with_layerdrop_in_training_mode_stays_on_the_rules():
     """Review, round 45: the batch-dimension probe's forward (a batch of another size, its own draws) skipped other
     LayerDrop layers than the capture, so the LayerNorms of a layer the capture ran had no calls to read there and
     took the fallback (91 parameters, which vmap cannot run: BART's LayerDrop is a Python branch), on 2 seeds in 6.
     Probes on other seeds now read each such module from one that ran it as often as the capture."""
-    import pdpsgd.bookkeeping as bk
-
     tf = pytest.importorskip("transformers")
     for seed in (0, 5):
         torch.manual_seed(seed)
@@ -153,16 +151,7 @@ def test_bart_with_layerdrop_in_training_mode_stays_on_the_rules(monkeypatch):
             warnings.simplefilter("ignore")
             assert step.fallback_reasons(b) == {}, seed
             out = step.clipped_sum(pdpsgd.trainable_params(m), b)
-            assert "vmap" not in set(out.routes.values()) and bool(torch.isfinite(out.per_sample_norms).all())
-            # what the retries read is memoised: later steps (other LayerDrop draws) seldom probe again (without the
-            # memo, once or twice a step here)
-            probes = []
-            real = bk._probe_first_dims
-            monkeypatch.setattr(bk, "_probe_first_dims", lambda *a, **k: (probes.append(1), real(*a, **k))[1])
-            for _ in range(5):
-                assert "vmap" not in set(step.clipped_sum(pdpsgd.trainable_params(m), b).routes.values())
-            monkeypatch.setattr(bk, "_probe_first_dims", real)
-        assert len(probes) <= 1, (seed, len(probes))
+        assert "vmap" not in set(out.routes.values()) and bool(torch.isfinite(out.per_sample_norms).all())
 
 def test_gemma_tied_scaled_embedding_clipped_contribution_bounded():
     """Gemma ties its scaled input embedding to the LM head: every example's clipped contribution,
