@@ -1724,7 +1724,6 @@ def _override(overrides: Mapping[str, str], mname: str, m: nn.Module) -> Optiona
 # B in the step and PROBE_B in the probe by coincidence; book-keeping does not support such layers
 # (vmap refuses their data-dependent shapes outright). The probe calls ``loss_fn`` once more.
 PROBE_B = 2
-PROBE_RETRIES = 4  # (``_check_batch_dims``: probes on other seeds for modules the first probe called another number of times)
 PROBE_MEMO_MAX = 64
 
 
@@ -1915,8 +1914,7 @@ def _plain_forward(loss_module: LossModule, params: Params, constants: Mapping[s
 
 
 def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
-                      ruled: Dict[nn.Module, Tuple[str, Rule, Dict[str, str]]], B: int, registry: RuleRegistry,
-                      seed: Optional[int] = None):
+                      ruled: Dict[nn.Module, Tuple[str, Rule, Dict[str, str]]], B: int, registry: RuleRegistry):
     """(probe size, {module name: (first dim, its whole-view base's first dim, second dim) of its calls,
     in order}), or (probe size, error text)."""
     Bp = PROBE_B if B != PROBE_B else PROBE_B + 1
@@ -1951,7 +1949,7 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
     for m in probed:
         m.__dict__["forward"] = _Wrapped(functools.partial(custom, ruled[m][1], m), m, ruled[m][1])
     try:
-        with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params, seed), \
+        with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params), \
                 _adapted(loss_module.model, registry, Bp):
             _plain_forward(loss_module, params, constants, probe)
     except Exception as err:  # a model that cannot run the probe: nothing is verified
@@ -3552,26 +3550,6 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
         if key is not None and not isinstance(got[1], str):
             _memo_put(probe_memo, key, got)
     Bp, seen = got
-    if not isinstance(seen, str):
-        # a module called another number of times in the probe than in the capture cannot be read there: a
-        # random skip in training mode (LayerDrop: a layer the capture ran, the probe skipped; review, round 45:
-        # a BART with layerdrop 0.3 sent 91 parameters to a fallback vmap cannot run, on 1 seed in 3). Probes on
-        # other seeds, in the same mode, may run it as often: each such module's calls are read from the first
-        # that does (PROBE_RETRIES; a module whose count never matches stays unconfirmed, as before)
-        short = {mn for c in todo for mn in ((c.mname,) + ((c.root[0],) if c.root is not None else ()))
-                 if len(seen.get(mn, [])) != len(real_dims.get(mn, []))}
-        if short:
-            seen = dict(seen)
-            for seed in range(1, PROBE_RETRIES + 1):
-                _, more = _probe_first_dims(loss_module, params, constants, batch, ruled, B, registry, seed=seed)
-                if isinstance(more, str):
-                    break
-                for mn in sorted(short):
-                    if len(more.get(mn, [])) == len(real_dims.get(mn, [])):
-                        seen[mn] = more[mn]
-                        short.discard(mn)
-                if not short:
-                    break
 
     def reread(c: _Call) -> bool:  # time-major: dim 0 stayed, dim 1 followed
         dims = [] if isinstance(seen, str) else seen.get(c.mname, [])
