@@ -3054,7 +3054,6 @@ def _draws_nothing(loss_module: LossModule, params: Params, constants: Mapping[s
         first.is_floating_point() and bool(torch.allclose(first, again, rtol=0, atol=0, equal_nan=True))))
 
 
-
 def _mixes_under_same_draws(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor],
                             batch: Batch, B: int, first: Any) -> Optional[str]:
     """For a training-mode forward that draws random numbers other than torch's dropouts (a drop path's
@@ -3110,6 +3109,7 @@ def _mixes_under_same_draws(loss_module: LossModule, params: Params, constants: 
                 "random draws: a batch statistic taken in training only mixes examples, or the draws' layout "
                 "follows the data (a dropout on packed sequences) (exact fallback)")
     return None
+
 
 def _watch_order(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
                  B: int) -> Tuple[Optional[str], Any]:

@@ -289,13 +289,7 @@ def _copied_over(batch: Any, i: int, B: int) -> Any:
     """The batch with row i replaced by a copy of row (i + 1) mod B in every tensor whose leading dim is B."""
     idx = torch.arange(B)
     idx[i] = (i + 1) % B
-
-    def swap(x):
-        if isinstance(x, Tensor) and x.dim() and x.shape[0] == B:
-            return x.index_select(0, idx.to(x.device))
-        return x
-
-    return tree_map(swap, batch)
+    return _per_row(batch, B, lambda x: x.index_select(0, idx.to(x.device)))
 
 
 def _agree(a: Mapping[str, Tensor], b: Mapping[str, Tensor], tol: float) -> bool:
@@ -309,12 +303,12 @@ def _distance(a: Mapping[str, Tensor], b: Optional[Mapping[str, Tensor]] = None)
 
 def _without(batch: Any, i: int, B: int) -> Any:
     """The batch with row i removed from every tensor whose leading dim is B."""
-    def drop(x):
-        if isinstance(x, Tensor) and x.dim() and x.shape[0] == B:
-            return torch.cat([x[:i], x[i + 1:]])
-        return x
+    return _per_row(batch, B, lambda x: torch.cat([x[:i], x[i + 1:]]))
 
-    return tree_map(drop, batch)
+
+def _per_row(batch: Any, B: int, f) -> Any:
+    """``f`` applied to every tensor of the batch whose leading dim is B (the others, shared ones, as they are)."""
+    return tree_map(lambda x: f(x) if isinstance(x, Tensor) and x.dim() and x.shape[0] == B else x, batch)
 
 
 def _differing(batch: Any, other: Any, B: int) -> Tuple[int, ...]:
