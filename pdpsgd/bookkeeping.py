@@ -53,6 +53,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import os
 import random
 import sys
 import threading
@@ -1725,6 +1726,65 @@ def _override(overrides: Mapping[str, str], mname: str, m: nn.Module) -> Optiona
 # (vmap refuses their data-dependent shapes outright). The probe calls ``loss_fn`` once more.
 PROBE_B = 2
 PROBE_MEMO_MAX = 64
+# Each call is matched to the probe's by its call site too, not by its count alone (``_call_site``;
+# round 46: a layer applied at one of two sites chosen at random, to the batch or to a (V, d) table
+# with V == B, had the probe's call on the batch confirm the capture's call on the table). A forward
+# that draws random numbers is probed on PROBE_DRAWS more seeds on its first step, and a call with no
+# probe record from its own site (LayerDrop skipped its layer in the probes) on up to PROBE_RETRIES
+# more per step, PROBE_MAX probes in all per batch shape; a call is confirmed only if every probe
+# record from the same sites confirms it.
+PROBE_DRAWS = 2
+PROBE_RETRIES = 3
+PROBE_MAX = 8
+
+
+_SITE_KIND: Dict[int, Tuple[types.CodeType, int]] = {}  # id(code) -> (code, 0 kept, 1 skipped, 2 the end) (``_call_site``)
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_TORCH_MODULES_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _site_kind(code: types.CodeType) -> int:
+    got = _SITE_KIND.get(id(code))  # (by id, the code object kept beside: a code object's hash reads its contents)
+    kind = got[1] if got is not None and got[0] is code else None
+    if kind is None:
+        f = code.co_filename
+        f = os.path.abspath(f) if not f.startswith("<") else f  # (cached per code object)
+        if code is LossModule.forward.__code__:
+            kind = 2
+        elif f.startswith(_OWN_DIR) or (f.startswith(_TORCH_DIR) and not (
+                f.startswith(_TORCH_MODULES_DIR) and os.path.basename(f) != "module.py")):
+            # pdpsgd's own code (the capture's wrappers, the probe's hooks, the checks' function modes,
+            # the rules' forwards: a function of the call) and torch's machinery (Module.__call__,
+            # checkpoint, autograd functions, functional_call, function modes): not the model's code,
+            # and not the same in the capture and the probe. torch's layers (nn/modules: a Sequential,
+            # a TransformerEncoder, nn.MultiheadAttention) are the model's.
+            kind = 1
+        else:
+            kind = 0
+        if len(_SITE_KIND) > 65536:  # (code made at run time, exec'd or compiled, comes and goes)
+            _SITE_KIND.clear()
+        _SITE_KIND[id(code)] = (code, kind)
+    return kind
+
+
+def _call_site() -> Tuple[Tuple[types.CodeType, int], ...]:
+    """Where the model called the layer now running: (code, instruction offset) of each frame of
+    the model's own code (and of torch's layers) between the loss's forward and this call, innermost
+    first. Two calls of one layer from different places (or on different paths) differ, also on one
+    line; the capture and the probe calling it from one place agree."""
+    out, kinds = [], _SITE_KIND
+    f = sys._getframe(1)
+    while f is not None:
+        code = f.f_code
+        got = kinds.get(id(code))
+        kind = got[1] if got is not None and got[0] is code else _site_kind(code)
+        if kind == 2:
+            break
+        if kind == 0:
+            out.append((f.f_code, f.f_lasti))
+        f = f.f_back
+    return tuple(out)
 
 
 def _first_tensor(args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[Tensor]:
@@ -1914,17 +1974,19 @@ def _plain_forward(loss_module: LossModule, params: Params, constants: Mapping[s
 
 
 def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
-                      ruled: Dict[nn.Module, Tuple[str, Rule, Dict[str, str]]], B: int, registry: RuleRegistry):
-    """(probe size, {module name: (first dim, its whole-view base's first dim, second dim) of its calls,
-    in order}), or (probe size, error text)."""
+                      ruled: Dict[nn.Module, Tuple[str, Rule, Dict[str, str]]], B: int, registry: RuleRegistry,
+                      seed: Optional[int] = None):
+    """(probe size, {module name: (first dim, its whole-view base's first dim, second dim, call site) of
+    its calls, in order}, whether the forward drew random numbers), or (probe size, error text, False).
+    ``seed``: the forked random streams seeded with it (else they go on from the caller's)."""
     Bp = PROBE_B if B != PROBE_B else PROBE_B + 1
     idx = torch.arange(Bp) % B  # examples 0, 1, ... (repeated when B is smaller)
     probe = select_examples(batch, idx)
-    seen: Dict[str, List[Tuple[Optional[int], Optional[int], Optional[int]]]] = {}
+    seen: Dict[str, List[Tuple[Optional[int], Optional[int], Optional[int], Any]]] = {}
 
-    def hook(module, args, kwargs, output):  # (first dim, first dim of the base it is a whole view of, second dim)
+    def hook(module, args, kwargs, output):  # (first dim, first dim of the base it is a whole view of, second dim, site)
         if getattr(ruled[module][1], "batch_dim_of_output", False):
-            seen.setdefault(ruled[module][0], []).append((_out_dim(output), None, None))
+            seen.setdefault(ruled[module][0], []).append((_out_dim(output), None, None, _call_site()))
             return
         x = _first_tensor(args, kwargs)
         base = _whole_view_of(x) if x is not None and x.dim() > 0 else None
@@ -1932,7 +1994,7 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
         # recorded as None: not confirmed as the batch)
         seen.setdefault(ruled[module][0], []).append((_first_dim(args, kwargs), None if base is None else int(base.shape[0]),
                                                       int(x.shape[1]) if x is not None and x.dim() > 1
-                                                      and _dim1_steps_examples(x, Bp) else None))
+                                                      and _dim1_steps_examples(x, Bp) else None, _call_site()))
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m, (_, rule, _) in ruled.items()
                if not getattr(rule, "custom_forward", False)]  # (custom-forward rules check their own layout)
@@ -1943,23 +2005,29 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
               and "forward" not in m.__dict__]
     def custom(rule, module, *args, **kwargs):  # (the axis a custom-forward rule reads as the batch)
         if getattr(rule, "batch_axis", None) is not None:
-            seen.setdefault(ruled[module][0], []).append((_rule_batch_dim(rule, module, args, kwargs), None, None))
+            seen.setdefault(ruled[module][0], []).append((_rule_batch_dim(rule, module, args, kwargs), None, None,
+                                                          _call_site()))
         return _probe_custom_forward(rule, module, *args, **kwargs)
 
     for m in probed:
         m.__dict__["forward"] = _Wrapped(functools.partial(custom, ruled[m][1], m), m, ruled[m][1])
+    device = next(iter(params.values())).device if params else torch.device("cpu")
     try:
-        with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params), \
-                _adapted(loss_module.model, registry, Bp):
+        # (in grad mode, as the capture runs, though nothing requires grad: a forward that takes another
+        # path without gradients, e.g. Hugging Face's activation checkpointing, calls from the same sites)
+        with torch.enable_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), \
+                _own_rng(params, seed), _adapted(loss_module.model, registry, Bp):
+            before = _rng_state(device)
             _plain_forward(loss_module, params, constants, probe)
+            drew = not _same_state(before, _rng_state(device))
     except Exception as err:  # a model that cannot run the probe: nothing is verified
-        return Bp, f"{type(err).__name__}: {str(err)[:200]}"
+        return Bp, f"{type(err).__name__}: {str(err)[:200]}", False
     finally:
         for h in handles:
             h.remove()
         for m in probed:
             m.__dict__.pop("forward", None)
-    return Bp, seen
+    return Bp, seen, drew
 
 
 def _rule_batch_dim(rule: Rule, module: nn.Module, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[int]:
@@ -2083,6 +2151,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     flat: Dict[Tuple[Any, int], _Flat] = {}  # row-wise outputs of flattened calls (``_flat_rows``)
     swapped: Dict[nn.Module, List[Dict[str, Tensor]]] = {}
     real_dims: Dict[str, List[Optional[int]]] = {}  # module name -> first dim of each call's input
+    real_sites: Dict[str, List[Any]] = {}  # module name -> each call's site (``_call_site``)
 
     def swap_in(module):
         mname, rule, local = ruled[module]
@@ -2147,6 +2216,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         if not replay[0]:
             real_dims.setdefault(mname, []).append(
                 _out_dim(output) if getattr(rule, "batch_dim_of_output", False) else _rule_batch_dim(rule, module, args, kwargs))
+            real_sites.setdefault(mname, []).append(_call_site())
         # a rule that checks each call against its output does it now, with this step's parameter
         # values still in place and before the model may edit the output in place
         ok = True
@@ -2358,8 +2428,8 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
             raise failed  # it fails without the expansion too: the model's own error (nothing memoised)
         _memo_expansions(probe_memo, dkey, bad, bad)
         return _apply_order(col, order, batch, probe_memo, params, okey)
-    relift = _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback,
-                               probe_memo, registry)
+    relift = _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, real_sites,
+                               fallback, probe_memo, registry)
     if relift - forced and probe_memo is not None:  # run again with them read so
         _memo_put(probe_memo, lkey, forced | relift)
         del calls[:]
@@ -3037,8 +3107,8 @@ def _draws_nothing(loss_module: LossModule, params: Params, constants: Mapping[s
                    first: Any) -> bool:
     """Whether the example-order check may run in the model's own mode, with torch's dropouts at rate 0
     (``DropoutOff``): some module is in training mode, and a forward of the batch there on forked random
-    streams seeded 1 gives the losses ``first`` that ``_watch_order``'s forward (seeded 0) gave, bitwise
-    (NaN in the same places). Its runs then compare as in eval mode, and a batch statistic taken in
+    streams seeded 1 draws no random number (round 46) and gives the losses ``first`` that
+    ``_watch_order``'s forward (seeded 0) gave, bitwise (NaN in the same places). Its runs then compare as in eval mode, and a batch statistic taken in
     training only (a hand-written batch normalisation) is seen (review, round 42: checked in eval mode
     only, such a model stayed on the rules, 1.43 C; round 43: also where the forward's only random
     numbers are torch's dropouts, which had sent it to eval mode). A forward that draws otherwise (a
@@ -3048,8 +3118,15 @@ def _draws_nothing(loss_module: LossModule, params: Params, constants: Mapping[s
     model = loss_module.model
     if not isinstance(first, Tensor) or not any(m.training for m in model.modules()):
         return False
+    device = next(iter(params.values())).device if params else torch.device("cpu")
     with torch.no_grad(), mha_fastpath_off(), preserve_module_state(model), _own_rng(params, 1), DropoutOff():
+        before = _rng_state(device)
         again = _plain_forward(loss_module, params, constants, batch)
+        # (and it drew no random number at all, with torch's dropouts at rate 0, which draw none: round 46, a
+        # LayerDrop that skipped its layer on seeds 0 and 1 alike gave the same losses, and the check's own-mode
+        # runs never reached that layer, which then took the fallback on every step that ran it)
+        if not _same_state(before, _rng_state(device)):
+            return False
     return isinstance(again, Tensor) and first.shape == again.shape and (bool(torch.equal(first, again)) or (
         first.is_floating_point() and bool(torch.allclose(first, again, rtol=0, atol=0, equal_nan=True))))
 
@@ -3529,13 +3606,37 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
     return _order_verdicts(known), loose
 
 
-def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, fallback, probe_memo,
-                      registry) -> Set[str]:
+@dataclass
+class _Probed:
+    """The batch-dimension probes of one batch shape (memoised): for each module, the distinct lists
+    of its calls' records that the probes saw (``_probe_first_dims``), one per alternative."""
+
+    Bp: int
+    alts: Dict[str, List[Tuple[Any, ...]]]
+    runs: int = 0  # probes run (each on its own seed after the first)
+    drew: bool = False  # the first probe's forward drew random numbers (others may see other calls)
+
+    def add(self, seen: Mapping[str, List[Tuple[Any, ...]]]) -> None:
+        for mn, recs in seen.items():
+            got = self.alts.setdefault(mn, [])
+            if tuple(recs) not in got:
+                got.append(tuple(recs))
+
+    def matching(self, mname: str, sites: Sequence[Any]) -> List[Tuple[Any, ...]]:
+        """The module's alternatives whose calls came from the capture's call sites, in order."""
+        return [a for a in self.alts.get(mname, ()) if len(a) == len(sites) and all(r[3] == x for r, x in zip(a, sites))]
+
+
+def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, real_sites, fallback,
+                      probe_memo, registry) -> Set[str]:
     """Send to the vmap fallback every parameter of a call whose input's first dimension equals B
     but did not follow the probe's batch size (see ``PROBE_B``), or that was read as time-major and
     whose second dimension did not. Returns {(module name, kind)} to run again read otherwise instead
     (``_Call.retry``; every call of the module one whose first dim stayed B in the probe, and for
-    "time" whose second dim followed it)."""
+    "time" whose second dim followed it).
+
+    A call is compared with the probe's calls of its module from the same call sites (``_call_site``),
+    and confirmed only if every such alternative the probes saw confirms it; none: not confirmed."""
     todo = [c for c in calls if (c.capture is None or getattr(c.rule, "batch_axis", None) is not None)
             and (real_dims[c.mname][c.k] == B or (c.rows and B > 1) or c.bcast and c.lift or c.bdim or c.retry)
             and not all(n in fallback for n in ruled[c.module][2].values())]
@@ -3545,18 +3646,54 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
     key = ((_probe_key(batch, B, loss_module.model.training), tuple(sorted(v[0] for v in ruled.values())))
            if probe_memo is not None else None)
     got = probe_memo.get(key) if key is not None else None
+    grew = False
+
+    def probe_more(seed: Optional[int]) -> Optional[str]:  # one more probe into ``got``; its error, if any
+        Bp_, seen_, drew_ = _probe_first_dims(loss_module, params, constants, batch, ruled, B, registry, seed)
+        got.runs += 1
+        if isinstance(seen_, str):
+            return seen_
+        got.drew = got.drew or (seed is None and drew_)
+        got.add(seen_)
+        return None
+
+    failed: Optional[str] = None
     if got is None:
-        got = _probe_first_dims(loss_module, params, constants, batch, ruled, B, registry)
-        if key is not None and not isinstance(got[1], str):
-            _memo_put(probe_memo, key, got)
-    Bp, seen = got
+        got, grew = _Probed(PROBE_B if B != PROBE_B else PROBE_B + 1, {}), True
+        failed = probe_more(None)
+        if failed is None and got.drew:  # draws may send the forward down other paths: more seeds
+            for seed in range(1, 1 + PROBE_DRAWS):
+                probe_more(seed)
+    Bp = got.Bp
+    need = {c.mname for c in todo} | {c.root[0] for c in todo if c.rows and c.root is not None}
+    tries = 0
+    while failed is None and got.drew and got.runs < PROBE_MAX and tries < PROBE_RETRIES \
+            and any(not got.matching(mn, real_sites.get(mn, ())) for mn in need):
+        probe_more(got.runs)  # (seeds 1, 2, ... in turn: the alternatives seen so far are kept)
+        tries += 1
+        grew = True
+    if key is not None and failed is None and grew:
+        _memo_put(probe_memo, key, got)
 
-    def reread(c: _Call) -> bool:  # time-major: dim 0 stayed, dim 1 followed
-        dims = [] if isinstance(seen, str) else seen.get(c.mname, [])
-        return bool(c.retry) and len(dims) == len(real_dims[c.mname]) \
-            and dims[c.k][0] == real_dims[c.mname][c.k] and dims[c.k][2] == Bp
+    def alts(mname: str) -> List[Tuple[Any, ...]]:
+        return [] if failed is not None else got.matching(mname, real_sites.get(mname, ()))
 
-    confirmed = {id(c) for c in todo if reread(c)}
+    def every(mname: str, test) -> bool:  # some alternative from the capture's sites, and each passes ``test``
+        a = alts(mname)
+        return bool(a) and all(test(d) for d in a)
+
+    def time_major(c: _Call) -> bool:  # dim 0 stayed, dim 1 followed the probe's size
+        return every(c.mname, lambda d: d[c.k][0] == real_dims[c.mname][c.k] and d[c.k][2] == Bp)
+
+    def probe_saw(c: _Call, part=slice(0, 1)) -> Any:  # (for the message)
+        a = alts(c.mname)
+        if not a:
+            return (f"no call from the same call sites (in {got.runs} probe{'s' if got.runs != 1 else ''})"
+                    if failed is None else "no such call")
+        d = a[0][c.k][part]
+        return d[0] if len(d) == 1 else d
+
+    confirmed = {id(c) for c in todo if c.retry and time_major(c)}
     relift = {(c.mname, c.retry) for c in todo if id(c) in confirmed}
     # only a module all of whose calls are read so (one kind)
     relift = {(mn, kind) for mn, kind in relift
@@ -3566,34 +3703,27 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
     for c in todo:
         if (c.mname, c.retry) in relift:
             continue
-        if isinstance(seen, str):
-            reason = f"the batch-dimension probe failed ({seen})"
+        if failed is not None:
+            reason = f"the batch-dimension probe failed ({failed})"
         elif c.bdim:
-            dims = seen.get(c.mname, [])
-            if len(dims) == len(real_dims[c.mname]) and dims[c.k][0] == real_dims[c.mname][c.k] \
-                    and dims[c.k][2] == Bp:
+            if time_major(c):
                 continue  # time-major: dim 0 stayed, dim 1 followed the probe's size
-            got_ = dims[c.k][::2] if c.k < len(dims) else "no such call"
             reason = (f"read as time-major ((T, B, ...), T = {real_dims[c.mname][c.k]}), but a probe with {Bp} "
-                      f"examples gave first and second dims {got_}")
+                      f"examples gave first and second dims {probe_saw(c, slice(0, 3, 2))}")
         elif c.rows:
-            dims = seen.get(c.mname, [])
-            rdims = seen.get(c.root[0], []) if c.root is not None else []
-            if len(dims) == len(real_dims[c.mname]) and len(rdims) == len(real_dims[c.root[0]]) \
-                    and dims[c.k][0] == Bp * c.rows and rdims[c.root[1]][:2] == (Bp * c.rows, Bp):
+            if c.root is not None and every(c.root[0], lambda r: r[c.root[1]][:2] == (Bp * c.rows, Bp)) \
+                    and every(c.mname, lambda d: d[c.k][0] == Bp * c.rows):
                 continue  # flattened (B·rows, ...) rows traced to a (B, ...) view whose first dim is the batch
             reason = (f"its input has {B * c.rows} rows, the batch flattened, but a probe with {Bp} examples did "
                       "not confirm that the flattened tensor's first dimension is the batch")
         else:
-            dims = [d for d, *_ in seen.get(c.mname, [])]
-            if len(dims) == len(real_dims[c.mname]) and (
-                    dims[c.k] == Bp or (dims[c.k] == 1 and getattr(c.rule, "broadcast_batch", False))
-                    or (c.lift and dims[c.k] == c.lift)):
+            if every(c.mname, lambda d: d[c.k][0] == Bp or (d[c.k][0] == 1 and getattr(c.rule, "broadcast_batch", False))
+                     or bool(c.lift and d[c.k][0] == c.lift)):
                 continue  # the first dimension is the batch (or, B == 1, a broadcast one, e.g. positions;
                 # or batch-free ids, expanded: it stayed T with fewer examples)
             what = "the axis its rule reads as the batch" if c.capture is not None else "input's first dimension"
             reason = (f"{what} equals the batch size {B} but is not the batch dimension "
-                      f"(a probe with {Bp} examples gave {dims[c.k] if c.k < len(dims) else 'no such call'})")
+                      f"(a probe with {Bp} examples gave {probe_saw(c)})")
         for n in ruled[c.module][2].values():
             fallback.setdefault(n, f"{type(c.module).__name__} ({c.mname}): {reason}")
     return relift

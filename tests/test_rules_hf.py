@@ -462,3 +462,37 @@ def test_rope_tables_switched_by_the_padded_length_warn():
                                   chunk_size=1)
         for lens in ([10, 20], [20, 10, 5]):
             one.clipped_sum(params, _padded(lens, 20))
+
+
+def test_bart_layerdrop_in_training_stays_on_the_rules():
+    """Review, round 45: with LayerDrop in training mode, the probe's forward skipped other layers than the
+    capture's, their modules' calls went unconfirmed, and the fallback (vmap cannot run LayerDrop's Python branch on
+    a per-example draw) raised a RuntimeError: on every one of these seeds within three steps on round 45's main.
+    Now a forward that draws is probed on more seeds, and a layer the probes skipped on up to PROBE_RETRIES more per
+    step: each module is confirmed by the probes that called it from the capture's sites. The bound holds."""
+    import transformers as tf
+
+    from pdpsgd.testing import check_sensitivity
+
+    def loss(m, b):
+        lp = torch.log_softmax(m(input_ids=b["ids"], labels=b["labels"]).logits, -1)
+        return -lp.gather(-1, b["labels"].unsqueeze(-1)).squeeze(-1).sum(-1)
+
+    for seed in range(3):
+        torch.manual_seed(seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg = tf.BartConfig(vocab_size=V, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                                decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                                max_position_embeddings=32, encoder_layerdrop=0.3, decoder_layerdrop=0.3, dropout=0.1)
+            m = tf.BartForConditionalGeneration(cfg).train()
+        b = {"ids": torch.randint(3, V, (4, 6)), "labels": torch.randint(3, V, (4, 6))}
+        step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=1.0, method="bk")
+        params = pdpsgd.trainable_params(m)
+        for _ in range(3):
+            out = step(params, b)
+            assert all(torch.isfinite(g).all() for g in out.grads.values())
+        assert step.fallback_reasons(b) == {}
+        if seed == 0:
+            rep = check_sensitivity(step, params, b, seed=seed)
+            assert rep.max_ratio <= 1 + 1e-4
