@@ -3675,8 +3675,12 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
     if key is not None and failed is None and grew:
         _memo_put(probe_memo, key, got)
 
+    matched: Dict[str, List[Tuple[Any, ...]]] = {}
+
     def alts(mname: str) -> List[Tuple[Any, ...]]:
-        return [] if failed is not None else got.matching(mname, real_sites.get(mname, ()))
+        if mname not in matched:
+            matched[mname] = [] if failed is not None else got.matching(mname, real_sites.get(mname, ()))
+        return matched[mname]
 
     def every(mname: str, test) -> bool:  # some alternative from the capture's sites, and each passes ``test``
         a = alts(mname)

@@ -1861,3 +1861,23 @@ def test_a_bool_is_not_a_number_option(option):
     kw = dict(max_grad_norm=1.0, noise_multiplier=1.0)
     kw[option] = np.float32(2.0)
     assert getattr(pdpsgd.make_dp_step(m, _mr_loss, **kw), option) == 2.0
+
+
+def test_a_part_finalized_long_ago_is_still_refused():
+    """Round 46: the finalized part ids were remembered for the last 4096 only, so a part finalized again after
+    4096 other finalizations in the process was released twice. Now a bit set of every id (one bit per part)."""
+    from pdpsgd import step as step_mod
+
+    m = mlp()
+    params = pdpsgd.trainable_params(m)
+    st = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    b = {"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))}
+    old, other = st.clipped_sum(params, b), st.clipped_sum(params, b)
+    st.finalize(old)
+    for _ in range(10_000):  # (as many other parts made and finalized since)
+        step_mod._mark_finalized(next(step_mod._PART_IDS), True)
+    with pytest.raises(ValueError, match="finalized already"):
+        st.finalize(old)
+    st.finalize(other)  # (an id below the others, never finalized: not refused)
+    with pytest.raises(ValueError, match="finalized already"):
+        st.finalize(other)
