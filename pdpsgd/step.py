@@ -266,6 +266,23 @@ def _budget_key(budget: Any) -> Any:
     return None if all(x == 1.0 for x in rel) else rel
 
 
+# no Gaussian sampler here draws |z| beyond this (a float64 uniform's smallest value, 2^-1074, gives
+# sqrt(2·744.4) = 38.6 in Box-Muller)
+_Z_MAX = 40.0
+
+
+def _check_noise_range(sums: Mapping[str, Tensor], std: float) -> None:
+    """A noise std whose draws could pass the largest value of the dtype the noise is drawn in (the
+    sums' accumulation dtype): an error, not ±inf noise handed to the optimizer (round 46: σC = 1e38 in
+    float32 was accepted)."""
+    for n, s in sums.items():
+        if s.is_floating_point() and std * _Z_MAX > torch.finfo(s.dtype).max:
+            raise OverflowError(
+                f"the noise std σ·C = {std:.4g} is too large for {s.dtype} (the sum of {n!r} and its noise are kept "
+                f"in it; draws up to {_Z_MAX:g} std would pass its largest value {torch.finfo(s.dtype).max:.4g}): "
+                "scale the loss and max_grad_norm down together, or train in float64")
+
+
 def _check_narrow_overflow(grads: Mapping[str, Tensor], zstd: float) -> None:
     """A float16 gradient that the cast of its float32 (noisy, scaled) value overflowed: an error,
     not ±inf handed to the optimizer (review, round 38: fp16 loss scaling with C scaled alike, σC/E[B]
@@ -733,6 +750,7 @@ class DPStep:
         dtypes = {n: (params[n].dtype if params is not None and n in params
                       else own[n].dtype if n in own and own[n].is_floating_point() else s.dtype) for n, s in sums.items()}
         gen = self._generator(first.device) if self.noise_std > 0 else None
+        _check_noise_range(sums, self.noise_std)
         grads = noise_and_scale(sums, self.noise_std, gen, denom, dtypes, compile=self.fused, consume=consume,
                                 rng=self.noise_rng)
         _check_narrow_overflow(grads, self.noise_std / denom)

@@ -1881,3 +1881,19 @@ def test_a_part_finalized_long_ago_is_still_refused():
     st.finalize(other)  # (an id below the others, never finalized: not refused)
     with pytest.raises(ValueError, match="finalized already"):
         st.finalize(other)
+
+
+def test_a_noise_std_past_the_sums_dtype_is_refused():
+    """Round 46: σ·C = 1e38 with float32 sums gave ±inf noise coordinates, handed to the optimizer silently."""
+    m = mlp()
+    b = {"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))}
+    big = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1e30, noise_multiplier=1e8, expected_batch_size=4)
+    with pytest.raises(OverflowError, match="too large for torch.float32"):
+        big(pdpsgd.trainable_params(m), b)
+    ok = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1e30, noise_multiplier=1e6, expected_batch_size=4)
+    assert all(torch.isfinite(g).all() for g in ok(pdpsgd.trainable_params(m), b).grads.values())
+    m64 = mlp().double()  # (float64 sums hold it)
+    b64 = {"x": b["x"].double(), "y": b["y"]}
+    out = pdpsgd.make_dp_step(m64, mlp_loss, max_grad_norm=1e30, noise_multiplier=1e8, expected_batch_size=4)(
+        pdpsgd.trainable_params(m64), b64)
+    assert all(torch.isfinite(g).all() for g in out.grads.values())
