@@ -89,7 +89,7 @@ from ._warn import warn
 from .batch_order import DrawWatch, DropoutOff, ReorderWatch
 from .clipping import MIN_THRESHOLD, sum_sq_norms
 from .functional import LossModule, ParamIndex, model_constants, preserve_module_state
-from .per_sample import (_LOW, _PRECISION_LOCK, DETACHED_LOSS, OOM_ERRORS, _caller_matmuls, _ieee_matmuls, _matmul_knobs, _rng_state, _same_state, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks, check_batch_entries,
+from .per_sample import (_LOW, _PRECISION_LOCK, _checkpoint_error, DETACHED_LOSS, OOM_ERRORS, _caller_matmuls, _ieee_matmuls, _matmul_knobs, _rng_state, _same_state, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks, check_batch_entries,
                          per_sample_grads, select_examples, slice_batch, sq_norm_per_example, stray_parameter_error, trainable_parameters, watch_stray, weighted_dot, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
 from .rules.base import Dense, Explicit, Index, Rule, Use, module_attr
@@ -1738,16 +1738,29 @@ PROBE_RETRIES = 3
 PROBE_MAX = 8
 
 
-_SITE_KIND: Dict[int, Tuple[types.CodeType, int]] = {}  # id(code) -> (code, 0 kept, 1 skipped, 2 the end) (``_call_site``)
+# id(code) -> (code, 0 kept, 1 skipped, 2 the end, {PRECALL offset: its CALL's}) (``_call_site``)
+_SITE_KIND: Dict[int, Tuple[types.CodeType, int, Dict[int, int]]] = {}
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _TORCH_MODULES_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def _site_kind(code: types.CodeType) -> int:
+def _precalls(code: types.CodeType) -> Dict[int, int]:
+    """CPython 3.11's PRECALL offsets -> the offset of the CALL that follows: a frame calling a builtin
+    that calls back into Python (``sum(head(h) for head in heads)``) stands at the CALL until the code
+    is specialised, then at the PRECALL (its specialised form makes the call itself; review, round 46:
+    a probe from before and captures from after never matched). Empty on other versions."""
+    if sys.version_info[:2] != (3, 11):
+        return {}
+    import dis
+
+    ins = list(dis.get_instructions(code))
+    return {a.offset: b.offset for a, b in zip(ins, ins[1:]) if a.opname == "PRECALL"}
+
+
+def _site_kind(code: types.CodeType) -> Tuple[types.CodeType, int, Dict[int, int]]:
     got = _SITE_KIND.get(id(code))  # (by id, the code object kept beside: a code object's hash reads its contents)
-    kind = got[1] if got is not None and got[0] is code else None
-    if kind is None:
+    if got is None or got[0] is not code:
         f = code.co_filename
         f = os.path.abspath(f) if not f.startswith("<") else f  # (cached per code object)
         if code is LossModule.forward.__code__:
@@ -1764,8 +1777,8 @@ def _site_kind(code: types.CodeType) -> int:
             kind = 0
         if len(_SITE_KIND) > 65536:  # (code made at run time, exec'd or compiled, comes and goes)
             _SITE_KIND.clear()
-        _SITE_KIND[id(code)] = (code, kind)
-    return kind
+        got = _SITE_KIND[id(code)] = (code, kind, _precalls(code) if kind == 0 else {})
+    return got
 
 
 def _call_site() -> Tuple[Tuple[types.CodeType, int], ...]:
@@ -1778,11 +1791,12 @@ def _call_site() -> Tuple[Tuple[types.CodeType, int], ...]:
     while f is not None:
         code = f.f_code
         got = kinds.get(id(code))
-        kind = got[1] if got is not None and got[0] is code else _site_kind(code)
-        if kind == 2:
+        if got is None or got[0] is not code:
+            got = _site_kind(code)
+        if got[1] == 2:
             break
-        if kind == 0:
-            out.append((f.f_code, f.f_lasti))
+        if got[1] == 0:
+            out.append((code, got[2].get(f.f_lasti, f.f_lasti) if got[2] else f.f_lasti))
         f = f.f_back
     return tuple(out)
 
@@ -1967,10 +1981,13 @@ def _probe_key(batch: Batch, B: int, training: bool):
                                           else _leaf_sig(x) for x in leaves))
 
 
-def _plain_forward(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch):
-    """The loss's forward at the step's values (detached), no capture: the checks' extra forwards."""
-    return functional_call(loss_module, LossModule.prefixed({**constants, **{n: v.detach() for n, v in params.items()}}),
-                           (batch,))
+def _plain_forward(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
+                   leaves: bool = False):
+    """The loss's forward at the step's values (detached), no capture: the checks' extra forwards.
+    ``leaves``: the (floating) parameters as fresh leaves that require grad, as in the capture."""
+    return functional_call(loss_module, LossModule.prefixed({**constants, **{
+        n: (v.detach().requires_grad_(True) if leaves and v.is_floating_point() else v.detach())
+        for n, v in params.items()}}), (batch,))
 
 
 def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
@@ -2013,12 +2030,14 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
         m.__dict__["forward"] = _Wrapped(functools.partial(custom, ruled[m][1], m), m, ruled[m][1])
     device = next(iter(params.values())).device if params else torch.device("cpu")
     try:
-        # (in grad mode, as the capture runs, though nothing requires grad: a forward that takes another
-        # path without gradients, e.g. Hugging Face's activation checkpointing, calls from the same sites)
+        # (in grad mode, with the parameters as leaves that require grad, as the capture runs: a forward
+        # that takes another path without gradients calls from other sites: Hugging Face's activation
+        # checkpointing on ``torch.is_grad_enabled()``, torchvision's DenseNet or mmcv's blocks on
+        # ``x.requires_grad``; review, round 46. The graph is dropped with the output.)
         with torch.enable_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), \
                 _own_rng(params, seed), _adapted(loss_module.model, registry, Bp):
             before = _rng_state(device)
-            _plain_forward(loss_module, params, constants, probe)
+            _plain_forward(loss_module, params, constants, probe, leaves=True)
             drew = not _same_state(before, _rng_state(device))
     except Exception as err:  # a model that cannot run the probe: nothing is verified
         return Bp, f"{type(err).__name__}: {str(err)[:200]}", False
@@ -3447,64 +3466,77 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
     bnd1: Dict[str, Tensor] = {}
     bnd2: Dict[str, Tensor] = {}
     cpu_exact = _cpu_full_precision((params, constants, batch))
-    try:
-        reordered, losses = _watch_order(loss_module, params, constants, batch, B)
-        own = _draws_nothing(loss_module, params, constants, batch, losses)
-        mixed = (None if own or not any(m.training for m in loss_module.model.modules())
-                 else _mixes_under_same_draws(loss_module, params, constants, batch, B, losses))
-        del losses
-        s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
-        names = sorted(s1.uses)
-        n1, fb1 = _example_norms(s1, params, names, B, bnd1), dict(s1.fallback)
-        eps_of = {n: _use_eps(s1.uses.get(n, []), params[n].dtype) for n in names}  # (the compute precision)
-        loose = [n for n in names if eps_of[n] > torch.finfo(torch.float32).eps]
-        del s1  # (one pass's captures alive at a time)
-        s2 = run(perm, w2, 0)
-        n2, fb2 = _example_norms(s2, params, names, B, bnd2), dict(s2.fallback)
-        del s2
-        # each example alone (a batch of one: ``_singles`` picks them, the one with the largest
-        # gradient first), as in the naive loop: any batch statistic (a mean, a max, a count, a
-        # group's mean, in-batch negatives) is then the example's own value, so a forward or loss
-        # that mixes examples in an order-free way, which a permutation leaves as it is, moves the
-        # norms of the examples it mixes, whichever they are
-        tot = sum((n1[n].detach().double().cpu().nan_to_num(0.0, 0.0, 0.0) for n in names),
-                  torch.zeros(B, dtype=torch.float64))
-        singles = _singles(tot, B)
-        n3 = _alone_norms(loss_module, params, constants, batch, names, singles, own_mode=own)
-        # (no rule ran alone: an example's terms are bounded as in run 1, for the rounding exemption)
-        bnd3 = {n: bnd1[n].index_select(0, singles.to(bnd1[n].device)) for n in names}
-        # past ORDER_SINGLES, the batch split apart twice (``_grid_splits``): each pass's norms and
-        # bounds (B,), and the parameters it could not see (a fallback in a sub-batch: a size that
-        # meets a model dimension, say; that pass then says nothing of them)
-        splits: List[Tuple[Dict[str, Tensor], Dict[str, Tensor], Set[str]]] = []
-        for part in (_grid_splits(B) if B > ORDER_SINGLES else []):
-            sq = {n: torch.zeros_like(n1[n]).detach() for n in names}
-            bd = {n: torch.zeros_like(bnd1[n]).detach() for n in names}
-            blind: Set[str] = set()
-            for idx in part:
-                sub = select_examples(batch, idx)
-                s = run(sub, torch.ones(len(idx), dtype=torch.float64), 0)
-                sb: Dict[str, Tensor] = {}
-                ns = _example_norms(s, params, names, len(idx), sb)
-                blind |= set(s.fallback) | {n for n in names if n not in s.uses}
-                del s
-                for n in names:
-                    sq[n][idx.to(sq[n].device)] = ns[n].detach().to(sq[n])
-                    bd[n][idx.to(bd[n].device)] = sb[n].detach().to(bd[n])
-            splits.append((sq, bd, blind))
-    except Exception as err:  # e.g. a loss_fn that fails on the eval-mode forward: nothing is verified
-        if isinstance(err, OOM_ERRORS):
-            raise
-        if raise_failed:
-            raise _CheckRunFailed() from err
-        # (not memoised: a batch whose loss fails, a corrupt label say, must not decide later ones)
-        msg = str(err)
-        hint = ("; the check runs the batch in another order, which pack_padded_sequence(enforce_sorted=True) "
-                "refuses: pass enforce_sorted=False (the same result, sorted inside)") \
-            if "must be sorted" in msg else ""  # (review, round 37: the reason was buried in torch's text)
-        return ({n: ("the example-order check (eval-mode forward) failed: "
-                    f"{type(err).__name__}: {msg[:120]}{hint}; bk_options={{'check_order': False}} skips it")
-                for n in params}, set(), set()), None
+    allow_own = True
+    for attempt in range(2):
+        try:
+            reordered, losses = _watch_order(loss_module, params, constants, batch, B)
+            own = allow_own and _draws_nothing(loss_module, params, constants, batch, losses)
+            mixed = (None if own or not any(m.training for m in loss_module.model.modules())
+                     else _mixes_under_same_draws(loss_module, params, constants, batch, B, losses))
+            del losses
+            s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
+            names = sorted(s1.uses)
+            n1, fb1 = _example_norms(s1, params, names, B, bnd1), dict(s1.fallback)
+            eps_of = {n: _use_eps(s1.uses.get(n, []), params[n].dtype) for n in names}  # (the compute precision)
+            loose = [n for n in names if eps_of[n] > torch.finfo(torch.float32).eps]
+            del s1  # (one pass's captures alive at a time)
+            s2 = run(perm, w2, 0)
+            n2, fb2 = _example_norms(s2, params, names, B, bnd2), dict(s2.fallback)
+            del s2
+            # each example alone (a batch of one: ``_singles`` picks them, the one with the largest
+            # gradient first), as in the naive loop: any batch statistic (a mean, a max, a count, a
+            # group's mean, in-batch negatives) is then the example's own value, so a forward or loss
+            # that mixes examples in an order-free way, which a permutation leaves as it is, moves the
+            # norms of the examples it mixes, whichever they are
+            tot = sum((n1[n].detach().double().cpu().nan_to_num(0.0, 0.0, 0.0) for n in names),
+                      torch.zeros(B, dtype=torch.float64))
+            singles = _singles(tot, B)
+            n3 = _alone_norms(loss_module, params, constants, batch, names, singles, own_mode=own)
+            # (no rule ran alone: an example's terms are bounded as in run 1, for the rounding exemption)
+            bnd3 = {n: bnd1[n].index_select(0, singles.to(bnd1[n].device)) for n in names}
+            # past ORDER_SINGLES, the batch split apart twice (``_grid_splits``): each pass's norms and
+            # bounds (B,), and the parameters it could not see (a fallback in a sub-batch: a size that
+            # meets a model dimension, say; that pass then says nothing of them)
+            splits: List[Tuple[Dict[str, Tensor], Dict[str, Tensor], Set[str]]] = []
+            for part in (_grid_splits(B) if B > ORDER_SINGLES else []):
+                sq = {n: torch.zeros_like(n1[n]).detach() for n in names}
+                bd = {n: torch.zeros_like(bnd1[n]).detach() for n in names}
+                blind: Set[str] = set()
+                for idx in part:
+                    sub = select_examples(batch, idx)
+                    s = run(sub, torch.ones(len(idx), dtype=torch.float64), 0)
+                    sb: Dict[str, Tensor] = {}
+                    ns = _example_norms(s, params, names, len(idx), sb)
+                    blind |= set(s.fallback) | {n for n in names if n not in s.uses}
+                    del s
+                    for n in names:
+                        sq[n][idx.to(sq[n].device)] = ns[n].detach().to(sq[n])
+                        bd[n][idx.to(bd[n].device)] = sb[n].detach().to(bd[n])
+                splits.append((sq, bd, blind))
+            break
+        except Exception as err:  # e.g. a loss_fn that fails on the eval-mode forward: nothing is verified
+            if own and attempt == 0 and _checkpoint_error(err):
+                # activation checkpointing in the model's own mode: its recomputation in the backward runs
+                # without the runs' ``DropoutOff`` (torch's function modes are not active there), so it
+                # drops where the forward did not and the checkpoint refuses (review, round 46: GPT-2 with
+                # gradient checkpointing and dropout 0.1 in training, every parameter to a fallback that
+                # could not run it). The runs again in eval mode, as for a forward that draws otherwise.
+                allow_own, own = False, False
+                bnd1.clear()
+                bnd2.clear()
+                continue
+            if isinstance(err, OOM_ERRORS):
+                raise
+            if raise_failed:
+                raise _CheckRunFailed() from err
+            # (not memoised: a batch whose loss fails, a corrupt label say, must not decide later ones)
+            msg = str(err)
+            hint = ("; the check runs the batch in another order, which pack_padded_sequence(enforce_sorted=True) "
+                    "refuses: pass enforce_sorted=False (the same result, sorted inside)") \
+                if "must be sorted" in msg else ""  # (review, round 37: the reason was buried in torch's text)
+            return ({n: ("the example-order check (eval-mode forward) failed: "
+                        f"{type(err).__name__}: {msg[:120]}{hint}; bk_options={{'check_order': False}} skips it")
+                    for n in params}, set(), set()), None
 
     def differ(x: Tensor, y: Tensor, n: str) -> Tensor:  # per example, beyond rounding
         eps = eps_of.get(n, torch.finfo(params[n].dtype).eps)

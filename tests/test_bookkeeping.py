@@ -5714,3 +5714,87 @@ def test_probe_retries_a_layer_the_probes_skipped():
         ran += gate >= m.p
         assert all(torch.isfinite(g).all() for g in out.grads.values())
     assert ran >= 1
+
+
+# ---- round 46 review of the call-site probe: three models that ran on the rules before it, or failed before --------
+
+class _CheckpointedIfGrad(nn.Module):
+    """A block checkpointed only when its input requires grad (torchvision's DenseNet memory_efficient=True, mmcv's
+    ``if self.with_cp and x.requires_grad``)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        def inner(x):
+            return x + self.fc2(torch.tanh(self.fc1(x)))
+
+        return checkpoint(inner, x, use_reentrant=False) if x.requires_grad else inner(x)
+
+
+class _SummedHeads(nn.Module):
+    """Heads summed over a generator inside the builtin ``sum`` (a C function calling back into Python), after a
+    checkpointed body: the fallback cannot run it."""
+
+    def __init__(self, d=5):
+        super().__init__()
+        self.inp, self.body = nn.Linear(d, d), _CheckpointedIfGrad(d)
+        self.heads = nn.ModuleList(nn.Linear(d, 1) for _ in range(3))
+
+    def forward(self, x):
+        h = self.body(self.inp(x))  # (its input requires grad in the capture)
+        return sum(head(h) for head in self.heads).squeeze(-1)
+
+
+def _sq_loss(m, b):
+    return (m(b[0]) - b[1]) ** 2
+
+
+def test_probe_sees_the_paths_the_capture_takes_on_requires_grad_and_after_specialisation():
+    """Review, round 46, of the call-site matching: (1) a block checkpointed on ``x.requires_grad``: the probe ran in
+    grad mode with no parameter requiring grad, took the other branch, and its layers fell back (a RuntimeError: the
+    fallback cannot run checkpointing); the probe's parameters are now leaves that require grad, as the capture's.
+    (2) CPython 3.11 moves a frame's instruction offset from a CALL to its PRECALL once the code is specialised (a
+    builtin calling back into Python), so a probe from before never matched the captures after (every step raised);
+    a PRECALL offset is read as its CALL's. Exact against the naive loop, every step."""
+    torch.manual_seed(0)
+    m = _SummedHeads().double()
+    b = (torch.randn(4, 5, dtype=torch.float64), torch.randn(4, dtype=torch.float64))
+    params = {n: p.detach() for n, p in m.named_parameters()}
+    norms, sums = naive_clipped_sum(m, _sq_loss, b, max_grad_norm=0.5, params=params)
+    step = make_dp_step(m, _sq_loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
+    for _ in range(12):  # (past CPython's specialisation of the generator's code)
+        part = step.clipped_sum(params, b)
+        assert "vmap" not in part.routes.values(), step.fallback_reasons(b)
+        torch.testing.assert_close(part.per_sample_norms, norms, rtol=1e-9, atol=0)
+        for n in sums:
+            torch.testing.assert_close(part.sums[n], sums[n], rtol=1e-9, atol=1e-12)
+
+
+def test_gpt2_checkpointed_with_dropout_in_training_runs_and_stays_within_C():
+    """Review, round 46 (older than the round): GPT-2 with Hugging Face's gradient checkpointing and dropout 0.1 in
+    training. The example-order check's own-mode runs (torch's dropouts at rate 0 by a function mode) met the
+    checkpoint's recomputation, which runs without the mode, drops, and is refused (CheckpointError): every
+    parameter went to the fallback, which cannot run checkpointing (RuntimeError). Such runs now go to eval mode."""
+    import transformers
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2,
+                                                                 n_head=2)).double().train()
+        m.gradient_checkpointing_enable()
+    ids = torch.randint(0, 50, (3, 6))
+    b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    step = make_dp_step(m, models.hf_lm_loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
+    params = trainable_params(m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            step(params, b)
+        assert step.fallback_reasons(b) == {}
+        rep = check_sensitivity(step, params, b, seed=0)
+    assert rep.max_ratio <= 1 + 1e-6 and rep.replace_one_same_draws is not None  # (removal: not measured so)
