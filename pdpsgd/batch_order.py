@@ -28,6 +28,8 @@ rules know it) and from pdpsgd are not reported (their results are still marked:
 """
 from __future__ import annotations
 
+import contextvars
+import functools
 import operator
 import os
 import sys
@@ -311,6 +313,39 @@ class DrawWatch(TorchFunctionMode):
         return out
 
 
+# Set while a ``DropoutOff`` block runs (this thread / context only): torch.utils.checkpoint's
+# non-reentrant checkpoints run their function plainly (its graph kept, no recomputation). The
+# recomputation in the backward runs without the function modes that were active in the forward,
+# so under DropoutOff it would drop where the forward did not, and the checkpoint refuses
+# (CheckpointError; review, round 46: GPT-2 with gradient checkpointing and dropout in training).
+# The gradients are the same either way; only the memory the checkpoint saves is not saved.
+_PLAIN_CHECKPOINTS: contextvars.ContextVar[bool] = contextvars.ContextVar("pdpsgd_plain_checkpoints", default=False)
+
+
+def _plain_generator():
+    yield
+
+
+def _install_plain_checkpoints() -> bool:
+    """Wrap torch.utils.checkpoint's non-reentrant generator once (process-wide) so that it steps
+    aside while ``_PLAIN_CHECKPOINTS`` is set; False if this torch has no such generator."""
+    import torch.utils.checkpoint as cp
+
+    gen = getattr(cp, "_checkpoint_without_reentrant_generator", None)
+    if gen is None:
+        return False
+    if getattr(gen, "_pdpsgd_plain", False):
+        return True
+
+    @functools.wraps(gen)
+    def generator(*args, **kwargs):
+        return _plain_generator() if _PLAIN_CHECKPOINTS.get() else gen(*args, **kwargs)
+
+    generator._pdpsgd_plain = True  # type: ignore[attr-defined]
+    cp._checkpoint_without_reentrant_generator = generator
+    return True
+
+
 class DropoutOff(TorchFunctionMode):
     """A TorchFunctionMode under which torch's dropouts drop nothing: every call of a dropout function
     (``F.dropout`` and its 1d/2d/3d, alpha and feature forms, ``torch.dropout``, ``native_dropout``, the
@@ -320,7 +355,20 @@ class DropoutOff(TorchFunctionMode):
     RNN's dropout between layers) are left as they are. For the example-order check of a training-mode
     forward whose only random numbers are dropout (``bookkeeping._draws_nothing`` decides; ``pdpsgd check``
     compares losses under it too): its runs then compare as they do without dropout, and a batch statistic
-    taken in training only is seen."""
+    taken in training only is seen. Inside, torch.utils.checkpoint's non-reentrant checkpoints run their
+    function plainly (round 46: the recomputation runs without this mode, and was refused)."""
+
+    def __enter__(self):
+        _install_plain_checkpoints()
+        # (non-reentrant checkpoints run plainly inside: see ``_PLAIN_CHECKPOINTS``)
+        self.__dict__.setdefault("_plain", []).append(_PLAIN_CHECKPOINTS.set(True))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _PLAIN_CHECKPOINTS.reset(self._plain.pop())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})

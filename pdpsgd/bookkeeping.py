@@ -89,7 +89,7 @@ from ._warn import warn
 from .batch_order import DrawWatch, DropoutOff, ReorderWatch
 from .clipping import MIN_THRESHOLD, sum_sq_norms
 from .functional import LossModule, ParamIndex, model_constants, preserve_module_state
-from .per_sample import (_LOW, _PRECISION_LOCK, _checkpoint_error, DETACHED_LOSS, OOM_ERRORS, _caller_matmuls, _ieee_matmuls, _matmul_knobs, _rng_state, _same_state, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks, check_batch_entries,
+from .per_sample import (_LOW, _PRECISION_LOCK, DETACHED_LOSS, OOM_ERRORS, _caller_matmuls, _ieee_matmuls, _matmul_knobs, _rng_state, _same_state, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks, check_batch_entries,
                          per_sample_grads, select_examples, slice_batch, sq_norm_per_example, stray_parameter_error, trainable_parameters, watch_stray, weighted_dot, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
 from .rules.base import Dense, Explicit, Index, Rule, Use, module_attr
@@ -3466,77 +3466,64 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
     bnd1: Dict[str, Tensor] = {}
     bnd2: Dict[str, Tensor] = {}
     cpu_exact = _cpu_full_precision((params, constants, batch))
-    allow_own = True
-    for attempt in range(2):
-        try:
-            reordered, losses = _watch_order(loss_module, params, constants, batch, B)
-            own = allow_own and _draws_nothing(loss_module, params, constants, batch, losses)
-            mixed = (None if own or not any(m.training for m in loss_module.model.modules())
-                     else _mixes_under_same_draws(loss_module, params, constants, batch, B, losses))
-            del losses
-            s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
-            names = sorted(s1.uses)
-            n1, fb1 = _example_norms(s1, params, names, B, bnd1), dict(s1.fallback)
-            eps_of = {n: _use_eps(s1.uses.get(n, []), params[n].dtype) for n in names}  # (the compute precision)
-            loose = [n for n in names if eps_of[n] > torch.finfo(torch.float32).eps]
-            del s1  # (one pass's captures alive at a time)
-            s2 = run(perm, w2, 0)
-            n2, fb2 = _example_norms(s2, params, names, B, bnd2), dict(s2.fallback)
-            del s2
-            # each example alone (a batch of one: ``_singles`` picks them, the one with the largest
-            # gradient first), as in the naive loop: any batch statistic (a mean, a max, a count, a
-            # group's mean, in-batch negatives) is then the example's own value, so a forward or loss
-            # that mixes examples in an order-free way, which a permutation leaves as it is, moves the
-            # norms of the examples it mixes, whichever they are
-            tot = sum((n1[n].detach().double().cpu().nan_to_num(0.0, 0.0, 0.0) for n in names),
-                      torch.zeros(B, dtype=torch.float64))
-            singles = _singles(tot, B)
-            n3 = _alone_norms(loss_module, params, constants, batch, names, singles, own_mode=own)
-            # (no rule ran alone: an example's terms are bounded as in run 1, for the rounding exemption)
-            bnd3 = {n: bnd1[n].index_select(0, singles.to(bnd1[n].device)) for n in names}
-            # past ORDER_SINGLES, the batch split apart twice (``_grid_splits``): each pass's norms and
-            # bounds (B,), and the parameters it could not see (a fallback in a sub-batch: a size that
-            # meets a model dimension, say; that pass then says nothing of them)
-            splits: List[Tuple[Dict[str, Tensor], Dict[str, Tensor], Set[str]]] = []
-            for part in (_grid_splits(B) if B > ORDER_SINGLES else []):
-                sq = {n: torch.zeros_like(n1[n]).detach() for n in names}
-                bd = {n: torch.zeros_like(bnd1[n]).detach() for n in names}
-                blind: Set[str] = set()
-                for idx in part:
-                    sub = select_examples(batch, idx)
-                    s = run(sub, torch.ones(len(idx), dtype=torch.float64), 0)
-                    sb: Dict[str, Tensor] = {}
-                    ns = _example_norms(s, params, names, len(idx), sb)
-                    blind |= set(s.fallback) | {n for n in names if n not in s.uses}
-                    del s
-                    for n in names:
-                        sq[n][idx.to(sq[n].device)] = ns[n].detach().to(sq[n])
-                        bd[n][idx.to(bd[n].device)] = sb[n].detach().to(bd[n])
-                splits.append((sq, bd, blind))
-            break
-        except Exception as err:  # e.g. a loss_fn that fails on the eval-mode forward: nothing is verified
-            if own and attempt == 0 and _checkpoint_error(err):
-                # activation checkpointing in the model's own mode: its recomputation in the backward runs
-                # without the runs' ``DropoutOff`` (torch's function modes are not active there), so it
-                # drops where the forward did not and the checkpoint refuses (review, round 46: GPT-2 with
-                # gradient checkpointing and dropout 0.1 in training, every parameter to a fallback that
-                # could not run it). The runs again in eval mode, as for a forward that draws otherwise.
-                allow_own, own = False, False
-                bnd1.clear()
-                bnd2.clear()
-                continue
-            if isinstance(err, OOM_ERRORS):
-                raise
-            if raise_failed:
-                raise _CheckRunFailed() from err
-            # (not memoised: a batch whose loss fails, a corrupt label say, must not decide later ones)
-            msg = str(err)
-            hint = ("; the check runs the batch in another order, which pack_padded_sequence(enforce_sorted=True) "
-                    "refuses: pass enforce_sorted=False (the same result, sorted inside)") \
-                if "must be sorted" in msg else ""  # (review, round 37: the reason was buried in torch's text)
-            return ({n: ("the example-order check (eval-mode forward) failed: "
-                        f"{type(err).__name__}: {msg[:120]}{hint}; bk_options={{'check_order': False}} skips it")
-                    for n in params}, set(), set()), None
+    try:
+        reordered, losses = _watch_order(loss_module, params, constants, batch, B)
+        own = _draws_nothing(loss_module, params, constants, batch, losses)
+        mixed = (None if own or not any(m.training for m in loss_module.model.modules())
+                 else _mixes_under_same_draws(loss_module, params, constants, batch, B, losses))
+        del losses
+        s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
+        names = sorted(s1.uses)
+        n1, fb1 = _example_norms(s1, params, names, B, bnd1), dict(s1.fallback)
+        eps_of = {n: _use_eps(s1.uses.get(n, []), params[n].dtype) for n in names}  # (the compute precision)
+        loose = [n for n in names if eps_of[n] > torch.finfo(torch.float32).eps]
+        del s1  # (one pass's captures alive at a time)
+        s2 = run(perm, w2, 0)
+        n2, fb2 = _example_norms(s2, params, names, B, bnd2), dict(s2.fallback)
+        del s2
+        # each example alone (a batch of one: ``_singles`` picks them, the one with the largest
+        # gradient first), as in the naive loop: any batch statistic (a mean, a max, a count, a
+        # group's mean, in-batch negatives) is then the example's own value, so a forward or loss
+        # that mixes examples in an order-free way, which a permutation leaves as it is, moves the
+        # norms of the examples it mixes, whichever they are
+        tot = sum((n1[n].detach().double().cpu().nan_to_num(0.0, 0.0, 0.0) for n in names),
+                  torch.zeros(B, dtype=torch.float64))
+        singles = _singles(tot, B)
+        n3 = _alone_norms(loss_module, params, constants, batch, names, singles, own_mode=own)
+        # (no rule ran alone: an example's terms are bounded as in run 1, for the rounding exemption)
+        bnd3 = {n: bnd1[n].index_select(0, singles.to(bnd1[n].device)) for n in names}
+        # past ORDER_SINGLES, the batch split apart twice (``_grid_splits``): each pass's norms and
+        # bounds (B,), and the parameters it could not see (a fallback in a sub-batch: a size that
+        # meets a model dimension, say; that pass then says nothing of them)
+        splits: List[Tuple[Dict[str, Tensor], Dict[str, Tensor], Set[str]]] = []
+        for part in (_grid_splits(B) if B > ORDER_SINGLES else []):
+            sq = {n: torch.zeros_like(n1[n]).detach() for n in names}
+            bd = {n: torch.zeros_like(bnd1[n]).detach() for n in names}
+            blind: Set[str] = set()
+            for idx in part:
+                sub = select_examples(batch, idx)
+                s = run(sub, torch.ones(len(idx), dtype=torch.float64), 0)
+                sb: Dict[str, Tensor] = {}
+                ns = _example_norms(s, params, names, len(idx), sb)
+                blind |= set(s.fallback) | {n for n in names if n not in s.uses}
+                del s
+                for n in names:
+                    sq[n][idx.to(sq[n].device)] = ns[n].detach().to(sq[n])
+                    bd[n][idx.to(bd[n].device)] = sb[n].detach().to(bd[n])
+            splits.append((sq, bd, blind))
+    except Exception as err:  # e.g. a loss_fn that fails on the eval-mode forward: nothing is verified
+        if isinstance(err, OOM_ERRORS):
+            raise
+        if raise_failed:
+            raise _CheckRunFailed() from err
+        # (not memoised: a batch whose loss fails, a corrupt label say, must not decide later ones)
+        msg = str(err)
+        hint = ("; the check runs the batch in another order, which pack_padded_sequence(enforce_sorted=True) "
+                "refuses: pass enforce_sorted=False (the same result, sorted inside)") \
+            if "must be sorted" in msg else ""  # (review, round 37: the reason was buried in torch's text)
+        return ({n: ("the example-order check (eval-mode forward) failed: "
+                    f"{type(err).__name__}: {msg[:120]}{hint}; bk_options={{'check_order': False}} skips it")
+                for n in params}, set(), set()), None
 
     def differ(x: Tensor, y: Tensor, n: str) -> Tensor:  # per example, beyond rounding
         eps = eps_of.get(n, torch.finfo(params[n].dtype).eps)

@@ -10,6 +10,8 @@ import inspect
 import itertools
 import math
 import numbers
+import os
+import secrets
 import threading
 from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional, Sequence, Tuple
 
@@ -120,24 +122,50 @@ def _check_loss_signature(loss_fn: Any) -> None:
                         "b[1], reduction='none')") from None
 
 
-_PART_IDS = itertools.count(1)  # (one per clipped_sum result, process-wide)
-# part ids finalized, process-wide (a second finalize is refused): bit i of this bit set (one bit per
-# clipped_sum call ever made, 125 kB a million; round 46: the last 4096 ids only, before)
-_FINALIZED = bytearray()
+# Part ids: one per clipped_sum result, this process's base (random, drawn again in a forked child)
+# plus a count, so that parts made in other processes (workers whose parts the main process adds up)
+# do not collide with this one's. Finalized ids (a second finalize is refused): this process's as bit
+# (id − base) of a bit set (one bit per part ever made, 125 kB a million; round 46: before, the last
+# 4096 ids only, and ids 1, 2, ... in every process); others' (and any id not made here) in a set.
+_PART_IDS = itertools.count(1)
+_PART_LOCAL = 1 << 40  # (ids base + 1 ... base + 2^40 − 1 are this process's)
 _FINALIZED_LOCK = threading.Lock()
 
 
+def _new_part_base() -> None:
+    global _PART_BASE, _FINALIZED, _FINALIZED_OTHER
+    _PART_BASE = secrets.randbits(62) << 1
+    _FINALIZED = bytearray()
+    _FINALIZED_OTHER = set()
+
+
+_new_part_base()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_part_base)
+
+
+def _next_part_id() -> int:
+    return _PART_BASE + next(_PART_IDS)
+
+
 def _finalized(i: int) -> bool:
-    return (i >> 3) < len(_FINALIZED) and bool(_FINALIZED[i >> 3] >> (i & 7) & 1)
+    k = i - _PART_BASE
+    if not 0 < k < _PART_LOCAL:
+        return i in _FINALIZED_OTHER
+    return (k >> 3) < len(_FINALIZED) and bool(_FINALIZED[k >> 3] >> (k & 7) & 1)
 
 
 def _mark_finalized(i: int, on: bool) -> None:
-    if (i >> 3) >= len(_FINALIZED):
-        _FINALIZED.extend(bytes((i >> 3) + 1 - len(_FINALIZED)))
+    k = i - _PART_BASE
+    if not 0 < k < _PART_LOCAL:
+        (_FINALIZED_OTHER.add if on else _FINALIZED_OTHER.discard)(i)
+        return
+    if (k >> 3) >= len(_FINALIZED):
+        _FINALIZED.extend(bytes((k >> 3) + 1 - len(_FINALIZED)))
     if on:
-        _FINALIZED[i >> 3] |= 1 << (i & 7)
+        _FINALIZED[k >> 3] |= 1 << (k & 7)
     else:
-        _FINALIZED[i >> 3] &= ~(1 << (i & 7)) & 0xFF
+        _FINALIZED[k >> 3] &= ~(1 << (k & 7)) & 0xFF
 
 
 def _param_stamp(params: Mapping[str, Tensor]) -> Dict[str, Tuple[int, int]]:
@@ -271,16 +299,16 @@ def _budget_key(budget: Any) -> Any:
 _Z_MAX = 40.0
 
 
-def _check_noise_range(sums: Mapping[str, Tensor], std: float) -> None:
+def _check_noise_range(sums: Mapping[str, Tensor], std: float, denom: float) -> None:
     """A noise std whose draws could pass the largest value of the dtype the noise is drawn in (the
-    sums' accumulation dtype): an error, not ±inf noise handed to the optimizer (round 46: σC = 1e38 in
-    float32 was accepted)."""
+    sums' accumulation dtype; drawn at σC / divisor, ``noise_and_scale``): an error, not ±inf noise handed
+    to the optimizer (round 46: σC = 1e38 in float32 was accepted)."""
     for n, s in sums.items():
-        if s.is_floating_point() and std * _Z_MAX > torch.finfo(s.dtype).max:
+        if s.is_floating_point() and std / denom * _Z_MAX > torch.finfo(s.dtype).max:
             raise OverflowError(
-                f"the noise std σ·C = {std:.4g} is too large for {s.dtype} (the sum of {n!r} and its noise are kept "
-                f"in it; draws up to {_Z_MAX:g} std would pass its largest value {torch.finfo(s.dtype).max:.4g}): "
-                "scale the loss and max_grad_norm down together, or train in float64")
+                f"the noise std σ·C / divisor = {std:.4g} / {denom:g} is too large for {s.dtype} (the mean gradient of "
+                f"{n!r} and its noise are kept in it; draws up to {_Z_MAX:g} std would pass its largest value "
+                f"{torch.finfo(s.dtype).max:.4g}): scale the loss and max_grad_norm down together, or train in float64")
 
 
 def _check_narrow_overflow(grads: Mapping[str, Tensor], zstd: float) -> None:
@@ -681,14 +709,14 @@ class DPStep:
             else:
                 clipped = torch.ones_like(mask)
         return ClippedSum(res.clipped_sum, norms, res.losses, kept, clipped & kept, mask, res.routes, self.clipping_key,
-                          (next(_PART_IDS),), stamp)
+                          (_next_part_id(),), stamp)
 
     def _empty_sum(self, params: Mapping[str, Tensor], device: torch.device) -> ClippedSum:
         sums = {n: torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=p.device) for n, p in params.items()}
         none = torch.zeros(0, dtype=torch.bool, device=device)
         empty = torch.zeros(0, device=device)
         return ClippedSum(sums, empty, empty, none, none, none, {n: "skipped" for n in params}, self.clipping_key,
-                          (next(_PART_IDS),), _param_stamp(params))
+                          (_next_part_id(),), _param_stamp(params))
 
     def _divisor_seen(self, size: int) -> None:
         """Without ``expected_batch_size`` the divisor is the batch's size: public for fixed-size
@@ -750,7 +778,7 @@ class DPStep:
         dtypes = {n: (params[n].dtype if params is not None and n in params
                       else own[n].dtype if n in own and own[n].is_floating_point() else s.dtype) for n, s in sums.items()}
         gen = self._generator(first.device) if self.noise_std > 0 else None
-        _check_noise_range(sums, self.noise_std)
+        _check_noise_range(sums, self.noise_std, denom)
         grads = noise_and_scale(sums, self.noise_std, gen, denom, dtypes, compile=self.fused, consume=consume,
                                 rng=self.noise_rng)
         _check_narrow_overflow(grads, self.noise_std / denom)

@@ -5778,7 +5778,9 @@ def test_gpt2_checkpointed_with_dropout_in_training_runs_and_stays_within_C():
     """Review, round 46 (older than the round): GPT-2 with Hugging Face's gradient checkpointing and dropout 0.1 in
     training. The example-order check's own-mode runs (torch's dropouts at rate 0 by a function mode) met the
     checkpoint's recomputation, which runs without the mode, drops, and is refused (CheckpointError): every
-    parameter went to the fallback, which cannot run checkpointing (RuntimeError). Such runs now go to eval mode."""
+    parameter went to the fallback, which cannot run checkpointing (RuntimeError). Under ``DropoutOff`` non-reentrant
+    checkpoints now run their function plainly (the same gradients, no recomputation). (A first fix sent such runs
+    to eval mode, where a training-only statistic that mixes examples in the backward only went unseen; review.)"""
     import transformers
 
     torch.manual_seed(0)
@@ -5797,4 +5799,52 @@ def test_gpt2_checkpointed_with_dropout_in_training_runs_and_stays_within_C():
             step(params, b)
         assert step.fallback_reasons(b) == {}
         rep = check_sensitivity(step, params, b, seed=0)
-    assert rep.max_ratio <= 1 + 1e-6 and rep.replace_one_same_draws is not None  # (removal: not measured so)
+    assert rep.max_ratio <= 1 + 1e-6 and rep.sliced_mode == "dropout at rate 0"  # (removal measured so, too)
+
+
+class _BackwardOnlyRenorm(nn.Module):
+    """Batch renormalisation with its running statistics at 0 / 1: in training its value is x exactly, but its
+    gradient flows through the batch's mean and std (mixes examples in the backward only)."""
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        mu, sd = x.mean(0), x.std(0, unbiased=False) + 1e-3
+        return (x - mu) / sd * sd.detach() + mu.detach()
+
+
+class _CheckpointedRenormBlock(nn.Module):
+    def __init__(self, d, ckpt):
+        super().__init__()
+        self.fc1, self.renorm, self.drop, self.fc2, self.ckpt = (nn.Linear(d, d), _BackwardOnlyRenorm(), nn.Dropout(0.1),
+                                                                 nn.Linear(d, d), ckpt)
+
+    def inner(self, x):
+        return x + self.fc2(self.drop(torch.tanh(self.renorm(self.fc1(x)))))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, x, use_reentrant=False) if self.ckpt else self.inner(x)
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_backward_only_mixing_behind_checkpointing_and_dropout_is_caught(ckpt):
+    """Review, round 46: the first fix of the above sent the order check to eval mode when its own-mode runs met
+    checkpointing; a statistic taken in training that mixes examples in the backward only (losses unmoved, so the
+    same-draws comparison cannot see it) then stayed on the rules, and one example replaced moved the sum by 5.2 C
+    (0.517 against 2C = 0.2). With the checkpoints run plainly under ``DropoutOff`` the own-mode runs catch it, with
+    checkpointing as without: the layers around it take the fallback (which cannot run checkpointing: an error
+    naming the mixing, failing closed)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 6), _CheckpointedRenormBlock(6, ckpt), nn.Linear(6, 1), nn.Flatten(0)).double().train()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    y[0] = 1e3
+    step = make_dp_step(m, _sq_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reasons = step.fallback_reasons((x, y))
+        assert "1.fc1.weight" in reasons and "mix examples" in reasons["1.fc1.weight"], reasons
+        if ckpt:
+            with pytest.raises(RuntimeError, match="mix examples"):
+                step.clipped_sum(trainable_params(m), (x, y))

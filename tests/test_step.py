@@ -1875,7 +1875,7 @@ def test_a_part_finalized_long_ago_is_still_refused():
     old, other = st.clipped_sum(params, b), st.clipped_sum(params, b)
     st.finalize(old)
     for _ in range(10_000):  # (as many other parts made and finalized since)
-        step_mod._mark_finalized(next(step_mod._PART_IDS), True)
+        step_mod._mark_finalized(step_mod._next_part_id(), True)
     with pytest.raises(ValueError, match="finalized already"):
         st.finalize(old)
     st.finalize(other)  # (an id below the others, never finalized: not refused)
@@ -1884,16 +1884,56 @@ def test_a_part_finalized_long_ago_is_still_refused():
 
 
 def test_a_noise_std_past_the_sums_dtype_is_refused():
-    """Round 46: σ·C = 1e38 with float32 sums gave ±inf noise coordinates, handed to the optimizer silently."""
+    """Round 46: σ·C = 1e38 with float32 sums could give ±inf noise coordinates (drawn at σC / divisor), handed to
+    the optimizer silently. The divisor counts (review): σ·C = 1e38 over 1e6 expected examples is fine."""
     m = mlp()
     b = {"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))}
     big = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1e30, noise_multiplier=1e8, expected_batch_size=4)
     with pytest.raises(OverflowError, match="too large for torch.float32"):
         big(pdpsgd.trainable_params(m), b)
-    ok = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1e30, noise_multiplier=1e6, expected_batch_size=4)
-    assert all(torch.isfinite(g).all() for g in ok(pdpsgd.trainable_params(m), b).grads.values())
+    for sigma, denom in ((1e6, 4), (1e8, 1e6)):
+        ok = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1e30, noise_multiplier=sigma, expected_batch_size=denom)
+        assert all(torch.isfinite(g).all() for g in ok(pdpsgd.trainable_params(m), b).grads.values())
     m64 = mlp().double()  # (float64 sums hold it)
     b64 = {"x": b["x"].double(), "y": b["y"]}
     out = pdpsgd.make_dp_step(m64, mlp_loss, max_grad_norm=1e30, noise_multiplier=1e8, expected_batch_size=4)(
         pdpsgd.trainable_params(m64), b64)
     assert all(torch.isfinite(g).all() for g in out.grads.values())
+
+
+def test_part_ids_of_other_processes_do_not_collide():
+    """Review, round 46: part ids were 1, 2, ... in every process, so a worker's part added to the main process's
+    own was refused as added twice, and one finalized there as finalized already. Ids now start at a random base per
+    process (drawn again in a forked child); ids not made here are kept finalized exactly, in a set."""
+    import multiprocessing as mp
+
+    from pdpsgd import step as step_mod
+
+    if "fork" not in mp.get_all_start_methods():
+        pytest.skip("no fork start method here")
+    m = mlp()
+    params = pdpsgd.trainable_params(m)
+    st = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8)
+    b = {"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))}
+    here = st.clipped_sum(params, b)
+    with mp.get_context("fork").Pool(2) as pool:  # (two workers forked from one state)
+        first, second = pool.map(_child_part_ids, [0, 1], chunksize=1)
+    assert not set(first) & set(second) and not (set(first) | set(second)) & set(here.ids)
+    one, two = here._replace(ids=tuple(first)), here._replace(ids=tuple(second))  # (the workers' parts, as received)
+    st.finalize(here + one + two)
+    with pytest.raises(ValueError, match="finalized already"):
+        st.finalize(two)
+    for forged in (-5, 2 ** 80):  # (no such ids are made here: kept in the set, no huge bit set)
+        assert not step_mod._finalized(forged)
+        step_mod._mark_finalized(forged, True)
+        assert step_mod._finalized(forged)
+    assert len(step_mod._FINALIZED) < 1 << 20
+
+
+def _child_part_ids(_):
+    import time
+
+    from pdpsgd import step as step_mod
+
+    time.sleep(0.2)  # (each worker takes one task; no torch op in a forked child: its thread pool may hang)
+    return [step_mod._next_part_id() for _ in range(3)]
