@@ -313,35 +313,42 @@ class DrawWatch(TorchFunctionMode):
         return out
 
 
-# Set while a ``DropoutOff`` block runs (this thread / context only): torch.utils.checkpoint's
-# non-reentrant checkpoints run their function plainly (its graph kept, no recomputation). The
-# recomputation in the backward runs without the function modes that were active in the forward,
-# so under DropoutOff it would drop where the forward did not, and the checkpoint refuses
-# (CheckpointError; review, round 46: GPT-2 with gradient checkpointing and dropout in training).
-# The gradients are the same either way; only the memory the checkpoint saves is not saved.
-_PLAIN_CHECKPOINTS: contextvars.ContextVar[bool] = contextvars.ContextVar("pdpsgd_plain_checkpoints", default=False)
+# Set while a ``DropoutOff`` block runs (this thread / context only): a torch.utils.checkpoint
+# non-reentrant checkpoint made meanwhile recomputes its function under a DropoutOff of its own. The
+# recomputation in the backward runs without the function modes that were active in the forward, so
+# it dropped where the forward had not, and the checkpoint refused (CheckpointError; round 46: GPT-2
+# with gradient checkpointing and dropout in training failed every step). The recomputation still runs,
+# as in the step (review, round 46: running the checkpoints plainly instead hid a module that mixes
+# examples only when recomputed, 1.29 C). Checkpoints that do not go through torch.utils.checkpoint's
+# generator (``torch.distributed._composable.checkpoint`` imports it by name) still fail, closed.
+_DROPOUT_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("pdpsgd_dropout_off", default=False)
 
 
-def _plain_generator():
-    yield
-
-
-def _install_plain_checkpoints() -> bool:
-    """Wrap torch.utils.checkpoint's non-reentrant generator once (process-wide) so that it steps
-    aside while ``_PLAIN_CHECKPOINTS`` is set; False if this torch has no such generator."""
+def _install_recompute_dropout_off() -> bool:
+    """Wrap torch.utils.checkpoint's non-reentrant generator once (process-wide): while
+    ``_DROPOUT_OFF`` is set, the function it recomputes runs under ``DropoutOff``. False if this
+    torch has no such generator."""
     import torch.utils.checkpoint as cp
 
     gen = getattr(cp, "_checkpoint_without_reentrant_generator", None)
     if gen is None:
         return False
-    if getattr(gen, "_pdpsgd_plain", False):
+    if getattr(gen, "_pdpsgd_dropout_off", False):
         return True
 
     @functools.wraps(gen)
-    def generator(*args, **kwargs):
-        return _plain_generator() if _PLAIN_CHECKPOINTS.get() else gen(*args, **kwargs)
+    def generator(fn, *args, **kwargs):
+        if _DROPOUT_OFF.get():
+            inner = fn
 
-    generator._pdpsgd_plain = True  # type: ignore[attr-defined]
+            @functools.wraps(inner)
+            def fn(*a, **k):  # (the forward's call is the caller's own, under its DropoutOff; this is the recomputation's)
+                with DropoutOff():
+                    return inner(*a, **k)
+
+        return gen(fn, *args, **kwargs)
+
+    generator._pdpsgd_dropout_off = True  # type: ignore[attr-defined]
     cp._checkpoint_without_reentrant_generator = generator
     return True
 
@@ -355,20 +362,20 @@ class DropoutOff(TorchFunctionMode):
     RNN's dropout between layers) are left as they are. For the example-order check of a training-mode
     forward whose only random numbers are dropout (``bookkeeping._draws_nothing`` decides; ``pdpsgd check``
     compares losses under it too): its runs then compare as they do without dropout, and a batch statistic
-    taken in training only is seen. Inside, torch.utils.checkpoint's non-reentrant checkpoints run their
-    function plainly (round 46: the recomputation runs without this mode, and was refused)."""
+    taken in training only is seen. A non-reentrant checkpoint made inside recomputes under DropoutOff too
+    (round 46: the recomputation runs without this mode, and was refused)."""
 
     def __enter__(self):
-        _install_plain_checkpoints()
-        # (non-reentrant checkpoints run plainly inside: see ``_PLAIN_CHECKPOINTS``)
-        self.__dict__.setdefault("_plain", []).append(_PLAIN_CHECKPOINTS.set(True))
+        _install_recompute_dropout_off()
+        # (non-reentrant checkpoints made inside recompute under DropoutOff too: see ``_DROPOUT_OFF``)
+        self.__dict__.setdefault("_tokens", []).append(_DROPOUT_OFF.set(True))
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            _PLAIN_CHECKPOINTS.reset(self._plain.pop())
+            _DROPOUT_OFF.reset(self._tokens.pop())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})

@@ -122,50 +122,54 @@ def _check_loss_signature(loss_fn: Any) -> None:
                         "b[1], reduction='none')") from None
 
 
-# Part ids: one per clipped_sum result, this process's base (random, drawn again in a forked child)
-# plus a count, so that parts made in other processes (workers whose parts the main process adds up)
-# do not collide with this one's. Finalized ids (a second finalize is refused): this process's as bit
-# (id − base) of a bit set (one bit per part ever made, 125 kB a million; round 46: before, the last
-# 4096 ids only, and ids 1, 2, ... in every process); others' (and any id not made here) in a set.
+# Part ids: one per clipped_sum result, (this process's token << 40) + a count; the token is random,
+# drawn again in a forked child, so parts made in other processes (workers whose parts the main process
+# adds up) do not collide with this one's (round 46: every process counted 1, 2, ...). Finalized ids (a
+# second finalize is refused) as bit (id mod 2^40) of a bit set per token: one bit per part ever made,
+# 125 kB a million (round 46: before, the last 4096 ids only). A forked child keeps its parent's bit
+# sets (a part finalized there is refused here too). Ids no process made (negative) go in a set.
 _PART_IDS = itertools.count(1)
-_PART_LOCAL = 1 << 40  # (ids base + 1 ... base + 2^40 − 1 are this process's)
-_FINALIZED_LOCK = threading.Lock()
+_PART_BITS = 40
+_FINALIZED: Dict[int, bytearray] = {}  # token -> bit set
+_FINALIZED_ODD: set = set()  # ids no process made (negative, or far past the counts seen for their token)
 
 
-def _new_part_base() -> None:
-    global _PART_BASE, _FINALIZED, _FINALIZED_OTHER
-    _PART_BASE = secrets.randbits(62) << 1
-    _FINALIZED = bytearray()
-    _FINALIZED_OTHER = set()
+def _new_part_token() -> None:
+    global _PART_TOKEN, _FINALIZED_LOCK
+    _PART_TOKEN = secrets.randbits(62) | 1
+    _FINALIZED_LOCK = threading.Lock()  # (a forked child: a lock held by another thread at the fork stays held)
 
 
-_new_part_base()
+_new_part_token()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_part_base)
+    os.register_at_fork(after_in_child=_new_part_token)
 
 
 def _next_part_id() -> int:
-    return _PART_BASE + next(_PART_IDS)
+    return (_PART_TOKEN << _PART_BITS) + next(_PART_IDS) % (1 << _PART_BITS)
 
 
 def _finalized(i: int) -> bool:
-    k = i - _PART_BASE
-    if not 0 < k < _PART_LOCAL:
-        return i in _FINALIZED_OTHER
-    return (k >> 3) < len(_FINALIZED) and bool(_FINALIZED[k >> 3] >> (k & 7) & 1)
+    if i in _FINALIZED_ODD:
+        return True
+    bits, k = _FINALIZED.get(i >> _PART_BITS), i & ((1 << _PART_BITS) - 1)
+    return i >= 0 and bits is not None and (k >> 3) < len(bits) and bool(bits[k >> 3] >> (k & 7) & 1)
 
 
 def _mark_finalized(i: int, on: bool) -> None:
-    k = i - _PART_BASE
-    if not 0 < k < _PART_LOCAL:
-        (_FINALIZED_OTHER.add if on else _FINALIZED_OTHER.discard)(i)
+    bits, k = _FINALIZED.get(i >> _PART_BITS, bytearray()), i & ((1 << _PART_BITS) - 1)
+    if not on:
+        _FINALIZED_ODD.discard(i)
+        if i >= 0 and (k >> 3) < len(bits):
+            bits[k >> 3] &= ~(1 << (k & 7)) & 0xFF
         return
-    if (k >> 3) >= len(_FINALIZED):
-        _FINALIZED.extend(bytes((k >> 3) + 1 - len(_FINALIZED)))
-    if on:
-        _FINALIZED[k >> 3] |= 1 << (k & 7)
-    else:
-        _FINALIZED[k >> 3] &= ~(1 << (k & 7)) & 0xFF
+    if i < 0 or (k >> 3) >= len(bits) + (1 << 20):  # (no count jumps so far at once: a made-up id, in the set)
+        _FINALIZED_ODD.add(i)
+        return
+    if (k >> 3) >= len(bits):
+        bits.extend(bytes((k >> 3) + 1 - len(bits)))
+    _FINALIZED.setdefault(i >> _PART_BITS, bits)
+    bits[k >> 3] |= 1 << (k & 7)
 
 
 def _param_stamp(params: Mapping[str, Tensor]) -> Dict[str, Tuple[int, int]]:

@@ -482,10 +482,9 @@ def check_sensitivity(
                 if _agree(base, sums(batch, s=seed + 1), tol):
                     sliced, sliced_mode = _removed_one(sums, base, batch, B), "dropout at rate 0"
         except Exception as err:
-            # (round 46) activation checkpointing that DropoutOff cannot run plainly (a torch without the
-            # non-reentrant generator it steps aside): the recomputation in the backward runs without the function
-            # mode, drops where the forward did not, and the checkpoint refuses: not measured so (the same-draws
-            # replacement below is)
+            # (round 46) activation checkpointing whose recomputation DropoutOff cannot reach (a checkpoint not
+            # made through torch.utils.checkpoint's generator): it runs without the function mode, drops where the
+            # forward did not, and the checkpoint refuses: not measured so (the same-draws replacement below is)
             if not _checkpoint_error(err):
                 raise
             sliced, sliced_mode = None, None

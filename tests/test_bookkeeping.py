@@ -5833,18 +5833,62 @@ def test_backward_only_mixing_behind_checkpointing_and_dropout_is_caught(ckpt):
     """Review, round 46: the first fix of the above sent the order check to eval mode when its own-mode runs met
     checkpointing; a statistic taken in training that mixes examples in the backward only (losses unmoved, so the
     same-draws comparison cannot see it) then stayed on the rules, and one example replaced moved the sum by 5.2 C
-    (0.517 against 2C = 0.2). With the checkpoints run plainly under ``DropoutOff`` the own-mode runs catch it, with
+    (0.517 against 2C = 0.2). With the recomputation under ``DropoutOff`` too, the own-mode runs catch it, with
     checkpointing as without: the layers around it take the fallback (which cannot run checkpointing: an error
     naming the mixing, failing closed)."""
+    step, b = _mixing_block_step(_CheckpointedRenormBlock(6, ckpt), big_x0=False)
+    if ckpt:
+        with warnings.catch_warnings(), pytest.raises(RuntimeError, match="mix examples"):
+            warnings.simplefilter("ignore")
+            step.clipped_sum(trainable_params(step.model), b)
+
+
+def _mixing_block_step(block, big_x0):
+    """A step on Linear → ``block`` → Linear (float64, training, C = 0.1) and a batch with one outlying example; the
+    block's first layer must be found mixing examples (asserted). Returns (step, batch)."""
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(6, 6), _CheckpointedRenormBlock(6, ckpt), nn.Linear(6, 1), nn.Flatten(0)).double().train()
+    m = nn.Sequential(nn.Linear(6, 6), block, nn.Linear(6, 1), nn.Flatten(0)).double().train()
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    if big_x0:
+        x[0] *= 30
     y[0] = 1e3
     step = make_dp_step(m, _sq_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         reasons = step.fallback_reasons((x, y))
-        assert "1.fc1.weight" in reasons and "mix examples" in reasons["1.fc1.weight"], reasons
-        if ckpt:
-            with pytest.raises(RuntimeError, match="mix examples"):
-                step.clipped_sum(trainable_params(m), (x, y))
+    assert "1.fc1.weight" in reasons and "mix examples" in reasons["1.fc1.weight"], reasons
+    return step, (x, y)
+
+
+class _LateScale(nn.Module):
+    """Scales by a buffer, then (training) stores this batch's statistic in it for the next call: inside a
+    checkpoint, the recomputation in the backward reads the batch's statistic, so it mixes examples there only."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.register_buffer("s", torch.ones(d, dtype=torch.float64))
+
+    def forward(self, x):
+        y = x * self.s
+        if self.training:
+            self.s = x.detach().pow(2).mean(0).add(1e-3).rsqrt()
+        return y
+
+
+class _LateScaleBlock(nn.Module):
+    def __init__(self, d, p):
+        super().__init__()
+        self.fc1, self.sc, self.drop, self.fc2 = nn.Linear(d, d), _LateScale(d), nn.Dropout(p), nn.Linear(d, d)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(lambda h: h + self.fc2(self.drop(torch.tanh(self.sc(self.fc1(h))))), x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_mixing_only_in_a_checkpoints_recomputation_is_caught(p):
+    """Review, round 46: a second fix of the checkpoint + DropoutOff refusal ran the check's checkpoints plainly (no
+    recomputation); a module that mixes examples only when recomputed then passed, with or without dropout (removal
+    moved the step's sum by 1.29 C). Now the recomputation runs in the check as in the step, under DropoutOff."""
+    _mixing_block_step(_LateScaleBlock(6, p), big_x0=True)

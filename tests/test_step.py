@@ -1923,11 +1923,20 @@ def test_part_ids_of_other_processes_do_not_collide():
     st.finalize(here + one + two)
     with pytest.raises(ValueError, match="finalized already"):
         st.finalize(two)
-    for forged in (-5, 2 ** 80):  # (no such ids are made here: kept in the set, no huge bit set)
+    for forged in (-5, 2 ** 80, (7 << 40) + (1 << 39)):  # (no such ids are made: kept in a set, no huge bit set)
         assert not step_mod._finalized(forged)
         step_mod._mark_finalized(forged, True)
         assert step_mod._finalized(forged)
-    assert len(step_mod._FINALIZED) < 1 << 20
+    assert sum(len(b) for b in step_mod._FINALIZED.values()) < 1 << 22
+    # a forked child keeps the parent's finalized parts (the hook a fork runs in the child, run here)
+    token = step_mod._PART_TOKEN
+    try:
+        step_mod._new_part_token()
+        assert step_mod._PART_TOKEN != token
+        with pytest.raises(ValueError, match="finalized already"):
+            st.finalize(here)
+    finally:
+        step_mod._PART_TOKEN = token
 
 
 def _child_part_ids(_):
