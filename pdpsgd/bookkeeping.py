@@ -3151,7 +3151,7 @@ def _draws_nothing(loss_module: LossModule, params: Params, constants: Mapping[s
 
 
 def _mixes_under_same_draws(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor],
-                            batch: Batch, B: int, first: Any) -> Optional[str]:
+                            batch: Batch, B: int, first: Any, dropout: bool = False) -> Optional[str]:
     """For a training-mode forward that draws random numbers other than torch's dropouts (a drop path's
     ``torch.rand``, LayerDrop's, a ``bernoulli_`` of its own), which ``_draws_nothing`` sends to eval mode
     for the order check: whether a batch statistic taken in training only mixes its examples (round 45:
@@ -3162,17 +3162,25 @@ def _mixes_under_same_draws(loss_module: LossModule, params: Params, constants: 
     not, or the check cannot tell (the same batch run again differs: draws not from the forked
     streams, a module's own generator say; no other example with another loss; losses not (B, ...); the two
     forwards leave the forked streams in different states, i.e. the number of draws follows the data, so the
-    draws were not lined up). Losses only: mixing that shows in the backward alone is not seen here."""
-    if not (isinstance(first, Tensor) and first.is_floating_point() and first.dim() >= 1 and first.shape[0] == B
-            and B > 1):
-        return None
+    draws were not lined up). Losses only: mixing that shows in the backward alone is not seen here.
+
+    ``dropout``: torch's dropouts as they are (not at rate 0), and ``first`` taken here, for a forward whose
+    only draws are dropouts, whose order check runs with them at rate 0 (``_draws_nothing``): a forward that
+    mixes examples only through what its dropouts drop (a dropped unit filled with the batch's mean) is unseen
+    with nothing dropped (review, round 46: 4.46 C on one replaced example)."""
     devices = sorted({p.device for p in params.values()}, key=str)
 
     def losses(b: Batch) -> Tuple[Any, Tuple[Any, ...]]:  # (the losses, the forked streams as the forward left them)
         with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params, 0), \
-                DropoutOff():
+                (contextlib.nullcontext() if dropout else DropoutOff()):
             out = _plain_forward(loss_module, params, constants, b)
             return out, tuple(_rng_state(d) for d in devices)
+
+    if dropout:
+        first = losses(batch)[0]
+    if not (isinstance(first, Tensor) and first.is_floating_point() and first.dim() >= 1 and first.shape[0] == B
+            and B > 1):
+        return None
 
     ref = first.detach().reshape(B, -1).double()
     again, drawn = losses(batch)
@@ -3200,6 +3208,11 @@ def _mixes_under_same_draws(loss_module: LossModule, params: Params, constants: 
     rest = fin.clone()
     rest[0] = False
     if bool((((got - ref).abs() > tol).any(1) & rest).any()) or bool((rest & ~torch.isfinite(got).all(1)).any()):
+        if dropout:
+            return ("its training-mode forward changed other examples' losses when one example was replaced, on the "
+                    "same dropout masks: it mixes examples through what its dropouts drop (e.g. a dropped unit filled "
+                    "with the batch's mean), or the masks' layout follows the data (a dropout on packed sequences) "
+                    "(exact fallback)")
         return ("its training-mode forward, which draws random numbers of its own (so the example-order check "
                 "runs in eval mode), changed other examples' losses when one example was replaced, on the same "
                 "random draws: a batch statistic taken in training only mixes examples, or the draws' layout "
@@ -3469,8 +3482,9 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
     try:
         reordered, losses = _watch_order(loss_module, params, constants, batch, B)
         own = _draws_nothing(loss_module, params, constants, batch, losses)
-        mixed = (None if own or not any(m.training for m in loss_module.model.modules())
-                 else _mixes_under_same_draws(loss_module, params, constants, batch, B, losses))
+        # (own: only torch's dropouts draw, and the runs take them at rate 0; compared here with them dropping)
+        mixed = (None if not any(m.training for m in loss_module.model.modules())
+                 else _mixes_under_same_draws(loss_module, params, constants, batch, B, losses, dropout=own))
         del losses
         s1 = run(batch, torch.ones(B, dtype=torch.float64), 0)
         names = sorted(s1.uses)
