@@ -3170,14 +3170,19 @@ def _mixes_under_same_draws(loss_module: LossModule, params: Params, constants: 
     with nothing dropped (review, round 46: 4.46 C on one replaced example)."""
     devices = sorted({p.device for p in params.values()}, key=str)
 
+    seeded: List[Any] = []
+
     def losses(b: Batch) -> Tuple[Any, Tuple[Any, ...]]:  # (the losses, the forked streams as the forward left them)
         with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params, 0), \
                 (contextlib.nullcontext() if dropout else DropoutOff()):
+            seeded[:] = [_rng_state(d) for d in devices]
             out = _plain_forward(loss_module, params, constants, b)
             return out, tuple(_rng_state(d) for d in devices)
 
     if dropout:
-        first = losses(batch)[0]
+        first, drawn0 = losses(batch)
+        if all(_same_state(a, b) for a, b in zip(seeded, drawn0)):
+            return None  # (it drew nothing: the check's own-mode runs saw this forward as it is)
     if not (isinstance(first, Tensor) and first.is_floating_point() and first.dim() >= 1 and first.shape[0] == B
             and B > 1):
         return None

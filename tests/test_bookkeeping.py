@@ -5923,3 +5923,29 @@ def test_mixing_only_through_what_dropout_drops_is_caught():
     replacement is now compared with the dropouts dropping, on the same masks (``_mixes_under_same_draws``)."""
     step, b = _mixing_block_step(_MeanImputedBlock(6), big_x0=False)
     assert "same dropout masks" in step.fallback_reasons(b)["1.fc1.weight"]
+
+
+class _ComposableMaskBlock(nn.Module):
+    """Linear → backward-only renorm → tanh → a mask-style dropout (``z * F.dropout(ones)``), residual; made a
+    composable checkpoint (``torch.distributed._composable.checkpoint``) by the test."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.fc1, self.renorm = nn.Linear(d, d), _BackwardOnlyRenorm()
+
+    def forward(self, h):
+        z = torch.tanh(self.renorm(self.fc1(h)))
+        return h + z * F.dropout(torch.ones_like(z), 0.3, self.training)
+
+
+def test_mixing_behind_a_composable_checkpoint_is_caught():
+    """Review, round 46: torch.distributed's composable checkpoint imports torch.utils.checkpoint's generator by name,
+    so its recomputation escaped ``DropoutOff`` and dropped where the check's forward had not; with a mask-style
+    dropout (no extra saved tensor, so no CheckpointError) and a statistic mixing examples in the backward only, the
+    check passed and one replaced example moved the sum by 4.5 C. That name is rebound too."""
+    pytest.importorskip("torch.distributed._composable")
+    from torch.distributed._composable import checkpoint as composable
+
+    block = _ComposableMaskBlock(6)
+    composable(block)
+    _mixing_block_step(block, big_x0=False)
