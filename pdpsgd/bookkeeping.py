@@ -1835,6 +1835,17 @@ def _own_rng(params: Params, seed: Optional[int] = None) -> Iterator[None]:
         yield
 
 
+def _streams(params: Params) -> Tuple[Any, ...]:
+    """The random streams a forward on the parameters' devices may draw from, now (``_rng_state`` of
+    each device; the CPU's when there are no parameters): compared before and after a check's forward."""
+    devices = sorted({p.device for p in params.values()}, key=str) or [torch.device("cpu")]
+    return tuple(_rng_state(d) for d in devices)
+
+
+def _drew(before: Tuple[Any, ...], after: Tuple[Any, ...]) -> bool:
+    return not all(_same_state(a, b) for a, b in zip(before, after))
+
+
 def _rng_devices(params: Params) -> List[int]:
     return sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
 
@@ -2028,7 +2039,6 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
 
     for m in probed:
         m.__dict__["forward"] = _Wrapped(functools.partial(custom, ruled[m][1], m), m, ruled[m][1])
-    device = next(iter(params.values())).device if params else torch.device("cpu")
     try:
         # (in grad mode, with the parameters as leaves that require grad, as the capture runs: a forward
         # that takes another path without gradients calls from other sites: Hugging Face's activation
@@ -2036,9 +2046,9 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
         # ``x.requires_grad``; review, round 46. The graph is dropped with the output.)
         with torch.enable_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), \
                 _own_rng(params, seed), _adapted(loss_module.model, registry, Bp):
-            before = _rng_state(device)
+            before = _streams(params)
             _plain_forward(loss_module, params, constants, probe, leaves=True)
-            drew = not _same_state(before, _rng_state(device))
+            drew = _drew(before, _streams(params))
     except Exception as err:  # a model that cannot run the probe: nothing is verified
         return Bp, f"{type(err).__name__}: {str(err)[:200]}", False
     finally:
@@ -3137,14 +3147,13 @@ def _draws_nothing(loss_module: LossModule, params: Params, constants: Mapping[s
     model = loss_module.model
     if not isinstance(first, Tensor) or not any(m.training for m in model.modules()):
         return False
-    device = next(iter(params.values())).device if params else torch.device("cpu")
     with torch.no_grad(), mha_fastpath_off(), preserve_module_state(model), _own_rng(params, 1), DropoutOff():
-        before = _rng_state(device)
+        before = _streams(params)
         again = _plain_forward(loss_module, params, constants, batch)
         # (and it drew no random number at all, with torch's dropouts at rate 0, which draw none: round 46, a
         # LayerDrop that skipped its layer on seeds 0 and 1 alike gave the same losses, and the check's own-mode
         # runs never reached that layer, which then took the fallback on every step that ran it)
-        if not _same_state(before, _rng_state(device)):
+        if _drew(before, _streams(params)):
             return False
     return isinstance(again, Tensor) and first.shape == again.shape and (bool(torch.equal(first, again)) or (
         first.is_floating_point() and bool(torch.allclose(first, again, rtol=0, atol=0, equal_nan=True))))
@@ -3168,20 +3177,18 @@ def _mixes_under_same_draws(loss_module: LossModule, params: Params, constants: 
     only draws are dropouts, whose order check runs with them at rate 0 (``_draws_nothing``): a forward that
     mixes examples only through what its dropouts drop (a dropped unit filled with the batch's mean) is unseen
     with nothing dropped (review, round 46: 4.46 C on one replaced example)."""
-    devices = sorted({p.device for p in params.values()}, key=str)
-
     seeded: List[Any] = []
 
     def losses(b: Batch) -> Tuple[Any, Tuple[Any, ...]]:  # (the losses, the forked streams as the forward left them)
         with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params, 0), \
                 (contextlib.nullcontext() if dropout else DropoutOff()):
-            seeded[:] = [_rng_state(d) for d in devices]
+            seeded[:] = [_streams(params)]
             out = _plain_forward(loss_module, params, constants, b)
-            return out, tuple(_rng_state(d) for d in devices)
+            return out, _streams(params)
 
     if dropout:
         first, drawn0 = losses(batch)
-        if all(_same_state(a, b) for a, b in zip(seeded, drawn0)):
+        if not _drew(seeded[0], drawn0):
             return None  # (it drew nothing: the check's own-mode runs saw this forward as it is)
     if not (isinstance(first, Tensor) and first.is_floating_point() and first.dim() >= 1 and first.shape[0] == B
             and B > 1):
@@ -3200,8 +3207,7 @@ def _mixes_under_same_draws(loss_module: LossModule, params: Params, constants: 
     idx = torch.arange(B)
     idx[0] = other[0]
     moved, drawn_moved = losses(select_examples(batch, idx))
-    if not isinstance(moved, Tensor) or moved.shape != first.shape \
-            or not all(_same_state(a, b) for a, b in zip(drawn, drawn_moved)):
+    if not isinstance(moved, Tensor) or moved.shape != first.shape or _drew(drawn, drawn_moved):
         # (review, round 45: a forward whose number of draws follows the data (a batch trimmed to its longest
         # row before a draw of its shape, rejection sampling, numpy draws per example's length) drew other numbers
         # for the replaced batch: not lined up, so the check cannot tell)
@@ -3703,22 +3709,23 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
             for seed in range(1, 1 + PROBE_DRAWS):
                 probe_more(seed)
     Bp = got.Bp
-    need = {c.mname for c in todo} | {c.root[0] for c in todo if c.rows and c.root is not None}
-    tries = 0
-    while failed is None and got.drew and got.runs < PROBE_MAX and tries < PROBE_RETRIES \
-            and any(not got.matching(mn, real_sites.get(mn, ())) for mn in need):
-        probe_more(got.runs)  # (seeds 1, 2, ... in turn: the alternatives seen so far are kept)
-        tries += 1
-        grew = True
-    if key is not None and failed is None and grew:
-        _memo_put(probe_memo, key, got)
-
-    matched: Dict[str, List[Tuple[Any, ...]]] = {}
+    matched: Dict[str, List[Tuple[Any, ...]]] = {}  # (each module's, once per step: cleared when a probe adds some)
 
     def alts(mname: str) -> List[Tuple[Any, ...]]:
         if mname not in matched:
             matched[mname] = [] if failed is not None else got.matching(mname, real_sites.get(mname, ()))
         return matched[mname]
+
+    need = {c.mname for c in todo} | {c.root[0] for c in todo if c.rows and c.root is not None}
+    tries = 0
+    while failed is None and got.drew and got.runs < PROBE_MAX and tries < PROBE_RETRIES \
+            and any(not alts(mn) for mn in need):
+        probe_more(got.runs)  # (seeds 1, 2, ... in turn: the alternatives seen so far are kept)
+        matched.clear()
+        tries += 1
+        grew = True
+    if key is not None and failed is None and grew:
+        _memo_put(probe_memo, key, got)
 
     def every(mname: str, test) -> bool:  # some alternative from the capture's sites, and each passes ``test``
         a = alts(mname)

@@ -591,17 +591,6 @@ def _same_state(a: Tuple[Any, ...], b: Tuple[Any, ...]) -> bool:
     return all(torch.equal(x, y) if isinstance(x, Tensor) else x == y for x, y in zip(a, b))
 
 
-def _checkpoint_error(err: BaseException) -> bool:
-    """Whether ``err`` is (or was raised from) torch.utils.checkpoint's ``CheckpointError``."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if type(err).__name__ == "CheckpointError":
-            return True
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return False
-
-
 def _matmul_knobs() -> List[Any]:
     """The per-backend float32 matmul precision settings (torch >= 2.9's ``fp32_precision``), or []."""
     out = []

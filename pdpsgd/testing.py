@@ -474,20 +474,11 @@ def check_sensitivity(
         # book-keeping's example-order check runs such a model) the step may be deterministic in training
         # mode, and removal from the batch is compared there (a batch statistic used in training shows)
         from .batch_order import DropoutOff
-        from .per_sample import _checkpoint_error
 
-        try:
-            with DropoutOff():
-                base = sums(batch)
-                if _agree(base, sums(batch, s=seed + 1), tol):
-                    sliced, sliced_mode = _removed_one(sums, base, batch, B), "dropout at rate 0"
-        except Exception as err:
-            # (round 46) activation checkpointing whose recomputation DropoutOff cannot reach (a checkpoint not
-            # made through torch.utils.checkpoint's generator): it runs without the function mode, drops where the
-            # forward did not, and the checkpoint refuses: not measured so (the same-draws replacement below is)
-            if not _checkpoint_error(err):
-                raise
-            sliced, sliced_mode = None, None
+        with DropoutOff():
+            base = sums(batch)
+            if _agree(base, sums(batch, s=seed + 1), tol):
+                sliced, sliced_mode = _removed_one(sums, base, batch, B), "dropout at rate 0"
     swapped = None
     if sliced is None and B > 1 and _agree(full, part(batch, drawn_to=drawn).sums, tol):
         # (round 45) draws other than torch's dropouts (a drop path's, LayerDrop's) differ on a batch of another
