@@ -89,7 +89,7 @@ from ._warn import warn
 from .batch_order import DrawWatch, DropoutOff, ReorderWatch
 from .clipping import MIN_THRESHOLD, sum_sq_norms
 from .functional import LossModule, ParamIndex, model_constants, preserve_module_state
-from .per_sample import (_LOW, _PRECISION_LOCK, DETACHED_LOSS, OOM_ERRORS, _caller_matmuls, _ieee_matmuls, _matmul_knobs, _rng_state, _same_state, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks, check_batch_entries,
+from .per_sample import (_LOW, _PRECISION_LOCK, DETACHED_LOSS, OOM_ERRORS, _caller_matmuls, _ieee_matmuls, _matmul_knobs, _rng_state, _same_state, _HeldStates, _held_forked, _model_rngs, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks, check_batch_entries,
                          per_sample_grads, select_examples, slice_batch, sq_norm_per_example, stray_parameter_error, trainable_parameters, watch_stray, weighted_dot, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
 from .rules.base import Dense, Explicit, Index, Rule, Use, module_attr
@@ -1383,6 +1383,7 @@ class _Collected:
     passed: Set[str] = field(default_factory=set)
     reached: bool = True  # (whether the losses required grad: some ruled parameter reached them)
     rng: Any = None  # the random streams as the capture's forward began (``_rng_now``; ``_rng_replay``)
+    attrs: Any = None  # the modules' plain attributes then, for a forward that changes them (``_attrs_replayed``)
 
 
 def _model_layout(model: nn.Module, params: Params, registry: RuleRegistry, overrides: Mapping[str, str]):
@@ -1822,12 +1823,13 @@ def _first_dim(args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[int
 
 
 @contextlib.contextmanager
-def _own_rng(params: Params, seed: Optional[int] = None) -> Iterator[None]:
+def _own_rng(params: Params, seed: Optional[int] = None, *, model: nn.Module) -> Iterator[None]:
     """The extra forwards of the checks and probes draw from forked random streams (CPU, the
-    parameters' CUDA devices, Python's ``random`` and numpy's global one since round 38; seeded with
-    ``seed`` if given): the user's streams, and so the step's noise, are as without them."""
+    parameters' CUDA devices, Python's ``random`` and numpy's global one since round 38, the
+    generators ``model`` holds since round 47 (``_model_rngs``); seeded with ``seed`` if given): the
+    user's streams, and so the step's noise, are as without them."""
     devs = sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devs), _host_rngs(seed=seed):
+    with torch.random.fork_rng(devices=devs), _host_rngs(seed=seed), _held_forked(_model_rngs(model), seed=seed):
         if seed is not None:  # (only the forked streams)
             torch.default_generator.manual_seed(seed)
             for d in devs:
@@ -1835,11 +1837,13 @@ def _own_rng(params: Params, seed: Optional[int] = None) -> Iterator[None]:
         yield
 
 
-def _streams(params: Params) -> Tuple[Any, ...]:
+def _streams(params: Params, model: nn.Module) -> Tuple[Any, ...]:
     """The random streams a forward on the parameters' devices may draw from, now (``_rng_state`` of
-    each device; the CPU's when there are no parameters): compared before and after a check's forward."""
+    each device, the CPU's when there are no parameters; with the generators ``model`` holds):
+    compared before and after a check's forward."""
     devices = sorted({p.device for p in params.values()}, key=str) or [torch.device("cpu")]
-    return tuple(_rng_state(d) for d in devices)
+    held = _model_rngs(model)
+    return tuple(_rng_state(d, held) for d in devices)
 
 
 def _drew(before: Tuple[Any, ...], after: Tuple[Any, ...]) -> bool:
@@ -1850,13 +1854,15 @@ def _rng_devices(params: Params) -> List[int]:
     return sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
 
 
-def _rng_now(params: Params) -> Tuple[Tensor, Dict[int, Tensor], Any, Any]:
+def _rng_now(params: Params, model: nn.Module) -> Tuple[Tensor, Dict[int, Tensor], Any, Any, _HeldStates]:
     """The CPU and the parameters' CUDA random states, Python's ``random`` and numpy's legacy global
-    one (if imported): what the capture's forward draws from (round 38: Python's and numpy's too; a
-    LayerDrop on ``random.random()`` gave the fallback the other branch, 1.27 off)."""
+    one (if imported), and the generators ``model`` holds (``_model_rngs``): what the capture's
+    forward draws from (round 38: Python's and numpy's too; a LayerDrop on ``random.random()`` gave
+    the fallback the other branch, 1.27 off; round 47: held generators, the same)."""
     np_ = sys.modules.get("numpy")
     return (torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in _rng_devices(params)},
-            random.getstate(), np_.random.get_state() if np_ is not None else None)
+            random.getstate(), np_.random.get_state() if np_ is not None else None,
+            _HeldStates.of(_model_rngs(model)))
 
 
 @contextlib.contextmanager
@@ -1894,11 +1900,54 @@ def _rng_replay(params: Params, state: Optional[Tuple[Tensor, Dict[int, Tensor]]
     if state is None:
         yield
         return
-    with torch.random.fork_rng(devices=_rng_devices(params)), _host_rngs(state[2:]):
+    with torch.random.fork_rng(devices=_rng_devices(params)), _host_rngs(state[2:4]), \
+            _held_forked(state[4].rngs, state=state[4]):
         torch.set_rng_state(state[0])
         for d, st in state[1].items():
             torch.cuda.set_rng_state(st, d)
         yield
+
+
+# Review, round 47: a forward whose path depends on state the model keeps (a counter attribute, a
+# generator it holds) took, at the capture of a later step, a path that the batch shape's memoised
+# probe had not seen: a layer given, at the same call site, a frozen table of B rows instead of the
+# batch had the table's rows credited to examples (up to 4.2 C between neighbours, a counter choosing
+# every 16th forward). Such a forward (``_Probed.stateful``: a probe saw it change a module's plain
+# attributes or draw from a held generator) is probed again at every step, from the state its
+# capture began in (``_attrs_replayed``, ``_rng_replay``), and its exact fallback runs from there too.
+def _plain_attrs(model: nn.Module) -> List[Tuple[nn.Module, Dict[str, Any]]]:
+    """Each module's plain attributes now (numbers, strings, None: a counter, a flag)."""
+    return [(m, {k: v for k, v in m.__dict__.items() if type(v) in _PLAIN_TYPES}) for m in model.modules()]
+
+
+def _attrs_differ(a: List[Tuple[nn.Module, Dict[str, Any]]], b: List[Tuple[nn.Module, Dict[str, Any]]]) -> bool:
+    return len(a) != len(b) or any(ma is not mb or da.keys() != db.keys()
+                                   or any(v is not db[k] and v != db[k] for k, v in da.items())
+                                   for (ma, da), (mb, db) in zip(a, b))
+
+
+def _attrs_put(snap: List[Tuple[nn.Module, Dict[str, Any]]]) -> None:
+    """The modules' plain attributes set as in ``snap`` (ones added since, removed)."""
+    for m, d in snap:
+        now = m.__dict__
+        for k in [k for k, v in now.items() if type(v) in _PLAIN_TYPES and k not in d]:
+            del now[k]
+        now.update(d)
+
+
+@contextlib.contextmanager
+def _attrs_replayed(model: nn.Module, snap: Optional[List[Tuple[nn.Module, Dict[str, Any]]]]) -> Iterator[None]:
+    """The block runs with the modules' plain attributes as in ``snap`` (None: as they are); those the
+    block found are put back after."""
+    if snap is None:
+        yield
+        return
+    now = _plain_attrs(model)
+    _attrs_put(snap)
+    try:
+        yield
+    finally:
+        _attrs_put(now)
 
 
 def _side_collect(loss_module, params, constants, batch, registry, overrides, probe_memo, weights: Tensor,
@@ -1906,7 +1955,7 @@ def _side_collect(loss_module, params, constants, batch, registry, overrides, pr
     """A check's capture: module flags in eval mode (dropout masks would differ between its runs; as
     they are, with dropout at rate 0, with ``own_mode``), forked random streams, losses weighted, no
     nested checks."""
-    with _EvalFlags(loss_module.model, keep=own_mode), _own_rng(params, seed):
+    with _EvalFlags(loss_module.model, keep=own_mode), _own_rng(params, seed, model=loss_module.model):
         return _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast=False,
                         loss_weights=weights, no_expand=no_expand, check_order=False)
 
@@ -2003,10 +2052,13 @@ def _plain_forward(loss_module: LossModule, params: Params, constants: Mapping[s
 
 def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
                       ruled: Dict[nn.Module, Tuple[str, Rule, Dict[str, str]]], B: int, registry: RuleRegistry,
-                      seed: Optional[int] = None):
+                      seed: Optional[int] = None, replay: Optional[Tuple[Any, Any]] = None):
     """(probe size, {module name: (first dim, its whole-view base's first dim, second dim, call site) of
-    its calls, in order}, whether the forward drew random numbers), or (probe size, error text, False).
-    ``seed``: the forked random streams seeded with it (else they go on from the caller's)."""
+    its calls, in order}, whether the forward drew random numbers, whether it changed the model's
+    state: a module's plain attributes, or a generator the model holds), or (probe size, error text,
+    False, False). ``seed``: the forked random streams seeded with it (else they go on from the
+    caller's). ``replay``: (``_rng_now``, ``_plain_attrs``) as the capture began: the probe runs from
+    there (its streams and the attributes it finds are put back after)."""
     Bp = PROBE_B if B != PROBE_B else PROBE_B + 1
     idx = torch.arange(Bp) % B  # examples 0, 1, ... (repeated when B is smaller)
     probe = select_examples(batch, idx)
@@ -2044,19 +2096,26 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
         # that takes another path without gradients calls from other sites: Hugging Face's activation
         # checkpointing on ``torch.is_grad_enabled()``, torchvision's DenseNet or mmcv's blocks on
         # ``x.requires_grad``; review, round 46. The graph is dropped with the output.)
-        with torch.enable_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), \
-                _own_rng(params, seed), _adapted(loss_module.model, registry, Bp):
-            before = _streams(params)
-            _plain_forward(loss_module, params, constants, probe, leaves=True)
-            drew = _drew(before, _streams(params))
+        model = loss_module.model
+        rngs = (_rng_replay(params, replay[0]) if replay is not None
+                else _own_rng(params, seed, model=model))
+        with torch.enable_grad(), mha_fastpath_off(), preserve_module_state(model), rngs, \
+                _attrs_replayed(model, None if replay is None else replay[1]), _adapted(model, registry, Bp):
+            before, attrs, held = _streams(params, model), _plain_attrs(model), _HeldStates.of(_model_rngs(model))
+            try:
+                _plain_forward(loss_module, params, constants, probe, leaves=True)
+                drew = _drew(before, _streams(params, model))
+                stateful = _attrs_differ(attrs, _plain_attrs(model)) or held != _HeldStates.of(held.rngs)
+            finally:
+                _attrs_put(attrs)  # (an extra forward: the model's counters are as the capture left them)
     except Exception as err:  # a model that cannot run the probe: nothing is verified
-        return Bp, f"{type(err).__name__}: {str(err)[:200]}", False
+        return Bp, f"{type(err).__name__}: {str(err)[:200]}", False, False
     finally:
         for h in handles:
             h.remove()
         for m in probed:
             m.__dict__.pop("forward", None)
-    return Bp, seen, drew
+    return Bp, seen, drew, stateful
 
 
 def _rule_batch_dim(rule: Rule, module: nn.Module, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[int]:
@@ -2177,6 +2236,12 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     replay = [False]
     watch: List[Optional[_Watched]] = [None]  # the forward's (``_watch_autograd``), read after the backward
     rng_at: List[Any] = [None]  # the random streams as the capture's forward began (``_rng_now``)
+    # the modules' plain attributes then (``_plain_attrs``), kept where a probe may need them: on the
+    # first step of a batch shape, and at every step of a forward found to change the model's state
+    pkey = (lkey[1], tuple(sorted(v[0] for v in ruled.values()))) if probe_memo is not None else None
+    pgot = probe_memo.get(pkey) if pkey is not None else None
+    keep_attrs = pgot is None or pgot.stateful
+    attrs_at: List[Any] = [None]
     flat: Dict[Tuple[Any, int], _Flat] = {}  # row-wise outputs of flattened calls (``_flat_rows``)
     swapped: Dict[nn.Module, List[Dict[str, Tensor]]] = {}
     real_dims: Dict[str, List[Optional[int]]] = {}  # module name -> first dim of each call's input
@@ -2367,7 +2432,8 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     leaf_names = [n for n in ruled_names]
 
     def forward_backward():
-        rng_at[0] = _rng_now(params)  # (the exact fallback replays it: the same dropout masks)
+        rng_at[0] = _rng_now(params, model)  # (the exact fallback replays it: the same dropout masks)
+        attrs_at[0] = _plain_attrs(model) if keep_attrs else None
         with torch.enable_grad(), _watch_autograd() as watched:
             losses = loss_module(batch)
         watch[0] = watched
@@ -2458,7 +2524,8 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         _memo_expansions(probe_memo, dkey, bad, bad)
         return _apply_order(col, order, batch, probe_memo, params, okey)
     relift = _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, real_sites,
-                               fallback, probe_memo, registry)
+                               fallback, probe_memo, registry,
+                               None if attrs_at[0] is None else (rng_at[0], attrs_at[0]))
     if relift - forced and probe_memo is not None:  # run again with them read so
         _memo_put(probe_memo, lkey, forced | relift)
         del calls[:]
@@ -2562,6 +2629,10 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     col = _Collected(losses.detach(), uses, fallback, owner)
     col.reached = losses.requires_grad
     col.rng = rng_at[0]
+    pgot = probe_memo.get(pkey) if pkey is not None else None
+    # (only for a forward found to change the model's state: another's capture may have run a one-time
+    # setup, e.g. a lazily built layer, that the fallback must not run again)
+    col.attrs = attrs_at[0] if isinstance(pgot, _Probed) and pgot.stateful else None
     return _apply_order(col, order, batch, probe_memo, params, okey)
 
 
@@ -2749,7 +2820,7 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
         # the expansion (the same eval flags and random streams). With m ≠ T copies an expanded
         # output's shape differs from the model's (B for 1, or for T), so a forward that reads it
         # (``x / pos.shape[0]``, a reshape by it) shows here, which the gradients' ratios may not
-        with _EvalFlags(loss_module.model), _own_rng(params), torch.no_grad(), mha_fastpath_off(), \
+        with _EvalFlags(loss_module.model), _own_rng(params, model=loss_module.model), torch.no_grad(), mha_fastpath_off(), \
                 preserve_module_state(loss_module.model):
             plain = _plain_forward(loss_module, params, constants, dup)
     except Exception as err:  # a model that cannot run the copies: nothing is verified
@@ -3120,7 +3191,7 @@ def _alone_norms(loss_module: LossModule, params: Params, constants: Mapping[str
     out: Dict[str, List[Tensor]] = {n: [] for n in names}
     with _EvalFlags(loss_module.model, keep=own_mode), torch.enable_grad():
         for i in singles.tolist():
-            with preserve_module_state(loss_module.model), _own_rng(params, 0):
+            with preserve_module_state(loss_module.model), _own_rng(params, 0, model=loss_module.model):
                 loss = functional_call(loss_module, LossModule.prefixed({**constants, **leaves}),
                                        (slice_batch(batch, i, i + 1),))
             gs = (torch.autograd.grad(loss.sum(), [leaves[n] for n in names], allow_unused=True)
@@ -3147,13 +3218,13 @@ def _draws_nothing(loss_module: LossModule, params: Params, constants: Mapping[s
     model = loss_module.model
     if not isinstance(first, Tensor) or not any(m.training for m in model.modules()):
         return False
-    with torch.no_grad(), mha_fastpath_off(), preserve_module_state(model), _own_rng(params, 1), DropoutOff():
-        before = _streams(params)
+    with torch.no_grad(), mha_fastpath_off(), preserve_module_state(model), _own_rng(params, 1, model=model), DropoutOff():
+        before = _streams(params, model)
         again = _plain_forward(loss_module, params, constants, batch)
         # (and it drew no random number at all, with torch's dropouts at rate 0, which draw none: round 46, a
         # LayerDrop that skipped its layer on seeds 0 and 1 alike gave the same losses, and the check's own-mode
         # runs never reached that layer, which then took the fallback on every step that ran it)
-        if _drew(before, _streams(params)):
+        if _drew(before, _streams(params, model)):
             return False
     return isinstance(again, Tensor) and first.shape == again.shape and (bool(torch.equal(first, again)) or (
         first.is_floating_point() and bool(torch.allclose(first, again, rtol=0, atol=0, equal_nan=True))))
@@ -3180,11 +3251,11 @@ def _mixes_under_same_draws(loss_module: LossModule, params: Params, constants: 
     seeded: List[Any] = []
 
     def losses(b: Batch) -> Tuple[Any, Tuple[Any, ...]]:  # (the losses, the forked streams as the forward left them)
-        with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params, 0), \
-                (contextlib.nullcontext() if dropout else DropoutOff()):
-            seeded[:] = [_streams(params)]
+        with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), \
+                _own_rng(params, 0, model=loss_module.model), (contextlib.nullcontext() if dropout else DropoutOff()):
+            seeded[:] = [_streams(params, loss_module.model)]
             out = _plain_forward(loss_module, params, constants, b)
-            return out, _streams(params)
+            return out, _streams(params, loss_module.model)
 
     if dropout:
         first, drawn0 = losses(batch)
@@ -3238,7 +3309,8 @@ def _watch_order(loss_module: LossModule, params: Params, constants: Mapping[str
     (where it selected or placed the batch's rows by a computed order, or None; its losses, for
     ``_draws_nothing``: so torch's dropouts run at rate 0 here, ``DropoutOff``)."""
     watch = ReorderWatch(B)
-    with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params, 0):
+    with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), \
+            _own_rng(params, 0, model=loss_module.model):
         with DropoutOff(), watch:  # (the watch innermost: it sees the model's own calls, not ours)
             losses = _plain_forward(loss_module, params, constants, batch)
     return watch.found, losses
@@ -3289,7 +3361,8 @@ def _one_network(col: "_Collected", loss_module: LossModule, params: Params, con
         fixed |= {int(d) for p in params.values() for d in p.shape}
         watch = DrawWatch(B, batch, fixed)
         try:
-            with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), _own_rng(params, 0):
+            with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), \
+                    _own_rng(params, 0, model=loss_module.model):
                 with watch:
                     _plain_forward(loss_module, params, constants, batch)
             found = watch.found
@@ -3659,6 +3732,7 @@ class _Probed:
     alts: Dict[str, List[Tuple[Any, ...]]]
     runs: int = 0  # probes run (each on its own seed after the first)
     drew: bool = False  # the first probe's forward drew random numbers (others may see other calls)
+    stateful: bool = False  # a probe's forward changed the model's state: probed from the capture's at every step
 
     def add(self, seen: Mapping[str, List[Tuple[Any, ...]]]) -> None:
         for mn, recs in seen.items():
@@ -3672,7 +3746,7 @@ class _Probed:
 
 
 def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, real_sites, fallback,
-                      probe_memo, registry) -> Set[str]:
+                      probe_memo, registry, replay: Optional[Tuple[Any, Any]] = None) -> Set[str]:
     """Send to the vmap fallback every parameter of a call whose input's first dimension equals B
     but did not follow the probe's batch size (see ``PROBE_B``), or that was read as time-major and
     whose second dimension did not. Returns {(module name, kind)} to run again read otherwise instead
@@ -3680,7 +3754,10 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
     "time" whose second dim followed it).
 
     A call is compared with the probe's calls of its module from the same call sites (``_call_site``),
-    and confirmed only if every such alternative the probes saw confirms it; none: not confirmed."""
+    and confirmed only if every such alternative the probes saw confirms it; none: not confirmed. A
+    forward that changes the model's state (``_Probed.stateful``) is probed again at every step from
+    the state the capture began in (``replay``: ``_rng_now`` and ``_plain_attrs`` then; without it, the
+    step's calls are not confirmed)."""
     todo = [c for c in calls if (c.capture is None or getattr(c.rule, "batch_axis", None) is not None)
             and (real_dims[c.mname][c.k] == B or (c.rows and B > 1) or c.bcast and c.lift or c.bdim or c.retry)
             and not all(n in fallback for n in ruled[c.module][2].values())]
@@ -3692,12 +3769,15 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
     got = probe_memo.get(key) if key is not None else None
     grew = False
 
-    def probe_more(seed: Optional[int]) -> Optional[str]:  # one more probe into ``got``; its error, if any
-        Bp_, seen_, drew_ = _probe_first_dims(loss_module, params, constants, batch, ruled, B, registry, seed)
-        got.runs += 1
+    def probe_more(seed: Optional[int], again: Optional[Tuple[Any, Any]] = None) -> Optional[str]:
+        # one more probe into ``got`` (``again``: from the capture's state); its error, if any
+        Bp_, seen_, drew_, stateful_ = _probe_first_dims(loss_module, params, constants, batch, ruled, B, registry,
+                                                         seed, again)
+        got.runs += again is None
         if isinstance(seen_, str):
             return seen_
-        got.drew = got.drew or (seed is None and drew_)
+        got.drew = got.drew or (seed is None and again is None and drew_)
+        got.stateful = got.stateful or stateful_
         got.add(seen_)
         return None
 
@@ -3708,6 +3788,12 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
         if failed is None and got.drew:  # draws may send the forward down other paths: more seeds
             for seed in range(1, 1 + PROBE_DRAWS):
                 probe_more(seed)
+    if failed is None and got.stateful:  # the path may depend on the state: probed from the capture's
+        if replay is None:
+            failed = ("the forward changes the model's state (a counter attribute, a generator it holds), and the "
+                      "state this capture began in was not kept")
+        else:
+            failed, grew = probe_more(None, replay), True
     Bp = got.Bp
     matched: Dict[str, List[Tuple[Any, ...]]] = {}  # (each module's, once per step: cleared when a probe adds some)
 
@@ -4139,7 +4225,7 @@ def _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registr
     if fb:
         others = {n: v.detach() for n, v in params.items() if n not in fb}
         try:
-            with amp(state, True), _rng_replay(params, col.rng):
+            with amp(state, True), _rng_replay(params, col.rng), _attrs_replayed(loss_module.model, col.attrs):
                 # (no ruled parameter reached the losses: the fallback's must, or none does)
                 _, fb_grads = per_sample_grads(loss_module, {n: params[n] for n in fb}, {**constants, **others}, batch,
                                                require_grad=not col.reached)
@@ -4247,6 +4333,7 @@ def bk_engine(
     # when an example was masked out, and the clipped sum with them: 2.5 C). A run chunk of padding
     # gives weight 0 to every row: zero sums, its computed norms and losses, its routes reported.
     skippable = not any(mod.training for mod in loss_module.model.modules())
+    held = _model_rngs(loss_module.model) if skippable else ()
     quiet = False
     for start, stop, sub in batch_chunks(batch, B, chunk):
         m = mask[start:stop]
@@ -4258,11 +4345,11 @@ def bk_engine(
                 w_all[n].append(z[n])
             continue
         # (the state is compared only where a later chunk could be skipped: not for a single chunk)
-        before = _rng_state(device) if skippable and not quiet and stop < B else None
+        before = _rng_state(device, held) if skippable and not quiet and stop < B else None
         losses, sq, w, sums, r = _chunk(loss_module, params, constants, sub, m, weights_fn, registry,
                                         overrides, cm, bk_options, probe_memo)
         if before is not None:
-            quiet = _same_state(before, _rng_state(device))
+            quiet = _same_state(before, _rng_state(device, held))
             skippable = quiet
         for n in params:
             total[n] = sums[n] if n not in total else total[n] + sums[n]

@@ -171,6 +171,20 @@ def model_structure(model: nn.Module) -> Tuple[tuple, list]:
     return (tuple(layout), tuple(ids)), objs
 
 
+_SETTING_TYPES = frozenset({int, float, bool, str, type(None)})
+
+
+def model_settings(model: nn.Module) -> List[Dict[str, Any]]:
+    """Every module's plain attributes now (numbers, strings, None; ``training`` aside, which the memos
+    key themselves): what a forward may branch on besides its inputs and random streams (a
+    curriculum's ``model.epoch`` set by the training loop, a flag). A step compares them with what
+    they were as its previous step ended, and drops its memos where they differ (review, round 47:
+    a layer given, from ``epoch >= 3`` on, a frozen table of B rows at the batch's call site had the
+    table's rows credited to examples, 1.8 C, the batch shape's probe having been run at epoch 0)."""
+    return [{k: v for k, v in m.__dict__.items() if type(v) in _SETTING_TYPES and k != "training"}
+            for m in model.modules()]
+
+
 def model_constants(model: nn.Module, trainable: Iterable[str]) -> Dict[str, Tensor]:
     """The constants of the pure function, read from the model *now*: its parameters that are not
     trained (detached, canonical names) and its buffers. Not a construction-time snapshot: after

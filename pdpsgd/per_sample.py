@@ -572,10 +572,11 @@ def amp(state: Tuple[Tuple[str, torch.dtype], ...], enabled: bool) -> Iterator[N
         yield
 
 
-def _rng_state(device: torch.device) -> Tuple[Any, ...]:
+def _rng_state(device: torch.device, held: Sequence[Any] = ()) -> Tuple[Any, ...]:
     """The global random states a forward on ``device`` may draw from: torch's CPU one (and the
     device's on CUDA), Python's ``random`` and, if imported, numpy's legacy global one (round 37:
-    torch's alone were watched)."""
+    torch's alone were watched); and those of ``held``, the generators the model holds
+    (``_model_rngs``), if any."""
     states: List[Any] = [torch.get_rng_state()]
     if device.type == "cuda":
         states.append(torch.cuda.get_rng_state(device))
@@ -584,7 +585,159 @@ def _rng_state(device: torch.device) -> Tuple[Any, ...]:
     if np is not None:
         kind, keys, pos, gauss, cached = np.random.get_state()
         states.append((kind, keys.tobytes(), pos, gauss, cached))
+    if held:
+        states.append(_HeldStates.of(held))
     return tuple(states)
+
+
+# ---- random generators a model holds as attributes ---------------------------------------------
+# Review, round 47: a module's own generator (``torch.Generator``, ``random.Random``, numpy's
+# ``default_rng()`` / ``RandomState``) was invisible to the engines' watch on the random streams. A
+# forward that chose a layer's input by it looked as if it drew nothing: book-keeping probed it once
+# per batch shape, and a later step whose draw gave the layer a frozen table of B rows at the same
+# call site had the table's rows credited to examples (up to 4.2 C between neighbours); the checks'
+# extra forwards moved the user's generator on; the exact fallback's forward drew anew and took the
+# other branch. Held generators are now watched, forked and replayed with the global streams.
+_RNG_KINDS: Dict[type, Optional[str]] = {}
+
+
+def _rng_kind(t: type) -> Optional[str]:
+    """"torch", "py", "np_legacy", "np_gen" or "np_bit" for a generator type whose state can be read
+    and set, else None (``random.SystemRandom`` has none: the OS's entropy, not seen)."""
+    k = _RNG_KINDS.get(t, "")
+    if k != "":
+        return k
+    k = None
+    if issubclass(t, torch.Generator):
+        k = "torch"
+    elif issubclass(t, random.Random):
+        k = None if issubclass(t, random.SystemRandom) else "py"
+    else:
+        np = sys.modules.get("numpy")
+        if np is not None and t.__module__.startswith("numpy"):
+            if issubclass(t, np.random.RandomState):
+                k = "np_legacy"
+            elif issubclass(t, np.random.Generator):
+                k = "np_gen"
+            elif issubclass(t, np.random.BitGenerator):
+                k = "np_bit"
+    _RNG_KINDS[t] = k
+    return k
+
+
+_MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})  # (nn.Module's own: tensors and modules)
+# (the types most of a module's attributes have: hook tables, flags, sizes; no generator among them)
+_NOT_RNGS = frozenset({collections.OrderedDict, set, bool, int, float, str, type(None)})
+
+
+def _model_rngs(model: torch.nn.Module) -> Tuple[Any, ...]:
+    """The random generators the model's modules hold as attributes, directly or in a list, tuple or
+    dict attribute (``torch.Generator``, ``random.Random``, numpy's ``Generator``, ``RandomState``,
+    ``BitGenerator``), each once. Generators kept elsewhere (a global, the loss function's closure, an
+    object held by a module) are not found."""
+    seen: Dict[int, Any] = {}
+    kinds, skip = _RNG_KINDS, _NOT_RNGS
+    for m in model.modules():
+        for name, v in m.__dict__.items():
+            t = type(v)
+            if t in skip:
+                continue
+            if t is dict or t is list or t is tuple:
+                if name in _MODULE_TABLES:
+                    continue
+                for x in (v.values() if t is dict else v):
+                    k = kinds.get(type(x), "")
+                    if (k if k != "" else _rng_kind(type(x))) is not None:
+                        seen.setdefault(id(x), x)
+                continue
+            k = kinds.get(t, "")
+            if (k if k != "" else _rng_kind(t)) is not None:
+                seen.setdefault(id(v), v)
+    return tuple(seen.values())
+
+
+# kind -> (read its state, set it, seed it)
+_RNG_OPS = {
+    "torch": (lambda g: g.get_state(), lambda g, st: g.set_state(st), lambda g, n: g.manual_seed(n)),
+    "py": (lambda g: g.getstate(), lambda g, st: g.setstate(st), lambda g, n: g.seed(n)),
+    "np_legacy": (lambda g: g.get_state(), lambda g, st: g.set_state(st), lambda g, n: g.seed(n % 2 ** 32)),
+    "np_gen": (lambda g: g.bit_generator.state, lambda g, st: setattr(g.bit_generator, "state", st),
+               lambda g, n: setattr(g.bit_generator, "state", type(g.bit_generator)(n % 2 ** 32).state)),
+    "np_bit": (lambda g: g.state, lambda g, st: setattr(g, "state", st),
+               lambda g, n: setattr(g, "state", type(g)(n % 2 ** 32).state)),
+}
+
+
+def _get_rng(g: Any) -> Any:
+    return _RNG_OPS[_rng_kind(type(g))][0](g)
+
+
+def _set_rng(g: Any, state: Any) -> None:
+    _RNG_OPS[_rng_kind(type(g))][1](g, state)
+
+
+def _seed_rng(g: Any, seed: int) -> None:
+    _RNG_OPS[_rng_kind(type(g))][2](g, seed)
+
+
+def _state_eq(x: Any, y: Any) -> bool:
+    """Equality of generator states: tensors, numpy arrays, dicts, tuples and lists of them."""
+    if isinstance(x, Tensor):
+        return isinstance(y, Tensor) and torch.equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_state_eq(x[k], y[k]) for k in x)
+    if isinstance(x, (tuple, list)):
+        return isinstance(y, (tuple, list)) and len(x) == len(y) and all(_state_eq(a, b) for a, b in zip(x, y))
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(x, np.ndarray):
+        return isinstance(y, np.ndarray) and x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+    return bool(x == y)
+
+
+class _HeldStates:
+    """The states of the model's held generators (``_model_rngs``) at one time, in their order;
+    compares equal to another taken from the same generators in the same states."""
+
+    __slots__ = ("rngs", "states")
+
+    def __init__(self, rngs: Sequence[Any], states: Sequence[Any]):
+        self.rngs, self.states = tuple(rngs), tuple(states)
+
+    @classmethod
+    def of(cls, rngs: Sequence[Any]) -> "_HeldStates":
+        return cls(rngs, [_get_rng(g) for g in rngs])
+
+    def __eq__(self, other: Any) -> bool:
+        return (isinstance(other, _HeldStates) and len(self.rngs) == len(other.rngs)
+                and all(a is b for a, b in zip(self.rngs, other.rngs))
+                and all(_state_eq(a, b) for a, b in zip(self.states, other.states)))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def put(self) -> None:
+        """Set every generator back to its state here."""
+        for g, st in zip(self.rngs, self.states):
+            _set_rng(g, st)
+
+
+@contextlib.contextmanager
+def _held_forked(rngs: Sequence[Any], state: Optional[_HeldStates] = None,
+                     seed: Optional[int] = None) -> Iterator[None]:
+    """The held generators ``rngs`` forked for the block: set to ``state`` (a ``_HeldStates`` of the
+    same generators) or seeded with ``seed``, if given; their states as they were put back after."""
+    if not rngs:
+        yield
+        return
+    saved = _HeldStates.of(rngs)
+    try:
+        if state is not None:
+            state.put()
+        elif seed is not None:
+            for g in rngs:
+                _seed_rng(g, seed)
+        yield
+    finally:
+        saved.put()
 
 
 def _same_state(a: Tuple[Any, ...], b: Tuple[Any, ...]) -> bool:
@@ -697,6 +850,7 @@ def vmap_engine(
     # submodule in train mode), and a skipped draw would move the later chunks' masks when an example
     # is masked out (review, round 36: the sum then moved by more than C)
     skippable = not any(mod.training for mod in loss_module.model.modules())
+    held = _model_rngs(loss_module.model) if skippable else ()
     quiet = False
     for start, stop, sub in batch_chunks(batch, B, chunk):
         m = mask[start:stop]
@@ -710,10 +864,10 @@ def vmap_engine(
                 sq_all[n].append(z)
                 w_all[n].append(z)
             continue
-        before = _rng_state(rdev) if skippable and not quiet else None
+        before = _rng_state(rdev, held) if skippable and not quiet else None
         losses, grads = per_sample_grads(loss_module, params, constants, sub, stray=stray, require_grad=True)
         if before is not None:
-            quiet = _same_state(before, _rng_state(rdev))
+            quiet = _same_state(before, _rng_state(rdev, held))
             skippable = quiet
         # (the norms and sums in float32 at least, whatever the caller's autocast, and at full float32
         # matmul precision, whatever the caller's setting)

@@ -23,8 +23,8 @@ from ._types import Batch, LossFn, Params, StepOutput
 from ._warn import warn
 from .clipping import MIN_THRESHOLD, Clipping, as_spec, make_groups, make_weights_fn, sum_sq_norms
 from .functional import (LossModule, ParamIndex, _spectral_norms, advance_spectral_norms, check_no_batch_mixing,
-                         model_constants, model_structure, no_rope_mixing, no_writes_to, spectral_norms_held,
-                         trainable_params)
+                         model_constants, model_settings, model_structure, no_rope_mixing, no_writes_to,
+                         spectral_norms_held, trainable_params)
 from .fused import CPU_RNGS, RNGS, TORCH_CPU_WARNING, noise_and_scale, resolve_rng
 from .noise import entropy_generator
 from .per_sample import acc_dtype, batch_chunks, batch_size, vmap_engine
@@ -480,6 +480,7 @@ class DPStep:
         self.noise_rng = noise_rng
         self._index = ParamIndex(model)
         self._structure = model_structure(model)
+        self._settings = model_settings(model)  # (as the last step ended: ``_resolve``)
         self._spectral = _spectral_norms(model)  # (per model structure: no walk per step)
         self._loss_module = LossModule(model, loss_fn)
         if clip_fn not in ("abadi", "automatic"):
@@ -586,6 +587,13 @@ class DPStep:
             if now[0][0] != self._structure[0][0]:  # not only new Parameter objects of the same layout
                 self._probe_memo.clear()
             self._structure = now
+        if self.method != "vmap":
+            # the modules' plain attributes, changed since the last step ended (by the training loop: a
+            # path the memos were not found on may be taken): checked again as a first batch is
+            settings = model_settings(self.model)
+            if settings != self._settings:
+                self._probe_memo.clear()
+                self._settings = settings
         out = self._index.resolve(params)
         for n, p in out.items():
             if p.is_complex():  # (review, round 33)
@@ -681,6 +689,7 @@ class DPStep:
                     bk_engine, self._loss_module, detached, constants, batch, mask, weights_fn,
                     chunk_size=self.chunk_size, method=self.method, probe_memo=self._probe_memo, **self.bk_options,
                 )
+                self._settings = model_settings(self.model)  # (as this step leaves them: ``_resolve``)
         total_sq = sum_sq_norms(res.sq_norms)
         norms = total_sq.sqrt()
         kept = mask & torch.isfinite(total_sq) & torch.isfinite(res.losses)

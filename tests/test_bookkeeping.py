@@ -3646,13 +3646,15 @@ def test_expansion_read_in_steps_no_gradient_reaches_it(kind, mode, check_order)
     guards the expansion). The misread expansion is found in the first step, from the copies' losses
     of an example whose loss is not 0, not only once a gradient reaches the table; and the
     example-order verdicts found through it are not reused once it is dropped (the other layers are
-    on their rules from the second step)."""
+    on their rules from the second step, but for a step after ``use`` changed: the step's memos go
+    when a module's plain attribute changed between steps, round 47, and it is checked as a first)."""
     torch.manual_seed(0)
     m = _ReadsShapeWithoutGradient(kind, mode).double().eval()
     params = trainable_params(m)
     step = make_dp_step(m, _weighted_ids_loss, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=1.0,
                         method="bk", bk_options={"check_order": check_order})
     for i, (B, use) in enumerate(((3, False), (4, False), (3, True), (3, False), (6, False))):
+        changed = i and use != m.use  # (a plain attribute set between steps: the memos go, round 47)
         m.use = use
         b = {"ids": torch.randint(0, 11, (B, 5)), "w": torch.ones(B, 5, dtype=torch.float64)}
         if i == 0:
@@ -3664,7 +3666,7 @@ def test_expansion_read_in_steps_no_gradient_reaches_it(kind, mode, check_order)
             assert torch.allclose(part.sums[n], sums[n], rtol=1e-9, atol=1e-12), (i, n)
         assert check_sensitivity(step, params, b).max_ratio <= 1 + 1e-9
         assert part.routes["pos.weight"] == "vmap", part.routes
-        if i or not check_order:
+        if (i and not changed) or not check_order:
             assert all(part.routes[n] != "vmap" for n in ("tok.weight", "head.weight", "head.bias")), (i, part.routes)
     assert "changed the forward" in step.fallback_reasons(b)["pos.weight"]
 
@@ -4400,8 +4402,8 @@ def test_the_order_check_sees_training_only_mixing_behind_draws_of_its_own():
     training only stayed on the rules: replacing one example moved the clipped sum by 2.17 C (drop path) and 4.66 C
     (LayerDrop) on the same draws (the bound is 2 C). Two more forwards in the model's own mode on the same forked streams (the batch again, and
     with example 0 replaced by a copy of another) now see it: every parameter takes the exact fallback and the
-    replacement bound holds. The same models without the mixing stay on the rules; draws from a module's own
-    generator leave the check unable to tell (the documented limit)."""
+    replacement bound holds. The same models without the mixing stay on the rules; so do draws from a module's own
+    generator (round 47; before, the check could not tell: the documented limit)."""
     torch.manual_seed(0)
     loss = lambda mm, b: F.cross_entropy(mm(b["x"]), b["y"], reduction="none")  # noqa: E731
     b = {"x": torch.randn(6, 4, dtype=torch.float64) * 2, "y": torch.randint(0, 3, (6,))}
@@ -4424,8 +4426,15 @@ def test_the_order_check_sees_training_only_mixing_behind_draws_of_its_own():
     for mid in ((nn.Tanh(), _DropPath(0.3)), (nn.Tanh(), _TorchRandLayerDrop(nn.Linear(8, 8), 0.6))):
         step, params = step_of(*mid)
         assert set(step.clipped_sum(params, b).routes.values()) <= {"ghost", "explicit"}
+    # a module's own generator: seen since round 47 (it was the documented limit): forked, seeded and compared as
+    # the global streams are
     step, params = step_of(_TrainCentre(8), nn.Tanh(), _OwnDropPath())
-    assert step.clipped_sum(params, b).routes["0.weight"] in ("ghost", "explicit")  # (unseen: the documented limit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert set(step.clipped_sum(params, b).routes.values()) == {"vmap"}
+    assert "changed other examples' losses when one example was replaced" in step.fallback_reasons(b)["0.weight"]
+    step, params = step_of(nn.Tanh(), _OwnDropPath())
+    assert set(step.clipped_sum(params, b).routes.values()) <= {"ghost", "explicit"}
     # (review, round 45) B = 2 and 3 too: the last chunk of a split logical batch, a small Poisson batch
     for B in (2, 3):
         step, params = step_of(_TrainCentre(8), nn.Tanh(), _DropPath(0.3))
@@ -5949,3 +5958,235 @@ def test_mixing_behind_a_composable_checkpoint_is_caught():
     block = _ComposableMaskBlock(6)
     composable(block)
     _mixing_block_step(block, big_x0=False)
+
+
+# ---- round 47: forwards whose path depends on state the model keeps ---------------------------------------------
+
+class _StatefulTableOrBatch(nn.Module):
+    """``_TableOrBatch``'s one-site variant, choosing by state the model keeps: a counter attribute (the table every
+    ``period``-th forward), or a generator it holds (torch, numpy's ``default_rng``, ``random.Random``). ``branches``
+    records each forward's choice."""
+
+    def __init__(self, B, kind, period=2, d=3, seed=3):
+        super().__init__()
+        import random
+
+        self.lin, self.out, self.kind, self.period, self.n = nn.Linear(d, d), nn.Linear(d, 1), kind, period, 0
+        self.register_buffer("table", torch.randn(B, d))
+        import numpy as np
+
+        self.g = {"torch": lambda: torch.Generator().manual_seed(seed), "numpy": lambda: np.random.default_rng(seed),
+                  "python": lambda: random.Random(seed)}.get(kind, lambda: None)()
+        self.branches = []
+
+    def choose(self):
+        if self.kind == "counter":
+            self.n += 1
+            return self.n % self.period == 0
+        if self.kind == "torch":
+            return bool(torch.rand((), generator=self.g) < 0.5)
+        return self.g.random() < 0.5
+
+    def state(self):
+        return self.n if self.kind == "counter" else copy.deepcopy(
+            self.g.get_state() if self.kind == "torch" else self.g.bit_generator.state if self.kind == "numpy"
+            else self.g.getstate())
+
+    def set_state(self, st):
+        if self.kind == "counter":
+            self.n = st
+        elif self.kind == "torch":
+            self.g.set_state(st)
+        elif self.kind == "numpy":
+            self.g.bit_generator.state = st
+        else:
+            self.g.setstate(st)
+
+    def forward(self, x):
+        table = self.choose()
+        self.branches.append(table)
+        h = self.lin(self.table if table else x)  # (one call site)
+        return self.out(torch.tanh(h.sum(0) + x if table else h))
+
+
+@pytest.mark.parametrize("kind,period,train,seed", [("counter", 2, False, 0), ("counter", 16, True, 0),
+                                                    ("torch", 0, True, 11), ("numpy", 0, True, 0),
+                                                    ("python", 0, False, 1)])
+def test_a_path_chosen_by_state_the_model_keeps_is_probed_from_the_captures_state(kind, period, train, seed):
+    """Review, round 47: a layer given the batch or a frozen table of B rows at one call site, chosen by a counter
+    attribute or a generator the model holds: the batch shape's first probe saw the batch, and a later capture on
+    the table had the table's rows credited to examples (replacing one example moved the sum by up to 4.2 C; the
+    bound is 2 C). Now such a forward is probed again at every step from the state its capture began in: with the
+    model's state put back before each call (every call the same mechanism), replacing one example moves the sum by
+    at most 2 C, and a capture on the table sends the layer to the exact fallback (or, where vmap cannot run the
+    model's branch, the step refuses). The generators' seeds are ones whose first probe saw the batch (each failed
+    on round 46's main, as did both counters)."""
+    import random
+
+    torch.manual_seed(0)
+    B, C = 4, 0.5
+    m = _StatefulTableOrBatch(B, kind, period, seed=seed).double().train(train)
+    x, y = torch.randn(B, 3, dtype=torch.float64), torch.randn(B, dtype=torch.float64)
+    xr, yr = torch.randn(B, 3, dtype=torch.float64) * 3, torch.randn(B, dtype=torch.float64) * 3
+    # (without the example-order check, whose forwards would run before the capture's where a first step of the
+    # batch shape runs it again: setting the counter between calls drops the memos, ``model_settings``)
+    step = make_dp_step(m, _table_or_batch_loss, max_grad_norm=C, noise_multiplier=0.0, method="bk",
+                        bk_options={"check_order": False})
+    params = dict(m.named_parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            step.clipped_sum(params, (x, y))  # (the batch shape's first step: its probes)
+        except RuntimeError as err:
+            assert kind == "torch" and "vmap cannot run this model" in str(err), err
+        seen, s0 = set(), m.state()
+        for adv in range(max(period, 6) + 2):
+            m.set_state(s0)
+            for _ in range(adv):
+                m.choose()
+            st = m.state()
+
+            def call(b):
+                m.set_state(st)
+                m.branches.clear()
+                try:
+                    out = step.clipped_sum(params, b)
+                except RuntimeError as err:  # (vmap cannot run a branch on a tensor's value: a clear refusal)
+                    assert "vmap cannot run this model" in str(err), err
+                    return None, m.branches[0]
+                return out, m.branches[0]  # (the capture's forward runs first)
+
+            a, table = call((x, y))
+            seen.add(table)
+            if a is None:
+                continue
+            if table:
+                assert a.routes["lin.weight"] == "vmap", (adv, a.routes)
+            for i in range(B):
+                x2, y2 = x.clone(), y.clone()
+                x2[i], y2[i] = xr[i], yr[i]
+                b, table2 = call((x2, y2))
+                assert table2 == table
+                move = sum(float(((a.sums[n] - b.sums[n]) ** 2).sum()) for n in a.sums) ** 0.5
+                assert move <= 2 * C * (1 + 1e-9), (adv, i, table, move / (2 * C))
+        assert seen == {False, True}  # (both paths were taken by some step's capture)
+        if kind == "counter":
+            # (the calls above set the counter between steps, which drops the memos: ``model_settings``; steps
+            # that leave it alone keep them, and the per-step probe runs from the capture's count)
+            step.clipped_sum(params, (x, y))
+            start = m.n
+            for _ in range(2 * period):
+                m.branches.clear()
+                out = step.clipped_sum(params, (x, y))
+                assert (out.routes["lin.weight"] == "vmap") >= m.branches[0], (m.n, out.routes)
+            # (one forward's count a step: the probes and the fallback put the counter back; the check that the
+            # fallback's draws are the batch's, ``_one_network``, runs one extra forward once per batch shape)
+            assert m.n - start <= 2 * period + 1, (m.n, start)
+
+
+class _Scheduled(nn.Module):
+    """``_TableOrBatch``'s one-site variant whose path is chosen by a plain attribute the training loop sets between
+    steps (a curriculum's ``epoch``), which the forward only reads."""
+
+    def __init__(self, B, d=3):
+        super().__init__()
+        self.lin, self.out, self.epoch = nn.Linear(d, d), nn.Linear(d, 1), 0
+        self.register_buffer("table", torch.randn(B, d))
+
+    def forward(self, x):
+        table = self.epoch >= 2
+        h = self.lin(self.table if table else x)  # (one call site)
+        return self.out(torch.tanh(h.sum(0) + x if table else h))
+
+
+def test_a_path_chosen_by_an_attribute_the_training_loop_sets_is_checked_again():
+    """Review, round 47: the batch shape's probe, run at epoch 0, confirmed the batch's call site, and from epoch 2 on
+    the capture gave the layer the table at that site: its rows were credited to examples (replacing one example
+    moved the sum by 1.85 × 2C). A step now drops its memos when a module's plain attribute changed since the last
+    step ended (``functional.model_settings``): epoch 2's batch is checked as a first one is, and the layer takes
+    the exact fallback."""
+    torch.manual_seed(0)
+    B, C = 4, 0.5
+    m = _Scheduled(B).double()
+    x, y = torch.randn(B, 3, dtype=torch.float64), torch.randn(B, dtype=torch.float64)
+    xr, yr = torch.randn(B, 3, dtype=torch.float64) * 3, torch.randn(B, dtype=torch.float64) * 3
+    step = make_dp_step(m, _table_or_batch_loss, max_grad_norm=C, noise_multiplier=0.0, method="bk")
+    params = dict(m.named_parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for epoch in range(4):
+            m.epoch = epoch
+            a = step.clipped_sum(params, (x, y))
+            assert (a.routes["lin.weight"] == "vmap") == (epoch >= 2), (epoch, a.routes)
+            for i in range(B):
+                x2, y2 = x.clone(), y.clone()
+                x2[i], y2[i] = xr[i], yr[i]
+                b = step.clipped_sum(params, (x2, y2))
+                move = sum(float(((a.sums[n] - b.sums[n]) ** 2).sum()) for n in a.sums) ** 0.5
+                assert move <= 2 * C * (1 + 1e-9), (epoch, i, move / (2 * C))
+
+
+def test_memos_stay_while_the_models_attributes_do():
+    """The between-steps comparison drops no memo of an ordinary model: a second step of a batch shape runs no probe
+    (the steady path), and a change of ``train()`` / ``eval()`` (keyed by the memos themselves) drops none."""
+    from pdpsgd import bookkeeping as bk
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    loss = lambda mm, b: mm(b).squeeze(-1) ** 2  # noqa: E731
+    step = make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    params = dict(m.named_parameters())
+    runs, real = [], bk._probe_first_dims
+    bk._probe_first_dims = lambda *a, **k: runs.append(1) or real(*a, **k)
+    try:
+        step.clipped_sum(params, x)
+        first = len(runs)
+        for mode in (False, True, False):
+            m.train(mode)
+            step.clipped_sum(params, x)
+        m.train(True)
+        step.clipped_sum(params, x)
+        assert first >= 1 and len(runs) == first + 1, (first, len(runs))  # (the eval shape's own first probe)
+        m[0].some_flag = True  # (a new plain attribute: the memos go)
+        step.clipped_sum(params, x)
+        assert len(runs) == first + 2
+    finally:
+        bk._probe_first_dims = real
+
+
+def test_held_generators_are_found_forked_and_put_back():
+    """``per_sample._model_rngs`` finds the generators a model's modules hold (directly, in a list / tuple / dict
+    attribute; each once; not ``random.SystemRandom``, whose state cannot be read), and ``_held_forked`` seeds or
+    sets them for a block and puts back their states after, for every kind."""
+    import random
+
+    import numpy as np
+
+    from pdpsgd.per_sample import _HeldStates, _held_forked, _model_rngs
+
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    g, r, ng, rs, bit = (torch.Generator().manual_seed(1), random.Random(2), np.random.default_rng(3),
+                         np.random.RandomState(4), np.random.PCG64(5))
+    m[0].g, m[0].many, m[1].table, m[1].same = g, [r, 3, (rs,)], {"a": ng, "b": bit}, g
+    m[1].sys = random.SystemRandom()
+    held = _model_rngs(m)
+    assert {id(x) for x in held} == {id(g), id(r), id(ng), id(bit)}, held  # (rs: two levels down, not found)
+    m[0].many = [r, 3, rs]
+    held = _model_rngs(m)
+    assert len(held) == 5 and len({id(x) for x in held}) == 5
+
+    def draws():
+        return (float(torch.rand((), generator=g)), r.random(), float(ng.random()), float(rs.random_sample()),
+                int(bit.random_raw()))
+
+    before = _HeldStates.of(held)
+    with _held_forked(held, seed=7):
+        seeded = draws()
+    assert _HeldStates.of(held) == before  # (put back)
+    with _held_forked(held, seed=7):
+        assert draws() == seeded  # (the same seed, the same draws)
+    first = draws()
+    assert _HeldStates.of(held) != before
+    with _held_forked(held, state=before):
+        assert draws() == first  # (set to a state taken before: its draws again)
