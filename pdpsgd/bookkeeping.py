@@ -1827,9 +1827,12 @@ def _own_rng(params: Params, seed: Optional[int] = None, *, model: nn.Module) ->
     """The extra forwards of the checks and probes draw from forked random streams (CPU, the
     parameters' CUDA devices, Python's ``random`` and numpy's global one since round 38, the
     generators ``model`` holds since round 47 (``_model_rngs``); seeded with ``seed`` if given): the
-    user's streams, and so the step's noise, are as without them."""
+    user's streams, and so the step's noise, are as without them. The modules' plain attributes (a
+    counter the forward advances) are put back after the block too (round 47): every extra forward
+    starts from the state the step's own capture starts from."""
     devs = sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devs), _host_rngs(seed=seed), _held_forked(_model_rngs(model), seed=seed):
+    with torch.random.fork_rng(devices=devs), _host_rngs(seed=seed), _held_forked(_model_rngs(model), seed=seed), \
+            _attrs_replayed(model, _plain_attrs(model)):
         if seed is not None:  # (only the forked streams)
             torch.default_generator.manual_seed(seed)
             for d in devs:
@@ -1920,10 +1923,12 @@ def _plain_attrs(model: nn.Module) -> List[Tuple[nn.Module, Dict[str, Any]]]:
     return [(m, {k: v for k, v in m.__dict__.items() if type(v) in _PLAIN_TYPES}) for m in model.modules()]
 
 
-def _attrs_differ(a: List[Tuple[nn.Module, Dict[str, Any]]], b: List[Tuple[nn.Module, Dict[str, Any]]]) -> bool:
-    return len(a) != len(b) or any(ma is not mb or da.keys() != db.keys()
-                                   or any(v is not db[k] and v != db[k] for k, v in da.items())
-                                   for (ma, da), (mb, db) in zip(a, b))
+def _attrs_changed(a: List[Tuple[nn.Module, Dict[str, Any]]], b: List[Tuple[nn.Module, Dict[str, Any]]]) -> List[str]:
+    """The plain attributes (as ``<module type>.<name>``) that differ between two ``_plain_attrs``."""
+    if len(a) != len(b) or any(ma is not mb for (ma, _), (mb, _) in zip(a, b)):
+        return ["(the model's modules)"]
+    return [f"{type(m).__name__}.{k}" for (m, da), (_, db) in zip(a, b) for k in sorted(da.keys() | db.keys())
+            if k not in da or k not in db or (da[k] is not db[k] and da[k] != db[k])]
 
 
 def _attrs_put(snap: List[Tuple[nn.Module, Dict[str, Any]]]) -> None:
@@ -2054,9 +2059,9 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
                       ruled: Dict[nn.Module, Tuple[str, Rule, Dict[str, str]]], B: int, registry: RuleRegistry,
                       seed: Optional[int] = None, replay: Optional[Tuple[Any, Any]] = None):
     """(probe size, {module name: (first dim, its whole-view base's first dim, second dim, call site) of
-    its calls, in order}, whether the forward drew random numbers, whether it changed the model's
-    state: a module's plain attributes, or a generator the model holds), or (probe size, error text,
-    False, False). ``seed``: the forked random streams seeded with it (else they go on from the
+    its calls, in order}, whether the forward drew random numbers, what of the model's state it
+    changed: module plain attributes by name, "(a generator it holds)"), or (probe size, error
+    text, False, ()). ``seed``: the forked random streams seeded with it (else they go on from the
     caller's). ``replay``: (``_rng_now``, ``_plain_attrs``) as the capture began: the probe runs from
     there (its streams and the attributes it finds are put back after)."""
     Bp = PROBE_B if B != PROBE_B else PROBE_B + 1
@@ -2105,17 +2110,25 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
             try:
                 _plain_forward(loss_module, params, constants, probe, leaves=True)
                 drew = _drew(before, _streams(params, model))
-                stateful = _attrs_differ(attrs, _plain_attrs(model)) or held != _HeldStates.of(held.rngs)
+                changed = _attrs_changed(attrs, _plain_attrs(model))
+                if held != _HeldStates.of(held.rngs):
+                    changed.append("(a generator it holds)")
+                stateful = tuple(changed)
             finally:
                 _attrs_put(attrs)  # (an extra forward: the model's counters are as the capture left them)
     except Exception as err:  # a model that cannot run the probe: nothing is verified
-        return Bp, f"{type(err).__name__}: {str(err)[:200]}", False, False
+        return Bp, f"{type(err).__name__}: {str(err)[:200]}", False, ()
     finally:
         for h in handles:
             h.remove()
         for m in probed:
             m.__dict__.pop("forward", None)
     return Bp, seen, drew, stateful
+
+
+_STATEFUL = ("the model's forward changes state the model keeps ({what}): book-keeping probes each step again "
+             "from the state its capture began in{order}, a few extra forwards a step (its path may depend on that "
+             "state). Keep state that chooses no path (a count for logging, say) outside the model's modules")
 
 
 def _rule_batch_dim(rule: Rule, module: nn.Module, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[int]:
@@ -2208,7 +2221,14 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     # (its verdicts are keyed by the expansions its runs took: verdicts found through an expansion that a
     # later step's duplicated-example check drops are not reused once it is dropped)
     okey = _order_key(loss_module, batch, params, no_expand)
-    if check_order == "always" and probe_memo is not None:  # (this batch's verdicts, not the shape's)
+    # (the batch shape's probes, memoised: ``_check_batch_dims``)
+    pkey = (lkey[1], tuple(sorted(v[0] for v in ruled.values()))) if probe_memo is not None else None
+    pgot = probe_memo.get(pkey) if pkey is not None else None
+    # a forward that changes its modules' plain attributes (a counter) may take another path at every
+    # step: its example-order check runs again (review, round 47: a counter mixing examples every 16th
+    # forward stayed on the rules, 1.75 × 2C); each of its forwards starts from the state the capture
+    # starts from (``_own_rng`` puts the attributes back)
+    if (check_order == "always" or (pgot is not None and pgot.counters)) and probe_memo is not None:
         for k in (okey, ("float32", okey)):
             probe_memo.pop(k, None)
     order = (_order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo, no_expand, okey)
@@ -2238,8 +2258,6 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     rng_at: List[Any] = [None]  # the random streams as the capture's forward began (``_rng_now``)
     # the modules' plain attributes then (``_plain_attrs``), kept where a probe may need them: on the
     # first step of a batch shape, and at every step of a forward found to change the model's state
-    pkey = (lkey[1], tuple(sorted(v[0] for v in ruled.values()))) if probe_memo is not None else None
-    pgot = probe_memo.get(pkey) if pkey is not None else None
     keep_attrs = pgot is None or pgot.stateful
     attrs_at: List[Any] = [None]
     flat: Dict[Tuple[Any, int], _Flat] = {}  # row-wise outputs of flattened calls (``_flat_rows``)
@@ -3733,6 +3751,7 @@ class _Probed:
     runs: int = 0  # probes run (each on its own seed after the first)
     drew: bool = False  # the first probe's forward drew random numbers (others may see other calls)
     stateful: bool = False  # a probe's forward changed the model's state: probed from the capture's at every step
+    counters: bool = False  # ... its modules' plain attributes: the example-order check runs at every step too
 
     def add(self, seen: Mapping[str, List[Tuple[Any, ...]]]) -> None:
         for mn, recs in seen.items():
@@ -3777,7 +3796,12 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
         if isinstance(seen_, str):
             return seen_
         got.drew = got.drew or (seed is None and again is None and drew_)
-        got.stateful = got.stateful or stateful_
+        if stateful_ and not got.stateful:
+            attrs = [w for w in stateful_ if not w.startswith("(")]
+            warn(_STATEFUL.format(what=", ".join(stateful_[:3]),
+                                  order=" (and runs its example-order check again)" if attrs else ""))
+        got.stateful = got.stateful or bool(stateful_)
+        got.counters = got.counters or any(not w.startswith("(a generator") for w in stateful_)
         got.add(seen_)
         return None
 

@@ -4571,10 +4571,12 @@ class _TwoSquare(nn.Module):
     def __init__(self):
         super().__init__()
         self.a, self.b, self.o = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
-        self.calls = 0
+        # (a list: a plain int attribute the forward advances is state the step watches and puts back after its
+        # checks' forwards, since round 47, and this one chooses no path)
+        self.calls = []
 
     def forward(self, x):
-        self.calls += 1
+        self.calls.append(1)
         return self.o(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
@@ -4591,13 +4593,13 @@ def test_parameters_swapped_for_new_ones_keep_the_memos_a_new_tying_drops_them()
     step = make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk", expected_batch_size=1.0)
 
     def forwards(params, batch):
-        before = m.calls
+        before = len(m.calls)
         out = step.clipped_sum(params, batch)
         ref = naive_clipped_sum(m, loss, batch, max_grad_norm=0.5, params=params)[1]
         assert set(out.sums) == set(ref)
         for n in ref:
             torch.testing.assert_close(out.sums[n], ref[n].to(out.sums[n].dtype), rtol=1e-5, atol=1e-7)
-        return m.calls - before
+        return len(m.calls) - before
 
     first = forwards(trainable_params(m), b)
     plain = forwards(trainable_params(m), b)
@@ -6190,3 +6192,54 @@ def test_held_generators_are_found_forked_and_put_back():
     assert _HeldStates.of(held) != before
     with _held_forked(held, state=before):
         assert draws() == first  # (set to a state taken before: its draws again)
+
+
+class _CounterMix(nn.Module):
+    """Mixes examples (adds 3 × the batch's sum) every ``period``-th forward, by a counter attribute."""
+
+    def __init__(self, period, d=3):
+        super().__init__()
+        self.lin, self.out, self.period, self.n, self.branches = nn.Linear(d, d), nn.Linear(d, 1), period, 0, []
+
+    def forward(self, x):
+        self.n += 1
+        mix = self.n % self.period == 0
+        self.branches.append(mix)
+        h = self.lin(x)
+        return self.out(torch.tanh(h + 3 * h.sum(0, keepdim=True) if mix else h))
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_mixing_every_kth_forward_by_a_counter_is_checked_at_every_step(train):
+    """Review, round 47: a counter attribute mixing examples every 4th forward; the batch shape's example-order
+    check, memoised from its first step (no mixing then), kept the layers on their rules, and replacing one example
+    moved the sum by 1.75 × 2C in the steps that mix. A forward that changes its modules' plain attributes has its
+    example-order check run at every step, each extra forward starting from the state the capture starts from: two
+    models in lockstep (one given the batch, one the batch with example 0 replaced) stay within 2C at every step,
+    and the mixing steps take the exact fallback."""
+    torch.manual_seed(0)
+    B, C = 4, 0.5
+    m = _CounterMix(4).double().train(train)
+    m2 = copy.deepcopy(m)
+    x, y = torch.randn(B, 3, dtype=torch.float64), torch.randn(B, dtype=torch.float64)
+    x2, y2 = x.clone(), y.clone()
+    x2[0], y2[0] = torch.randn(3, dtype=torch.float64) * 3, 5.0
+    steps = [make_dp_step(mm, _table_or_batch_loss, max_grad_norm=C, noise_multiplier=0.0, method="bk")
+             for mm in (m, m2)]
+    p1, p2 = dict(m.named_parameters()), dict(m2.named_parameters())
+    mixed = set()
+    with warnings.catch_warnings(record=True) as wl:
+        warnings.simplefilter("always")
+        for _ in range(9):
+            m.branches.clear()
+            a = steps[0].clipped_sum(p1, (x, y))
+            b = steps[1].clipped_sum(p2, (x2, y2))
+            assert m.n == m2.n
+            mix = m.branches[0]  # (the check's forwards and the capture's all start from one state)
+            mixed.add(mix)
+            if mix:
+                assert a.routes["lin.weight"] == "vmap", a.routes
+            move = sum(float(((a.sums[n] - b.sums[n]) ** 2).sum()) for n in a.sums) ** 0.5
+            assert move <= 2 * C * (1 + 1e-9), (m.n, mix, move / (2 * C))
+    assert mixed == {False, True}
+    assert any("changes state the model keeps (_CounterMix.n)" in str(w.message) for w in wl)
