@@ -1918,32 +1918,51 @@ def _rng_replay(params: Params, state: Optional[Tuple[Tensor, Dict[int, Tensor]]
 # every 16th forward). Such a forward (``_Probed.stateful``: a probe saw it change a module's plain
 # attributes or draw from a held generator) is probed again at every step, from the state its
 # capture began in (``_attrs_replayed``, ``_rng_replay``), and its exact fallback runs from there too.
+# (not kept: nn.Module's own tables, which ``preserve_module_state`` keeps; the instance ``forward`` the
+# engine sets while it captures or probes; the mode, which the checks set themselves)
+_UNKEPT = frozenset({"_parameters", "_buffers", "_modules", "forward", "training"})
+_ABSENT = object()
+
+
 def _plain_attrs(model: nn.Module) -> List[Tuple[nn.Module, Dict[str, Any]]]:
-    """Each module's plain attributes now (numbers, strings, None: a counter, a flag)."""
-    return [(m, {k: v for k, v in m.__dict__.items() if type(v) in _PLAIN_TYPES}) for m in model.modules()]
+    """Each module's attributes now (``__dict__``, a shallow copy, but for ``_UNKEPT``): its plain ones
+    (numbers, strings, None: a counter, a flag) are what ``_attrs_changed`` compares; all of them are
+    what ``_attrs_put`` puts back, so a cache and the key it was made for stay a pair (review of round
+    47: putting back the plain ones alone left a tensor cache built for the probe's size beside the
+    batch size it was keyed by, and deleted a cache attribute that went from a tensor to None)."""
+    return [(m, {k: v for k, v in m.__dict__.items() if k not in _UNKEPT}) for m in model.modules()]
 
 
 def _attrs_changed(a: List[Tuple[nn.Module, Dict[str, Any]]], b: List[Tuple[nn.Module, Dict[str, Any]]]) -> List[str]:
-    """The plain attributes (as ``<module type>.<name>``) that differ between two ``_plain_attrs``."""
+    """The plain attributes (as ``<module type>.<name>``) that differ between two ``_plain_attrs``
+    (one that is plain on either side: added, removed, or of another value)."""
     if len(a) != len(b) or any(ma is not mb for (ma, _), (mb, _) in zip(a, b)):
         return ["(the model's modules)"]
-    return [f"{type(m).__name__}.{k}" for (m, da), (_, db) in zip(a, b) for k in sorted(da.keys() | db.keys())
-            if k not in da or k not in db or (da[k] is not db[k] and da[k] != db[k])]
+    out = []
+    for (m, da), (_, db) in zip(a, b):
+        for k in sorted(k for k in da.keys() | db.keys()
+                        if type(da.get(k)) in _PLAIN_TYPES or type(db.get(k)) in _PLAIN_TYPES):
+            x, y = da.get(k, _ABSENT), db.get(k, _ABSENT)
+            if x is not y and (x is _ABSENT or y is _ABSENT or type(x) is not type(y) or x != y):
+                out.append(f"{type(m).__name__}.{k}")
+    return out
 
 
 def _attrs_put(snap: List[Tuple[nn.Module, Dict[str, Any]]]) -> None:
-    """The modules' plain attributes set as in ``snap`` (ones added since, removed)."""
+    """The modules' attributes set as in ``snap`` (ones added since, removed; ``_UNKEPT`` left)."""
     for m, d in snap:
         now = m.__dict__
-        for k in [k for k, v in now.items() if type(v) in _PLAIN_TYPES and k not in d]:
+        for k in [k for k in now if k not in d and k not in _UNKEPT]:
             del now[k]
-        now.update(d)
+        for k, v in d.items():
+            if now.get(k, _ABSENT) is not v:
+                now[k] = v
 
 
 @contextlib.contextmanager
 def _attrs_replayed(model: nn.Module, snap: Optional[List[Tuple[nn.Module, Dict[str, Any]]]]) -> Iterator[None]:
-    """The block runs with the modules' plain attributes as in ``snap`` (None: as they are); those the
-    block found are put back after."""
+    """The block runs with the modules' attributes as in ``snap`` (None: as they are); those the block
+    found are put back after."""
     if snap is None:
         yield
         return
@@ -2451,7 +2470,6 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
 
     def forward_backward():
         rng_at[0] = _rng_now(params, model)  # (the exact fallback replays it: the same dropout masks)
-        attrs_at[0] = _plain_attrs(model) if keep_attrs else None
         with torch.enable_grad(), _watch_autograd() as watched:
             losses = loss_module(batch)
         watch[0] = watched
@@ -2504,6 +2522,8 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                 h.remove()
         return losses, grads, early, call_targets
 
+    # (as the capture begins: before the capture adapters' methods are installed for its B examples)
+    attrs_at[0] = _plain_attrs(model) if keep_attrs else None
     patched: List[nn.Module] = []  # (a ruled module has no instance-level forward: those are fallbacks)
     try:
         for m, (_, rule, _) in ruled.items():

@@ -678,18 +678,25 @@ class DPStep:
                              self.max_grad_norm, budget=self.clip_budget)
         weights_fn = make_weights_fn(groups, clip_fn=self.clip_fn, gamma=self.gamma)
         _check_grad_mode(params, batch, tensors=self.method != "vmap")
-        with _guards(self.model, detached, self._rope_seen, self._spectral):
-            if self.method == "vmap":
-                res = _run_eagerly(vmap_engine, self._loss_module, detached, constants, batch, mask, weights_fn,
-                                   chunk_size=self.chunk_size)
-            else:
-                from .bookkeeping import bk_engine
+        try:
+            with _guards(self.model, detached, self._rope_seen, self._spectral):
+                if self.method == "vmap":
+                    res = _run_eagerly(vmap_engine, self._loss_module, detached, constants, batch, mask, weights_fn,
+                                       chunk_size=self.chunk_size)
+                else:
+                    from .bookkeeping import bk_engine
 
-                res = _run_eagerly(
-                    bk_engine, self._loss_module, detached, constants, batch, mask, weights_fn,
-                    chunk_size=self.chunk_size, method=self.method, probe_memo=self._probe_memo, **self.bk_options,
-                )
-                self._settings = model_settings(self.model)  # (as this step leaves them: ``_resolve``)
+                    res = _run_eagerly(
+                        bk_engine, self._loss_module, detached, constants, batch, mask, weights_fn,
+                        chunk_size=self.chunk_size, method=self.method, probe_memo=self._probe_memo,
+                        **self.bk_options,
+                    )
+        finally:
+            if self.method != "vmap":
+                # as this step leaves them, once the guards put back what they hold during it (spectral
+                # norms' power iterations, rotary tables; review of round 47: read inside, every step
+                # dropped the memos): ``_resolve``
+                self._settings = model_settings(self.model)
         total_sq = sum_sq_norms(res.sq_norms)
         norms = total_sq.sqrt()
         kept = mask & torch.isfinite(total_sq) & torch.isfinite(res.losses)

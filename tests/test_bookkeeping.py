@@ -6243,3 +6243,60 @@ def test_mixing_every_kth_forward_by_a_counter_is_checked_at_every_step(train):
             assert move <= 2 * C * (1 + 1e-9), (m.n, mix, move / (2 * C))
     assert mixed == {False, True}
     assert any("changes state the model keeps (_CounterMix.n)" in str(w.message) for w in wl)
+
+
+class _CachedColumn(nn.Module):
+    """Caches a (B, 1) column as a plain tensor attribute (not a buffer), keyed by an int attribute: a cache and
+    its key."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.lin, self.out, self.cached_b, self.col = nn.Linear(d, d), nn.Linear(d, 3), None, None
+
+    def forward(self, x):
+        if x.shape[0] != self.cached_b:
+            self.cached_b, self.col = x.shape[0], torch.ones(x.shape[0], 1, dtype=x.dtype)
+        return self.out(torch.tanh(self.lin(x) * self.col))
+
+
+def test_the_checks_put_a_cache_back_with_its_key():
+    """Review of round 47: putting back the plain attributes alone after the checks' forwards deleted a cache
+    attribute that went from None to a tensor, and left a cache built for the probe's 2 examples beside the batch
+    size it was keyed by (the next forward, the step's or the user's, failed). The whole ``__dict__`` is put back:
+    every step is exact, and the model is as its own last forward left it."""
+    torch.manual_seed(0)
+    m = _CachedColumn().double()
+    loss = lambda mm, b: F.cross_entropy(mm(b["x"]), b["y"], reduction="none")  # noqa: E731
+    params = trainable_params(m)
+    step = make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk", expected_batch_size=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for B in (6, 6, 5, 5):
+            b = {"x": torch.randn(B, 4, dtype=torch.float64), "y": torch.randint(0, 3, (B,))}
+            out = step.clipped_sum(params, b)
+            ref = naive_clipped_sum(m, loss, b, max_grad_norm=0.5, params=params)[1]
+            for n in ref:
+                torch.testing.assert_close(out.sums[n], ref[n], rtol=1e-9, atol=1e-12)
+            assert m.cached_b == B and m.col.shape == (B, 1)
+    assert m(torch.randn(5, 4, dtype=torch.float64)).shape == (5, 3)
+
+
+def test_spectral_norm_keeps_the_memos():
+    """Review of round 47: the settings a step compares between steps were read inside its guards, which hold
+    spectral norms' power iterations at 0 during the step: every step found them changed and ran the first step's
+    checks (15 forwards a step instead of 2). They are read once the guards have put them back."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    spectral_norm(m[2])
+    calls = []
+    m.register_forward_pre_hook(lambda *a: calls.append(1))
+    step = make_dp_step(m, lambda mm, b: F.cross_entropy(mm(b["x"]), b["y"], reduction="none"), max_grad_norm=1.0,
+                        noise_multiplier=0.0, method="bk", expected_batch_size=6.0)
+    counts = []
+    for _ in range(4):
+        c0 = len(calls)
+        step(trainable_params(m), {"x": torch.randn(6, 5), "y": torch.randint(0, 3, (6,))})
+        counts.append(len(calls) - c0)
+    assert counts[0] > counts[1] == counts[2] == counts[3] <= 2, counts
