@@ -3278,7 +3278,7 @@ def _mixes_under_same_draws(loss_module: LossModule, params: Params, constants: 
     (seed 0, torch's dropouts at rate 0, as ``_watch_order``'s ``first``) must leave every other
     example's loss as it was. Returns why not (those losses moved beyond rounding), or None: they did
     not, or the check cannot tell (the same batch run again differs: draws not from the forked
-    streams, a module's own generator say; no other example with another loss; losses not (B, ...); the two
+    streams, a generator kept outside the model say; no other example with another loss; losses not (B, ...); the two
     forwards leave the forked streams in different states, i.e. the number of draws follows the data, so the
     draws were not lined up). Losses only: mixing that shows in the backward alone is not seen here.
 

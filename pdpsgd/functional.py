@@ -180,7 +180,8 @@ def model_settings(model: nn.Module) -> List[Dict[str, Any]]:
     curriculum's ``model.epoch`` set by the training loop, a flag). A step compares them with what
     they were as its previous step ended, and drops its memos where they differ (review, round 47:
     a layer given, from ``epoch >= 3`` on, a frozen table of B rows at the batch's call site had the
-    table's rows credited to examples, 1.8 C, the batch shape's probe having been run at epoch 0)."""
+    table's rows credited to examples, 3.7 C between neighbours where 2 C bounds it, the batch shape's
+    probe having been run at epoch 0)."""
     return [{k: v for k, v in m.__dict__.items() if type(v) in _SETTING_TYPES and k != "training"}
             for m in model.modules()]
 
