@@ -88,7 +88,7 @@ from ._types import Batch, EngineResult, Params, WeightsFn
 from ._warn import warn
 from .batch_order import DrawWatch, DropoutOff, ReorderWatch
 from .clipping import MIN_THRESHOLD, sum_sq_norms
-from .functional import LossModule, ParamIndex, model_constants, preserve_module_state
+from .functional import LossModule, ParamIndex, model_constants, model_settings, preserve_module_state
 from .per_sample import (_LOW, _PRECISION_LOCK, DETACHED_LOSS, OOM_ERRORS, _caller_matmuls, _ieee_matmuls, _matmul_knobs, _rng_state, _same_state, _HeldStates, _held_forked, _model_rngs, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks, check_batch_entries,
                          per_sample_grads, select_examples, slice_batch, sq_norm_per_example, stray_parameter_error, trainable_parameters, watch_stray, weighted_dot, weighted_sum)
 from .rules import DEFAULT_REGISTRY, RuleRegistry
@@ -1383,7 +1383,7 @@ class _Collected:
     passed: Set[str] = field(default_factory=set)
     reached: bool = True  # (whether the losses required grad: some ruled parameter reached them)
     rng: Any = None  # the random streams as the capture's forward began (``_rng_now``; ``_rng_replay``)
-    attrs: Any = None  # the modules' plain attributes then, for a forward that changes them (``_attrs_replayed``)
+    attrs: Any = None  # the modules' attributes then, for a forward that changes them (``_attrs_replayed``)
 
 
 def _model_layout(model: nn.Module, params: Params, registry: RuleRegistry, overrides: Mapping[str, str]):
@@ -1832,7 +1832,7 @@ def _own_rng(params: Params, seed: Optional[int] = None, *, model: nn.Module) ->
     starts from the state the step's own capture starts from."""
     devs = sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=devs), _host_rngs(seed=seed), _held_forked(_model_rngs(model), seed=seed), \
-            _attrs_replayed(model, _plain_attrs(model)):
+            _attrs_kept(model):
         if seed is not None:  # (only the forked streams)
             torch.default_generator.manual_seed(seed)
             for d in devs:
@@ -1924,54 +1924,55 @@ _UNKEPT = frozenset({"_parameters", "_buffers", "_modules", "forward", "training
 _ABSENT = object()
 
 
-def _plain_attrs(model: nn.Module) -> List[Tuple[nn.Module, Dict[str, Any]]]:
-    """Each module's attributes now (``__dict__``, a shallow copy, but for ``_UNKEPT``): its plain ones
-    (numbers, strings, None: a counter, a flag) are what ``_attrs_changed`` compares; all of them are
-    what ``_attrs_put`` puts back, so a cache and the key it was made for stay a pair (review of round
-    47: putting back the plain ones alone left a tensor cache built for the probe's size beside the
-    batch size it was keyed by, and deleted a cache attribute that went from a tensor to None)."""
-    return [(m, {k: v for k, v in m.__dict__.items() if k not in _UNKEPT}) for m in model.modules()]
+def _module_attrs(model: nn.Module) -> List[Tuple[nn.Module, Dict[str, Any]]]:
+    """Each module's own attributes (``vars``, shallow, but for ``_UNKEPT``): for ``_restore_attrs``."""
+    return [(m, {k: v for k, v in vars(m).items() if k not in _UNKEPT}) for m in model.modules()]
 
 
-def _attrs_changed(a: List[Tuple[nn.Module, Dict[str, Any]]], b: List[Tuple[nn.Module, Dict[str, Any]]]) -> List[str]:
-    """The plain attributes (as ``<module type>.<name>``) that differ between two ``_plain_attrs``
-    (one that is plain on either side: added, removed, or of another value)."""
-    if len(a) != len(b) or any(ma is not mb for (ma, _), (mb, _) in zip(a, b)):
-        return ["(the model's modules)"]
-    out = []
-    for (m, da), (_, db) in zip(a, b):
-        for k in sorted(k for k in da.keys() | db.keys()
-                        if type(da.get(k)) in _PLAIN_TYPES or type(db.get(k)) in _PLAIN_TYPES):
-            x, y = da.get(k, _ABSENT), db.get(k, _ABSENT)
-            if x is not y and (x is _ABSENT or y is _ABSENT or type(x) is not type(y) or x != y):
-                out.append(f"{type(m).__name__}.{k}")
-    return out
-
-
-def _attrs_put(snap: List[Tuple[nn.Module, Dict[str, Any]]]) -> None:
-    """The modules' attributes set as in ``snap`` (ones added since, removed; ``_UNKEPT`` left)."""
-    for m, d in snap:
-        now = m.__dict__
-        for k in [k for k in now if k not in d and k not in _UNKEPT]:
-            del now[k]
+def _restore_attrs(saved: List[Tuple[nn.Module, Dict[str, Any]]]) -> None:
+    """Each module's attributes as ``_module_attrs`` found them: one a forward set or replaced (a lazily
+    built cache, made float32 by the check's float32 run; a counter) is undone, a cache and the key it was
+    made for alike (review of round 47: putting back the plain ones alone left a tensor cache built for
+    the probe's size beside the batch size it was keyed by); one mutated in place is not."""
+    for m, d in saved:
+        cur = vars(m)
+        for k in [k for k in cur if k not in d and k not in _UNKEPT]:
+            del cur[k]
         for k, v in d.items():
-            if now.get(k, _ABSENT) is not v:
-                now[k] = v
+            if cur.get(k, _ABSENT) is not v:
+                cur[k] = v
+
+
+def _settings_changed(model: nn.Module, a: List[Dict[str, Any]], b: List[Dict[str, Any]]) -> List[str]:
+    """The plain attributes (``<module type>.<name>``) that differ between two ``model_settings``."""
+    mods = list(model.modules())
+    if not len(a) == len(b) == len(mods):
+        return ["(the model's modules)"]
+    return [f"{type(m).__name__}.{k}" for m, da, db in zip(mods, a, b) if da != db
+            for k in sorted(da.keys() | db.keys()) if da.get(k, _ABSENT) is not db.get(k, _ABSENT)
+            and (k not in da or k not in db or da[k] != db[k])]
+
+
+@contextlib.contextmanager
+def _attrs_kept(model: nn.Module) -> Iterator[None]:
+    """The modules' attributes as the block found them are put back after it."""
+    now = _module_attrs(model)
+    try:
+        yield
+    finally:
+        _restore_attrs(now)
 
 
 @contextlib.contextmanager
 def _attrs_replayed(model: nn.Module, snap: Optional[List[Tuple[nn.Module, Dict[str, Any]]]]) -> Iterator[None]:
-    """The block runs with the modules' attributes as in ``snap`` (None: as they are); those the block
-    found are put back after."""
+    """The block runs with the modules' attributes as in ``snap`` (a ``_module_attrs``; None: as they
+    are); those the block found are put back after."""
     if snap is None:
         yield
         return
-    now = _plain_attrs(model)
-    _attrs_put(snap)
-    try:
+    with _attrs_kept(model):
+        _restore_attrs(snap)
         yield
-    finally:
-        _attrs_put(now)
 
 
 def _side_collect(loss_module, params, constants, batch, registry, overrides, probe_memo, weights: Tensor,
@@ -2081,7 +2082,7 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
     its calls, in order}, whether the forward drew random numbers, what of the model's state it
     changed: module plain attributes by name, "(a generator it holds)"), or (probe size, error
     text, False, ()). ``seed``: the forked random streams seeded with it (else they go on from the
-    caller's). ``replay``: (``_rng_now``, ``_plain_attrs``) as the capture began: the probe runs from
+    caller's). ``replay``: (``_rng_now``, ``_module_attrs``) as the capture began: the probe runs from
     there (its streams and the attributes it finds are put back after)."""
     Bp = PROBE_B if B != PROBE_B else PROBE_B + 1
     idx = torch.arange(Bp) % B  # examples 0, 1, ... (repeated when B is smaller)
@@ -2125,16 +2126,14 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
                 else _own_rng(params, seed, model=model))
         with torch.enable_grad(), mha_fastpath_off(), preserve_module_state(model), rngs, \
                 _attrs_replayed(model, None if replay is None else replay[1]), _adapted(model, registry, Bp):
-            before, attrs, held = _streams(params, model), _plain_attrs(model), _HeldStates.of(_model_rngs(model))
-            try:
-                _plain_forward(loss_module, params, constants, probe, leaves=True)
-                drew = _drew(before, _streams(params, model))
-                changed = _attrs_changed(attrs, _plain_attrs(model))
-                if held != _HeldStates.of(held.rngs):
-                    changed.append("(a generator it holds)")
-                stateful = tuple(changed)
-            finally:
-                _attrs_put(attrs)  # (an extra forward: the model's counters are as the capture left them)
+            # (the attributes it changes are put back after: by ``_own_rng``, or ``_attrs_replayed``)
+            before, settings, held = _streams(params, model), model_settings(model), _HeldStates.of(_model_rngs(model))
+            _plain_forward(loss_module, params, constants, probe, leaves=True)
+            drew = _drew(before, _streams(params, model))
+            changed = _settings_changed(model, settings, model_settings(model))
+            if held != _HeldStates.of(held.rngs):
+                changed.append("(a generator it holds)")
+            stateful = tuple(changed)
     except Exception as err:  # a model that cannot run the probe: nothing is verified
         return Bp, f"{type(err).__name__}: {str(err)[:200]}", False, ()
     finally:
@@ -2275,7 +2274,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     replay = [False]
     watch: List[Optional[_Watched]] = [None]  # the forward's (``_watch_autograd``), read after the backward
     rng_at: List[Any] = [None]  # the random streams as the capture's forward began (``_rng_now``)
-    # the modules' plain attributes then (``_plain_attrs``), kept where a probe may need them: on the
+    # the modules' attributes then (``_module_attrs``), kept where a probe may need them: on the
     # first step of a batch shape, and at every step of a forward found to change the model's state
     keep_attrs = pgot is None or pgot.stateful
     attrs_at: List[Any] = [None]
@@ -2523,7 +2522,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         return losses, grads, early, call_targets
 
     # (as the capture begins: before the capture adapters' methods are installed for its B examples)
-    attrs_at[0] = _plain_attrs(model) if keep_attrs else None
+    attrs_at[0] = _module_attrs(model) if keep_attrs else None
     patched: List[nn.Module] = []  # (a ruled module has no instance-level forward: those are fallbacks)
     try:
         for m, (_, rule, _) in ruled.items():
@@ -3458,23 +3457,6 @@ def _upcast(x: Any) -> Any:
     return x.detach().float() if isinstance(x, Tensor) and x.dtype in _LOW else x
 
 
-def _module_attrs(model: nn.Module) -> List[Tuple[nn.Module, Dict[str, Any]]]:
-    """Each module's own attributes (``vars``), shallow: for ``_restore_attrs``."""
-    return [(m, dict(vars(m))) for m in model.modules()]
-
-
-def _restore_attrs(saved: List[Tuple[nn.Module, Dict[str, Any]]]) -> None:
-    """Each module's attributes as ``_module_attrs`` found them: one a forward set or replaced (a lazily
-    built cache, made float32 by the check's float32 run) is undone; one mutated in place is not."""
-    for m, d in saved:
-        cur = vars(m)
-        for k in [k for k in cur if k not in d]:
-            del cur[k]
-        for k, v in d.items():
-            if k not in cur or cur[k] is not v:
-                cur[k] = v
-
-
 def _has_low(*trees: Any) -> bool:
     """Whether any tensor in these pytrees is bf16 / fp16."""
     return any(isinstance(x, Tensor) and x.dtype in _LOW for t in trees for x in tree_flatten(t)[0])
@@ -3795,7 +3777,7 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
     A call is compared with the probe's calls of its module from the same call sites (``_call_site``),
     and confirmed only if every such alternative the probes saw confirms it; none: not confirmed. A
     forward that changes the model's state (``_Probed.stateful``) is probed again at every step from
-    the state the capture began in (``replay``: ``_rng_now`` and ``_plain_attrs`` then; without it, the
+    the state the capture began in (``replay``: ``_rng_now`` and ``_module_attrs`` then; without it, the
     step's calls are not confirmed)."""
     todo = [c for c in calls if (c.capture is None or getattr(c.rule, "batch_axis", None) is not None)
             and (real_dims[c.mname][c.k] == B or (c.rows and B > 1) or c.bcast and c.lift or c.bdim or c.retry)
