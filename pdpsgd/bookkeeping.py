@@ -98,7 +98,7 @@ __all__ = ["bk_engine", "plan", "fallback_reasons", "cost", "choose_route", "COS
 
 COST_MODELS = ("time", "fastdp", "ghost", "explicit")
 BK_OPTIONS = ("registry", "routes", "cost_model", "explicit_max_elems", "elementwise_cost", "explicit_keep_elems",
-              "check_order")
+              "check_order", "hold_paths")
 
 # Relative cost of one element of an elementwise / memory-bound pass vs one multiply-add inside
 # a matmul. Rough estimates (CPU: norm + weighted-sum passes over a (B, p, d) tensor vs bmm
@@ -2148,6 +2148,80 @@ _STATEFUL = ("the model's forward changes state the model keeps ({what}): book-k
              "from the state its capture began in{order}, a few extra forwards a step (its path may depend on that "
              "state). Keep state that chooses no path (a count for logging, say) outside the model's modules")
 
+# A step's capture is checked against the paths the example-order check has verified for its batch
+# shape: the autograd graph behind its losses, as the set of its nodes' local shapes (``_path_of``).
+# One whose graph has a node shape no verified capture of that shape had (a mixing op, a layer given
+# a table instead of the batch, on a branch that the checks' forwards did not take: chosen by state
+# the engine cannot see, a rare random draw, the batch's values) takes the exact fallback for every
+# ruled parameter in that step (review, round 47: such paths moved the sum by up to 1.9 × 2C). Opt-in
+# (``bk_options={"hold_paths": True}``) in round 48: on by default it sent steps of a BART LayerDrop
+# test model and of ``pdpsgd.testing.check_sensitivity``'s dropout-at-rate-0 runs to the fallback
+# (paths that differ benignly; see docs/reference.md).
+_NEW_PATH = ("this step's forward took a path (autograd graph) that the example-order check has not verified for this "
+             "batch shape (state the engine cannot see, a rare random draw or the batch's values chose it)")
+_NEW_PATH_WARNING = ("the model's forward took a path (autograd graph) in this step that the example-order check did not "
+                     "see on this batch shape's first step: every ruled parameter takes the exact vmap fallback in the "
+                     "steps that take it (slower; exact). A forward whose path depends on hidden state, random draws or "
+                     "the batch's values does this; dp_step.fallback_reasons does not show it (it is per step)")
+
+
+def _path_of(losses: Tensor, glue: Set[Any] = frozenset()) -> FrozenSet[Tuple]:
+    """The autograd graph behind ``losses`` as the set of its nodes' local shapes: (node type, the
+    types of the nodes it feeds its gradient to, None for an input that needs none, its reduced
+    dims if it saved any). Sets, not sequences: a layer skipped (LayerDrop) or a batch of another
+    size gives a subset of the same shapes, a new op (a sum over the batch, a gather) a new one.
+    ``glue``: the engine's own nodes (a batch-free output expanded to B rows, which depends on B),
+    seen through (as the node below them). ~70 µs for a 4-layer GPT-2."""
+    root = losses.grad_fn
+    if root is None:
+        return frozenset()
+    seen = {root}
+    stack = [root]
+    out = set()
+    while stack:
+        f = stack.pop()
+        kids = []
+        for g, _ in f.next_functions:
+            while g is not None and g in glue:
+                g = g.next_functions[0][0] if g.next_functions else None
+            if g is None:
+                kids.append(None)
+                continue
+            kids.append(type(g))
+            if g not in seen:
+                seen.add(g)
+                stack.append(g)
+        out.add((type(f), tuple(kids), getattr(f, "_saved_dim", None)))
+    return frozenset(out)
+
+
+def _glue_of(expanded: Tensor, glue: Set[Any]) -> None:
+    """The nodes of ``x.expand(B, ...).contiguous()`` (clone, expand) into ``glue``."""
+    f = expanded.grad_fn
+    for _ in range(2):
+        if f is None:
+            return
+        glue.add(f)
+        f = f.next_functions[0][0] if f.next_functions else None
+
+
+def _hold_to_paths(path: FrozenSet[Tuple], probe_memo: Dict, okey, fresh: bool, ruled_names: Set[str],
+                   fallback: Dict[str, str]) -> None:
+    """The step's capture against the paths verified for its batch shape (``okey``): recorded where
+    the example-order check ran its forwards in this step (``fresh``) or none is recorded yet; else
+    a path with a node shape none of them had sends every ruled parameter to the exact fallback
+    (and warns, once per batch shape)."""
+    key = ("paths", okey)
+    known = probe_memo.get(key)
+    if fresh or known is None:
+        _memo_put(probe_memo, key, path if known is None else known | path)
+    elif not path <= known:
+        for c in ruled_names:
+            fallback.setdefault(c, _NEW_PATH)
+        if ("paths warned", okey) not in probe_memo:
+            _memo_put(probe_memo, ("paths warned", okey), True)
+            warn(_NEW_PATH_WARNING)
+
 
 def _rule_batch_dim(rule: Rule, module: nn.Module, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[int]:
     """The size of the axis the rule reads as the batch: ``Rule.batch_axis`` of its first input where
@@ -2169,16 +2243,18 @@ def _probe_custom_forward(rule: Rule, module: nn.Module, *args, **kwargs):
 def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
              registry: RuleRegistry, overrides: Mapping[str, str], probe_memo: Optional[Dict] = None,
              check_broadcast: bool = True, loss_weights: Optional[Tensor] = None,
-             no_expand: Optional[Mapping[str, str]] = None, check_order: Union[bool, str] = True) -> _Collected:
+             no_expand: Optional[Mapping[str, str]] = None, check_order: Union[bool, str] = True,
+             paths: bool = False) -> _Collected:
     """Forward with the ruled layers' forwards wrapped, backward to the captured outputs; uses per ruled parameter.
 
     With the registry's capture adapters installed (``rules.base.CaptureAdapter``) while some module takes one.
     A capture that fails with them (e.g. a model whose inner batch is not B, such as multiple choice run as
     (B·C, T), against an adapter's (B, ...) result) runs again without them: the layers they served take the
     exact fallback, and that is memoised per batch shape (without B). If it fails without them too, the
-    first error is raised (the model's own)."""
+    first error is raised (the model's own). ``paths``: the step's own capture (not a check's), whose
+    autograd graph is held to the paths the example-order check verified (``_path_of``)."""
     args = (loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast, loss_weights,
-            no_expand, check_order)
+            no_expand, check_order, paths)
     if not _adapters_apply(loss_module.model, registry):
         if _ADAPTERS_OFF.get():
             return _collect_once(*args)
@@ -2214,7 +2290,8 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
 def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
                   registry: RuleRegistry, overrides: Mapping[str, str], probe_memo: Optional[Dict] = None,
                   check_broadcast: bool = True, loss_weights: Optional[Tensor] = None,
-                  no_expand: Optional[Mapping[str, str]] = None, check_order: Union[bool, str] = True) -> _Collected:
+                  no_expand: Optional[Mapping[str, str]] = None, check_order: Union[bool, str] = True,
+                  paths: bool = False) -> _Collected:
     """``_collect``'s one attempt (with the adapters as ``_ADAPTERS_OFF`` says)."""
     model = loss_module.model
     B = batch_size(batch)
@@ -2249,6 +2326,8 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     if (check_order == "always" or (pgot is not None and pgot.counters)) and probe_memo is not None:
         for k in (okey, ("float32", okey)):
             probe_memo.pop(k, None)
+    # (the check runs its forwards now: the paths this capture takes count as verified, as the first step's do)
+    fresh = bool(check_order) and B > 1 and probe_memo is not None and okey not in probe_memo
     order = (_order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo, no_expand, okey)
              if check_order and B > 1 else None)
     for m, (mn, _, local) in ruled.items():
@@ -2273,6 +2352,8 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     # must see the same parameters and produce the same graph as in the forward, and is not recorded.
     replay = [False]
     watch: List[Optional[_Watched]] = [None]  # the forward's (``_watch_autograd``), read after the backward
+    path: List[Optional[FrozenSet[Tuple]]] = [None]  # its autograd graph's node shapes (``_path_of``), if ``paths``
+    glue: Set[Any] = set()  # the autograd nodes of this forward's expansions (seen through by ``_path_of``)
     rng_at: List[Any] = [None]  # the random streams as the capture's forward began (``_rng_now``)
     # the modules' attributes then (``_module_attrs``), kept where a probe may need them: on the
     # first step of a batch shape, and at every step of a forward found to change the model's state
@@ -2396,6 +2477,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
             output = output.expand(B, *output.shape[1:]).contiguous()
             bcast = True
             expanded.add(mname)
+            _glue_of(output, glue)
             retry = "time" if tm else ""
         lift = 0
         if getattr(rule, "broadcast_batch", False) and not bcast and mname not in no_expand:
@@ -2418,6 +2500,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                     output = output.expand(B, *output.shape).contiguous()
                     bcast = True
                     expanded.add(mname)
+                    _glue_of(output, glue)
         if not replay[0]:
             vers = tuple(x._version for x in args if isinstance(x, Tensor))
             if lift:  # the rule reads the batch-free ids as (1, T), as a broadcast (1, T) call's
@@ -2484,6 +2567,9 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                 f"loss_fn must return one loss per example, shape [{B}]; got {shape}. Use reduction='none' "
                 "(and sum per-token losses per example)."
             )
+        if paths and B > 1 and probe_memo is not None:
+            path[0] = _path_of(losses, glue)
+        glue.clear()
         # in-place edits of a captured input/output after the layer ran would make a or g stale
         for c in calls:
             now = (() if c.output is None else (c.output._version,)) + tuple(
@@ -2555,7 +2641,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         bad = {mn: why for mn in expanded}
         try:
             col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
-                           loss_weights, {**no_expand, **bad}, check_order=False)
+                           loss_weights, {**no_expand, **bad}, check_order=False, paths=paths)
         except Exception:
             raise failed  # it fails without the expansion too: the model's own error (nothing memoised)
         _memo_expansions(probe_memo, dkey, bad, bad)
@@ -2567,8 +2653,10 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         _memo_put(probe_memo, lkey, forced | relift)
         del calls[:]
         col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
-                       loss_weights, no_expand, check_order=False)
+                       loss_weights, no_expand, check_order=False, paths=paths)
         return _apply_order(col, order, batch, probe_memo, params, okey)
+    if path[0] is not None:
+        _hold_to_paths(path[0], probe_memo, okey, fresh, ruled_names, fallback)
     n_call = sum(len(t) for t in call_targets)
     for n, g in zip(leaf_names, grads[n_call:]):
         if g is not None:
@@ -2641,7 +2729,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         bad = {mn: f"its expanded (1, T, ...) or (T, ...) output could not stay on its rule ({why[:160]})"
                for mn, why in dropped.items()}
         col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
-                       loss_weights, {**no_expand, **bad}, check_order=False)
+                       loss_weights, {**no_expand, **bad}, check_order=False, paths=paths)
         _memo_expansions(probe_memo, dkey, bad, bad)
         return _apply_order(col, order, batch, probe_memo, params, okey)
     uses = {n: u for n, u in uses.items() if n not in fallback}
@@ -2661,7 +2749,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         if bad:  # the forward itself ran with those outputs expanded (a sum(0) changes it): run again without
             col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
                            check_broadcast=False, loss_weights=loss_weights, no_expand={**no_expand, **bad},
-                           check_order=False)
+                           check_order=False, paths=paths)
             return _apply_order(col, order, batch, probe_memo, params, okey)
     col = _Collected(losses.detach(), uses, fallback, owner)
     col.reached = losses.requires_grad
@@ -4158,7 +4246,7 @@ def _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registr
     # (the model's forward and backward: the caller's mixed precision and matmul precision)
     with amp(state, True), _caller_matmuls(list(caller)):
         col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
-                       check_order=_check_order(opts))
+                       check_order=_check_order(opts), paths=bool(_check_order(opts)) and opts.get("hold_paths") is True)
     _settle_pending(col, params, B, getattr(weights_fn, "clip_groups", None))
     _one_network(col, loss_module, params, constants, batch, B, overrides, probe_memo)
     # routes; compact: id(use) -> its non-zero rows, where they are few (CPU: host reads)
