@@ -86,7 +86,7 @@ _gradient_edge = _edge_fn()
 from ._compat import mha_fastpath_off
 from ._types import Batch, EngineResult, Params, WeightsFn
 from ._warn import warn
-from .batch_order import DrawWatch, DropoutOff, ReorderWatch
+from .batch_order import _DROPOUT_OFF, DrawWatch, DropoutOff, ReorderWatch
 from .clipping import MIN_THRESHOLD, sum_sq_norms
 from .functional import LossModule, ParamIndex, model_constants, model_settings, preserve_module_state
 from .per_sample import (_LOW, _PRECISION_LOCK, DETACHED_LOSS, OOM_ERRORS, _caller_matmuls, _ieee_matmuls, _matmul_knobs, _rng_state, _same_state, _HeldStates, _held_forked, _model_rngs, SQ_NORM_BLOCK, _device_of, acc_dtype, amp, amp_state, batch_chunks, batch_size, cat_chunks, check_batch_entries,
@@ -1831,6 +1831,15 @@ def _own_rng(params: Params, seed: Optional[int] = None, *, model: nn.Module) ->
     counter the forward advances) are put back after the block too (round 47): every extra forward
     starts from the state the step's own capture starts from."""
     devs = sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
+    state = _CHECK_REPLAY.get()
+    if state is not None:  # (the example-order check of a step's new path: from the state its capture began in)
+        with torch.random.fork_rng(devices=devs), _host_rngs(state[2:4]), \
+                _held_forked(state[4].rngs, state=state[4]), _attrs_kept(model):
+            torch.set_rng_state(state[0])
+            for d, st in state[1].items():
+                torch.cuda.set_rng_state(st, d)
+            yield
+        return
     with torch.random.fork_rng(devices=devs), _host_rngs(seed=seed), _held_forked(_model_rngs(model), seed=seed), \
             _attrs_kept(model):
         if seed is not None:  # (only the forked streams)
@@ -2028,6 +2037,11 @@ class _EvalFlags:
 # Set (for the duration of one capture, its checks and probes included) when a capture with the
 # registry's adapters failed and runs again without them (see ``_collect``).
 _ADAPTERS_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("pdpsgd_adapters_off", default=False)
+# While the example-order check runs again for a step's new path (``_hold_to_paths``): the random state its
+# extra forwards start from (the capture's, ``_rng_now``; instead of their seeds), and the paths their
+# captures take, (B, ``_path_of``) each.
+_CHECK_REPLAY: contextvars.ContextVar[Any] = contextvars.ContextVar("pdpsgd_check_replay", default=None)
+_CHECK_PATHS: contextvars.ContextVar[Optional[List]] = contextvars.ContextVar("pdpsgd_check_paths", default=None)
 
 
 def _adapters_apply(model: nn.Module, registry: RuleRegistry) -> bool:
@@ -2153,10 +2167,8 @@ _STATEFUL = ("the model's forward changes state the model keeps ({what}): book-k
 # One whose graph has a node shape no verified capture of that shape had (a mixing op, a layer given
 # a table instead of the batch, on a branch that the checks' forwards did not take: chosen by state
 # the engine cannot see, a rare random draw, the batch's values) takes the exact fallback for every
-# ruled parameter in that step (review, round 47: such paths moved the sum by up to 1.9 × 2C). Opt-in
-# (``bk_options={"hold_paths": True}``) in round 48: on by default it sent steps of a BART LayerDrop
-# test model and of ``pdpsgd.testing.check_sensitivity``'s dropout-at-rate-0 runs to the fallback
-# (paths that differ benignly; see docs/reference.md).
+# ruled parameter in that step (review, round 47: such paths moved the sum by up to 1.9 × 2C). On unless
+# ``bk_options={"hold_paths": False}`` (or the example-order check is off).
 _NEW_PATH = ("this step's forward took a path (autograd graph) that the example-order check has not verified for this "
              "batch shape (state the engine cannot see, a rare random draw or the batch's values chose it)")
 _NEW_PATH_WARNING = ("the model's forward took a path (autograd graph) in this step that the example-order check did not "
@@ -2166,12 +2178,14 @@ _NEW_PATH_WARNING = ("the model's forward took a path (autograd graph) in this s
 
 
 def _path_of(losses: Tensor, glue: Set[Any] = frozenset()) -> FrozenSet[Tuple]:
-    """The autograd graph behind ``losses`` as the set of its nodes' local shapes: (node type, the
-    types of the nodes it feeds its gradient to, None for an input that needs none, its reduced
-    dims if it saved any). Sets, not sequences: a layer skipped (LayerDrop) or a batch of another
-    size gives a subset of the same shapes, a new op (a sum over the batch, a gather) a new one.
-    ``glue``: the engine's own nodes (a batch-free output expanded to B rows, which depends on B),
-    seen through (as the node below them). ~70 µs for a 4-layer GPT-2."""
+    """The autograd graph behind ``losses`` as the set of its nodes' shapes: (node type, which of its
+    inputs need a gradient, the dims it reduced or joined along if it saved them). A set, and no
+    wiring: a layer skipped (LayerDrop, all of them included), a batch of another size or another
+    order of the same ops gives a subset of the same shapes; an op the graph did not have (a sum or
+    a concatenation over the batch dim, a gather, a batch statistic) a new one. (With the types of
+    the nodes below, as a first version had, a LayerDrop step that skips every layer rewires a
+    node to another type and is new.) ``glue``: the engine's own nodes (a batch-free output
+    expanded to B rows, which depends on B), seen through. ~70 µs for a 4-layer GPT-2."""
     root = losses.grad_fn
     if root is None:
         return frozenset()
@@ -2184,10 +2198,9 @@ def _path_of(losses: Tensor, glue: Set[Any] = frozenset()) -> FrozenSet[Tuple]:
         for g, _ in f.next_functions:
             while g is not None and g in glue:
                 g = g.next_functions[0][0] if g.next_functions else None
+            kids.append(g is not None)
             if g is None:
-                kids.append(None)
                 continue
-            kids.append(type(g))
             if g not in seen:
                 seen.add(g)
                 stack.append(g)
@@ -2206,21 +2219,66 @@ def _glue_of(expanded: Tensor, glue: Set[Any]) -> None:
 
 
 def _hold_to_paths(path: FrozenSet[Tuple], probe_memo: Dict, okey, fresh: bool, ruled_names: Set[str],
-                   fallback: Dict[str, str]) -> None:
+                   fallback: Dict[str, str], loss_module, params, constants, batch, registry, overrides, no_expand,
+                   rng, order: Tuple) -> Tuple:
     """The step's capture against the paths verified for its batch shape (``okey``): recorded where
-    the example-order check ran its forwards in this step (``fresh``) or none is recorded yet; else
-    a path with a node shape none of them had sends every ruled parameter to the exact fallback
-    (and warns, once per batch shape)."""
+    the example-order check ran its forwards in this step (``fresh``) or none is recorded yet. A path
+    with a node shape none of them had is checked now: the example-order check runs again, its extra
+    forwards starting from the random state the capture began in (``rng``; a path chosen by a draw
+    from the global streams or a held generator is taken again), on a copy of the memo, if one run
+    of it took the path first: its verdicts
+    join the batch shape's (``order``; a parameter found mixed by either takes the fallback) for
+    this step only. If every one of its full-batch runs took this path (the new shapes among each
+    one's) and it found nothing the batch shape's verdicts had not, the path is recorded as
+    verified; else it is checked again whenever it is taken. If they did not take it (state the
+    engine cannot see chose it, which the check's forwards advanced), every ruled parameter takes
+    the exact fallback in this step, with a warning once per batch shape. Returns the step's
+    verdicts."""
+    if _DROPOUT_OFF.get():
+        return order  # (a DropoutOff block around the step: ``testing.check_sensitivity``'s removal runs; not held)
     key = ("paths", okey)
     known = probe_memo.get(key)
     if fresh or known is None:
         _memo_put(probe_memo, key, path if known is None else known | path)
-    elif not path <= known:
-        for c in ruled_names:
-            fallback.setdefault(c, _NEW_PATH)
-        if ("paths warned", okey) not in probe_memo:
-            _memo_put(probe_memo, ("paths warned", okey), True)
-            warn(_NEW_PATH_WARNING)
+        return order
+    if path <= known:
+        return order
+    seen: List[Tuple[int, FrozenSet[Tuple]]] = []
+    B = batch_size(batch)
+    new = path - known
+    scratch = {k: v for k, v in probe_memo.items() if k not in (okey, ("float32", okey))}
+    both = order
+    t1, t2 = _CHECK_REPLAY.set(rng), _CHECK_PATHS.set(seen)
+    try:
+        # first one forward as the check's run (a number of forwards that does not depend on the batch: where
+        # state the engine cannot see chose the path, the fallback then runs from a state its neighbours share)
+        try:
+            _side_collect(loss_module, params, constants, batch, registry, overrides, scratch,
+                          torch.ones(B, dtype=torch.float64), no_expand)
+        except Exception as err:  # (its run failed: the path is not verified; the fallback's forward is the judge)
+            if isinstance(err, OOM_ERRORS):
+                raise
+            seen.clear()
+        if seen and new <= seen[-1][1]:
+            again = _order_disagree(loss_module, params, constants, batch, registry, overrides, scratch, no_expand,
+                                    okey)
+            both = (*_both_passed(order[:3], again[:3]), order[3] or again[3])
+        else:
+            again = None
+    finally:
+        _CHECK_REPLAY.reset(t1)
+        _CHECK_PATHS.reset(t2)
+    full = [p for b, p in seen if b == B]
+    if again is not None and all(new <= p for p in full):
+        if set(again[0]) <= set(order[0]):
+            _memo_put(probe_memo, key, known | path)
+        return both
+    for c in ruled_names:
+        fallback.setdefault(c, _NEW_PATH)
+    if ("paths warned", okey) not in probe_memo:
+        _memo_put(probe_memo, ("paths warned", okey), True)
+        warn(_NEW_PATH_WARNING)
+    return both
 
 
 def _rule_batch_dim(rule: Rule, module: nn.Module, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[int]:
@@ -2567,8 +2625,11 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                 f"loss_fn must return one loss per example, shape [{B}]; got {shape}. Use reduction='none' "
                 "(and sum per-token losses per example)."
             )
-        if paths and B > 1 and probe_memo is not None:
+        rec = _CHECK_PATHS.get()
+        if (paths and B > 1 and probe_memo is not None) or rec is not None:
             path[0] = _path_of(losses, glue)
+            if rec is not None and not paths:
+                rec.append((B, path[0]))
         glue.clear()
         # in-place edits of a captured input/output after the layer ran would make a or g stale
         for c in calls:
@@ -2655,8 +2716,9 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
                        loss_weights, no_expand, check_order=False, paths=paths)
         return _apply_order(col, order, batch, probe_memo, params, okey)
-    if path[0] is not None:
-        _hold_to_paths(path[0], probe_memo, okey, fresh, ruled_names, fallback)
+    if path[0] is not None and paths:
+        order = _hold_to_paths(path[0], probe_memo, okey, fresh, ruled_names, fallback, loss_module, params,
+                               constants, batch, registry, overrides, no_expand, rng_at[0], order)
     n_call = sum(len(t) for t in call_targets)
     for n, g in zip(leaf_names, grads[n_call:]):
         if g is not None:
@@ -3646,7 +3708,7 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
     the fallback)."""
     B = batch_size(batch)
     known, open_ = probe_memo.get(key, ({}, {})) if probe_memo is not None else ({}, {})
-    if key in (probe_memo or {}) and all(c >= ORDER_RETRIES for c in open_.values()):
+    if key in (probe_memo or {}) and all(c >= ORDER_RETRIES for c in open_.values()) and _CHECK_REPLAY.get() is None:
         return _order_verdicts(known), []
     gen = torch.Generator().manual_seed(12345 + B)
     pi = torch.randperm(B, generator=gen)
@@ -4246,7 +4308,7 @@ def _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registr
     # (the model's forward and backward: the caller's mixed precision and matmul precision)
     with amp(state, True), _caller_matmuls(list(caller)):
         col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
-                       check_order=_check_order(opts), paths=bool(_check_order(opts)) and opts.get("hold_paths") is True)
+                       check_order=_check_order(opts), paths=bool(_check_order(opts)) and opts.get("hold_paths", True) is not False)
     _settle_pending(col, params, B, getattr(weights_fn, "clip_groups", None))
     _one_network(col, loss_module, params, constants, batch, B, overrides, probe_memo)
     # routes; compact: id(use) -> its non-zero rows, where they are few (CPU: host reads)
