@@ -2037,9 +2037,8 @@ class _EvalFlags:
 # Set (for the duration of one capture, its checks and probes included) when a capture with the
 # registry's adapters failed and runs again without them (see ``_collect``).
 _ADAPTERS_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("pdpsgd_adapters_off", default=False)
-# While the example-order check runs again for a step's new path (``_hold_to_paths``): the random state its
-# extra forwards start from (the capture's, ``_rng_now``; instead of their seeds), and the paths their
-# captures take, (B, ``_path_of``) each.
+# While a step's new path is confirmed (``_hold_to_paths``): the random state the extra forwards start from
+# (the capture's, ``_rng_now``; instead of their seeds), and the paths their captures take, (B, ``_path_of``).
 _CHECK_REPLAY: contextvars.ContextVar[Any] = contextvars.ContextVar("pdpsgd_check_replay", default=None)
 _CHECK_PATHS: contextvars.ContextVar[Optional[List]] = contextvars.ContextVar("pdpsgd_check_paths", default=None)
 
@@ -2179,7 +2178,8 @@ _NEW_PATH_WARNING = ("the model's forward took a path (autograd graph) in this s
 
 def _path_of(losses: Tensor, glue: Set[Any] = frozenset()) -> FrozenSet[Tuple]:
     """The autograd graph behind ``losses`` as the set of its nodes' shapes: (node type, which of its
-    inputs need a gradient, the dims it reduced or joined along if it saved them). A set, and no
+    inputs need a gradient, the dims it acts on where it saved them: reduced, joined, rolled, flipped,
+    permuted, transposed along; which dims an index indexes). A set, and no
     wiring: a layer skipped (LayerDrop, all of them included), a batch of another size or another
     order of the same ops gives a subset of the same shapes; an op the graph did not have (a sum or
     a concatenation over the batch dim, a gather, a batch statistic) a new one. (With the types of
@@ -2204,8 +2204,27 @@ def _path_of(losses: Tensor, glue: Set[Any] = frozenset()) -> FrozenSet[Tuple]:
             if g not in seen:
                 seen.add(g)
                 stack.append(g)
-        out.add((type(f), tuple(kids), getattr(f, "_saved_dim", None)))
+        t = type(f)
+        names = _DIM_ATTRS.get(t)
+        if names is None:
+            names = _DIM_ATTRS[t] = tuple(a for a in dir(f) if a.startswith("_saved_") and "dim" in a
+                                          or a == "_saved_indices")
+        out.add((t, tuple(kids), tuple(_dims_of(getattr(f, a)) for a in names) if names else None))
     return frozenset(out)
+
+
+# node type -> the names of its saved attributes that say which dims it acts on (``_saved_dim``, ``_saved_dims``,
+# ``_saved_dim0`` / ``_saved_dim1``, ``_saved_keepdim``; an index's ``_saved_indices``: which dims it indexes)
+_DIM_ATTRS: Dict[type, Tuple[str, ...]] = {}
+
+
+def _dims_of(v: Any) -> Any:
+    """A saved dims attribute as a hashable value; an index's tensors as which dims they index."""
+    if isinstance(v, (list, tuple)):
+        return tuple(_dims_of(x) for x in v)
+    if isinstance(v, Tensor) or v is None:
+        return v is not None
+    return v
 
 
 def _glue_of(expanded: Tensor, glue: Set[Any]) -> None:
@@ -2218,67 +2237,92 @@ def _glue_of(expanded: Tensor, glue: Set[Any]) -> None:
         f = f.next_functions[0][0] if f.next_functions else None
 
 
-def _hold_to_paths(path: FrozenSet[Tuple], probe_memo: Dict, okey, fresh: bool, ruled_names: Set[str],
-                   fallback: Dict[str, str], loss_module, params, constants, batch, registry, overrides, no_expand,
-                   rng, order: Tuple) -> Tuple:
-    """The step's capture against the paths verified for its batch shape (``okey``): recorded where
-    the example-order check ran its forwards in this step (``fresh``) or none is recorded yet. A path
-    with a node shape none of them had is checked now: the example-order check runs again, its extra
-    forwards starting from the random state the capture began in (``rng``; a path chosen by a draw
-    from the global streams or a held generator is taken again), on a copy of the memo, if one run
-    of it took the path first: its verdicts
-    join the batch shape's (``order``; a parameter found mixed by either takes the fallback) for
-    this step only. If every one of its full-batch runs took this path (the new shapes among each
-    one's) and it found nothing the batch shape's verdicts had not, the path is recorded as
-    verified; else it is checked again whenever it is taken. If they did not take it (state the
-    engine cannot see chose it, which the check's forwards advanced), every ruled parameter takes
-    the exact fallback in this step, with a warning once per batch shape. Returns the step's
-    verdicts."""
-    if _DROPOUT_OFF.get():
-        return order  # (a DropoutOff block around the step: ``testing.check_sensitivity``'s removal runs; not held)
-    key = ("paths", okey)
-    known = probe_memo.get(key)
-    if fresh or known is None:
-        _memo_put(probe_memo, key, path if known is None else known | path)
-        return order
-    if path <= known:
-        return order
+def _held_back(probe_memo: Dict, hold_key, ruled_names: Set[str], fallback: Dict[str, str], order):
+    """A step's path not confirmed: every ruled parameter to the exact fallback, a warning once per batch shape."""
+    for c in ruled_names:
+        fallback.setdefault(c, _NEW_PATH)
+    if ("paths warned", hold_key) not in probe_memo:
+        _memo_put(probe_memo, ("paths warned", hold_key), True)
+        warn(_NEW_PATH_WARNING)
+    return order
+
+
+def _replayed_path(loss_module, params, constants, batch, registry, overrides, memo, no_expand, rng,
+                   attrs) -> Optional[FrozenSet[Tuple]]:
+    """The path (``_path_of``) of one more capture of ``batch`` as the step runs (its modes, its
+    dropouts), from the random state (``rng``) and module attributes (``attrs``, if kept) the step's
+    capture began in; None if it fails."""
     seen: List[Tuple[int, FrozenSet[Tuple]]] = []
-    B = batch_size(batch)
-    new = path - known
-    scratch = {k: v for k, v in probe_memo.items() if k not in (okey, ("float32", okey))}
-    both = order
     t1, t2 = _CHECK_REPLAY.set(rng), _CHECK_PATHS.set(seen)
     try:
-        # first one forward as the check's run (a number of forwards that does not depend on the batch: where
-        # state the engine cannot see chose the path, the fallback then runs from a state its neighbours share)
-        try:
-            _side_collect(loss_module, params, constants, batch, registry, overrides, scratch,
-                          torch.ones(B, dtype=torch.float64), no_expand)
-        except Exception as err:  # (its run failed: the path is not verified; the fallback's forward is the judge)
-            if isinstance(err, OOM_ERRORS):
-                raise
-            seen.clear()
-        if seen and new <= seen[-1][1]:
-            again = _order_disagree(loss_module, params, constants, batch, registry, overrides, scratch, no_expand,
-                                    okey)
-            both = (*_both_passed(order[:3], again[:3]), order[3] or again[3])
-        else:
-            again = None
+        with _attrs_replayed(loss_module.model, attrs), _own_rng(params, model=loss_module.model):
+            _collect(loss_module, params, constants, batch, registry, overrides, memo, check_broadcast=False,
+                     no_expand=no_expand, check_order=False)
+    except Exception as err:  # (the path is not confirmed; the exact fallback's forward is the judge)
+        if isinstance(err, OOM_ERRORS):
+            raise
+        return None
     finally:
         _CHECK_REPLAY.reset(t1)
         _CHECK_PATHS.reset(t2)
-    full = [p for b, p in seen if b == B]
-    if again is not None and all(new <= p for p in full):
-        if set(again[0]) <= set(order[0]):
+    return seen[-1][1] if seen else None
+
+
+def _hold_to_paths(path: FrozenSet[Tuple], probe_memo: Dict, hold_key, okey, fresh: bool, ruled_names: Set[str],
+                   fallback: Dict[str, str], loss_module, params, constants, batch, registry, overrides, no_expand,
+                   rng, attrs, order: Tuple, pre: Any = _NOT_REACHED) -> Tuple:
+    """The step's capture against the paths verified for its batch shape (``okey``); returns the
+    step's example-order verdicts. A path with shapes no verified one had is confirmed first: one
+    more capture of the batch as the step runs, from the random state and attributes the step's
+    began in (``_replayed_path``), must take it too (a path chosen by a random draw, the global
+    streams' or a held generator's, or by the batch's values is taken again; one chosen by state the
+    engine cannot see, which that capture advanced, need not be). Not confirmed: every ruled
+    parameter takes the exact fallback in this step, with a warning once per batch shape. Confirmed:
+    on the step whose example-order check ran (``fresh``; the batch shape's first) the path is
+    recorded; on a later one the check runs again, from the same random state, on a copy of the memo,
+    and one more capture after it must take the path too (state the check's forwards advanced no
+    longer chooses it); its verdicts join the batch shape's (``order``; a parameter found mixing by
+    either takes the fallback) for this step; the path is recorded if it found nothing the batch
+    shape's had not. ``pre``: the confirming capture's path (or None: it failed), where it ran
+    before the step's (``_NOT_REACHED``: it did not)."""
+    if _DROPOUT_OFF.get():
+        return order  # (a DropoutOff block around the step: ``testing.check_sensitivity``'s removal runs; not held)
+    key = ("paths", hold_key)
+    known = probe_memo.get(key)
+    if known is not None and path <= known:
+        return order
+    scratch = {k: v for k, v in probe_memo.items() if k not in (okey, ("float32", okey))}
+    new = path - (known or frozenset())
+
+    def replayed() -> bool:  # (one more capture from the step's state takes the new shapes too)
+        taken = _replayed_path(loss_module, params, constants, batch, registry, overrides, scratch, no_expand, rng,
+                               attrs)
+        return taken is not None and new <= taken
+
+    if not (replayed() if pre is _NOT_REACHED else pre is not None and new <= pre):
+        return _held_back(probe_memo, hold_key, ruled_names, fallback, order)
+    if fresh or known is None:
+        _memo_put(probe_memo, key, path if known is None else known | path)
+        return order
+    t1 = _CHECK_REPLAY.set(rng)
+    try:
+        with _attrs_replayed(loss_module.model, attrs):
+            again = _order_disagree(loss_module, params, constants, batch, registry, overrides, scratch, no_expand,
+                                    okey)
+    finally:
+        _CHECK_REPLAY.reset(t1)
+    if not replayed():  # (and after the check's forwards: state they advanced no longer chooses it)
+        return _held_back(probe_memo, hold_key, ruled_names, fallback, order)
+    if order is None:  # (a capture made again in the step, whose caller applies its own verdicts: these here)
+        for c in ruled_names:
+            if c in again[0] or c not in again[1]:
+                fallback.setdefault(c, again[0].get(c, _NEW_PATH))
+        if not again[0]:
             _memo_put(probe_memo, key, known | path)
-        return both
-    for c in ruled_names:
-        fallback.setdefault(c, _NEW_PATH)
-    if ("paths warned", okey) not in probe_memo:
-        _memo_put(probe_memo, ("paths warned", okey), True)
-        warn(_NEW_PATH_WARNING)
-    return both
+        return order
+    if set(again[0]) <= set(order[0]):
+        _memo_put(probe_memo, key, known | path)
+    return (*_both_passed(order[:3], again[:3]), order[3] or again[3])
 
 
 def _rule_batch_dim(rule: Rule, module: nn.Module, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[int]:
@@ -2388,6 +2432,17 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     fresh = bool(check_order) and B > 1 and probe_memo is not None and okey not in probe_memo
     order = (_order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo, no_expand, okey)
              if check_order and B > 1 else None)
+    # the capture that confirms this step's path where none is recorded (``_hold_to_paths``), run now, before the
+    # step's own: from the same random state and attributes, and its memory freed before the step's capture holds
+    # its factors (after it, the first step's peak grew by a quarter)
+    # (a capture made again in this step, ``paths`` = (key, fresh): held to the same recorded paths as the first)
+    hold_key, fresh = paths if isinstance(paths, tuple) else (okey, fresh)
+    paths_again = paths and (hold_key, fresh)
+    pre = (_replayed_path(loss_module, params, constants, batch, registry, overrides,
+                          {k: v for k, v in probe_memo.items() if k not in (okey, ("float32", okey))}, no_expand,
+                          _rng_now(params, model), None)
+           if paths and B > 1 and probe_memo is not None and ("paths", hold_key) not in probe_memo
+           and not _DROPOUT_OFF.get() else _NOT_REACHED)
     for m, (mn, _, local) in ruled.items():
         if mn in no_expand:
             for c in local.values():
@@ -2702,7 +2757,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         bad = {mn: why for mn in expanded}
         try:
             col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
-                           loss_weights, {**no_expand, **bad}, check_order=False, paths=paths)
+                           loss_weights, {**no_expand, **bad}, check_order=False, paths=paths_again)
         except Exception:
             raise failed  # it fails without the expansion too: the model's own error (nothing memoised)
         _memo_expansions(probe_memo, dkey, bad, bad)
@@ -2714,11 +2769,12 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         _memo_put(probe_memo, lkey, forced | relift)
         del calls[:]
         col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
-                       loss_weights, no_expand, check_order=False, paths=paths)
+                       loss_weights, no_expand, check_order=False, paths=paths_again)
         return _apply_order(col, order, batch, probe_memo, params, okey)
     if path[0] is not None and paths:
-        order = _hold_to_paths(path[0], probe_memo, okey, fresh, ruled_names, fallback, loss_module, params,
-                               constants, batch, registry, overrides, no_expand, rng_at[0], order)
+        order = _hold_to_paths(path[0], probe_memo, hold_key, okey, fresh, ruled_names, fallback, loss_module,
+                               params, constants, batch, registry, overrides, no_expand, rng_at[0], attrs_at[0], order,
+                               pre)
     n_call = sum(len(t) for t in call_targets)
     for n, g in zip(leaf_names, grads[n_call:]):
         if g is not None:
@@ -2791,7 +2847,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         bad = {mn: f"its expanded (1, T, ...) or (T, ...) output could not stay on its rule ({why[:160]})"
                for mn, why in dropped.items()}
         col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
-                       loss_weights, {**no_expand, **bad}, check_order=False, paths=paths)
+                       loss_weights, {**no_expand, **bad}, check_order=False, paths=paths_again)
         _memo_expansions(probe_memo, dkey, bad, bad)
         return _apply_order(col, order, batch, probe_memo, params, okey)
     uses = {n: u for n, u in uses.items() if n not in fallback}
@@ -2811,7 +2867,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         if bad:  # the forward itself ran with those outputs expanded (a sum(0) changes it): run again without
             col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
                            check_broadcast=False, loss_weights=loss_weights, no_expand={**no_expand, **bad},
-                           check_order=False, paths=paths)
+                           check_order=False, paths=paths_again)
             return _apply_order(col, order, batch, probe_memo, params, okey)
     col = _Collected(losses.detach(), uses, fallback, owner)
     col.reached = losses.requires_grad

@@ -496,3 +496,40 @@ def test_bart_layerdrop_in_training_stays_on_the_rules():
         if seed == 0:
             rep = check_sensitivity(step, params, b, seed=seed)
             assert rep.max_ratio <= 1 + 1e-4
+
+
+@pytest.mark.parametrize("family", ["roberta", "bert"])
+def test_padding_after_unpadded_steps_stays_on_the_rules(family):
+    """Review of round 48: in training, a batch shape's first steps unpadded and later ones padded (length buckets)
+    give the capture another attention path (SDPA's math kernel with a mask, dropout on). The hold's first version
+    confirmed a new path by a run with dropout at rate 0 (the fused kernel): never confirmed, every padded step took
+    the exact fallback (41 of 41 parameters), or, on BERT, lost that verdict. The confirming capture now runs as the
+    step runs, from its random state: the new path is checked once and recorded, and every step stays on the rules."""
+    import transformers as tf
+
+    kw = dict(num_hidden_layers=2, num_attention_heads=2, hidden_size=32, intermediate_size=64, vocab_size=100,
+              max_position_embeddings=40, num_labels=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        m = (tf.RobertaForSequenceClassification(tf.RobertaConfig(**kw)) if family == "roberta"
+             else tf.BertForSequenceClassification(tf.BertConfig(**kw))).train()
+
+    def loss(model, b):
+        ids, mask = b
+        return F.cross_entropy(model(input_ids=ids, attention_mask=mask).logits, ids[:, 0] % 3, reduction="none")
+
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    params = dict(m.named_parameters())
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
+        for k in range(5):
+            ids = torch.randint(3, 100, (4, 12), generator=g)
+            mask = torch.ones(4, 12, dtype=torch.long)
+            if k >= 2:
+                mask[1, 7:] = 0
+                ids[1, 7:] = 1
+            out = step.clipped_sum(params, (ids, mask))
+            assert "vmap" not in out.routes.values(), (k, out.routes)
