@@ -2469,9 +2469,12 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     glue: Set[Any] = set()  # the autograd nodes of this forward's expansions (seen through by ``_path_of``)
     rng_at: List[Any] = [None]  # the random streams as the capture's forward began (``_rng_now``)
     # the modules' attributes then (``_module_attrs``), kept where a probe may need them: on the
-    # first step of a batch shape, and at every step of a forward found to change the model's state
-    keep_attrs = pgot is None or pgot.stateful
+    # first step of a batch shape, and at every step of a forward found to change the model's state; and
+    # where some parameter is known to take the exact fallback (its forward runs from them if the capture,
+    # its backward included, changed a plain attribute: ``col.attrs``)
+    keep_attrs = pgot is None or pgot.stateful or bool(fallback) or (order is not None and bool(order[0]))
     attrs_at: List[Any] = [None]
+    settings_at: List[Any] = [None]
     flat: Dict[Tuple[Any, int], _Flat] = {}  # row-wise outputs of flattened calls (``_flat_rows``)
     swapped: Dict[nn.Module, List[Dict[str, Tensor]]] = {}
     real_dims: Dict[str, List[Optional[int]]] = {}  # module name -> first dim of each call's input
@@ -2725,6 +2728,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
 
     # (as the capture begins: before the capture adapters' methods are installed for its B examples)
     attrs_at[0] = _module_attrs(model) if keep_attrs else None
+    settings_at[0] = model_settings(model) if keep_attrs else None
     patched: List[nn.Module] = []  # (a ruled module has no instance-level forward: those are fallbacks)
     try:
         for m, (_, rule, _) in ruled.items():
@@ -2873,9 +2877,13 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     col.reached = losses.requires_grad
     col.rng = rng_at[0]
     pgot = probe_memo.get(pkey) if pkey is not None else None
-    # (only for a forward found to change the model's state: another's capture may have run a one-time
-    # setup, e.g. a lazily built layer, that the fallback must not run again)
-    col.attrs = attrs_at[0] if isinstance(pgot, _Probed) and pgot.stateful else None
+    # (only for a forward found to change the model's state, or a capture that changed a plain attribute, e.g. a
+    # counter its gradient hook advanced, where some parameter falls back: another's capture may have run a one-time
+    # setup, e.g. a lazily built layer, that the fallback must not run again; review of round 48: the fallback ran
+    # from the counter the capture's backward had advanced, another path than the ruled parameters', 1.49 × 2C)
+    moved = (settings_at[0] is not None and bool(fallback or (order is not None and order[0]))
+             and bool(_settings_changed(model, settings_at[0], model_settings(model))))
+    col.attrs = attrs_at[0] if (isinstance(pgot, _Probed) and pgot.stateful) or moved else None
     return _apply_order(col, order, batch, probe_memo, params, okey)
 
 
@@ -3434,11 +3442,15 @@ def _alone_norms(loss_module: LossModule, params: Params, constants: Mapping[str
     out: Dict[str, List[Tensor]] = {n: [] for n in names}
     with _EvalFlags(loss_module.model, keep=own_mode), torch.enable_grad():
         for i in singles.tolist():
+            # (the backward inside the block too: a gradient hook that counts, say, is put back with the
+            # attributes, so each example's run starts from the state the step's capture starts from; review of
+            # round 48: it counted on from one example to the next, and the capture took another path than
+            # the check's runs, 1.85 × 2C)
             with preserve_module_state(loss_module.model), _own_rng(params, 0, model=loss_module.model):
                 loss = functional_call(loss_module, LossModule.prefixed({**constants, **leaves}),
                                        (slice_batch(batch, i, i + 1),))
-            gs = (torch.autograd.grad(loss.sum(), [leaves[n] for n in names], allow_unused=True)
-                  if loss.requires_grad else [None] * len(names))  # (no parameter reached: zeros)
+                gs = (torch.autograd.grad(loss.sum(), [leaves[n] for n in names], allow_unused=True)
+                      if loss.requires_grad else [None] * len(names))  # (no parameter reached: zeros)
             for n, g in zip(names, gs):
                 acc = _acc(params[n].dtype)
                 out[n].append(torch.zeros(1, dtype=acc, device=params[n].device) if g is None

@@ -6660,3 +6660,56 @@ def test_a_logging_counter_does_not_turn_the_hold_off(options):
                 worst = max(worst, sum(float(((a.sums[n] - b.sums[n]) ** 2).sum()) for n in a.sums) ** 0.5 / (2 * C))
             _G48[0], m.calls = g1, c1
     assert worst <= 1 + 1e-9, worst
+
+
+class _BackwardCounted(nn.Module):
+    """The table-or-batch choice by a counter that a gradient hook on the output advances (counting optimisation
+    steps): the table (and a sum over the batch) every ``period``-th count."""
+
+    def __init__(self, B, period=16, d=3):
+        super().__init__()
+        self.lin, self.out, self.n, self.period = nn.Linear(d, d), nn.Linear(d, 1), 0, period
+        self.register_buffer("table", torch.randn(B, d))
+
+    def bump(self, g):
+        self.n += 1
+
+    def forward(self, x):
+        table = self.n % self.period == self.period - 1
+        h = self.lin(self.table if table else x)
+        out = self.out(torch.tanh(h.sum(0) + x if table else h))
+        if out.requires_grad:
+            out.register_hook(self.bump)
+        return out
+
+
+def test_a_counter_advanced_in_the_backward_is_put_back_by_the_checks():
+    """Review of round 47 (r6, 1.85 × 2C): the example-order check ran each example alone with its backward outside
+    the block that puts the modules' attributes back, so a counter advanced by a gradient hook counted on from one
+    example to the next and the check's runs took another path than the step's capture; and the exact fallback ran
+    from the counter the capture's backward had advanced. Now both run from the state the capture began in. The
+    counter put back before each call, each call after a first one of the same state (the memos as the neighbours'
+    calls find them): at most 2 C from every start."""
+    torch.manual_seed(0)
+    B, C = 4, 0.5
+    m = _BackwardCounted(B).double()
+    x, y = torch.randn(B, 3, dtype=torch.float64), torch.randn(B, dtype=torch.float64)
+    xr, yr = torch.randn(B, 3, dtype=torch.float64) * 3, torch.randn(B, dtype=torch.float64) * 3
+    step = make_dp_step(m, _table_or_batch_loss, max_grad_norm=C, noise_multiplier=0.0, method="bk")
+    params = dict(m.named_parameters())
+    worst = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step.clipped_sum(params, (x, y))
+        for st in range(18):
+            m.n = st
+            step.clipped_sum(params, (x, y))
+            m.n = st
+            a = step.clipped_sum(params, (x, y))
+            for i in range(B):
+                x2, y2 = x.clone(), y.clone()
+                x2[i], y2[i] = xr[i], yr[i]
+                m.n = st
+                b = step.clipped_sum(params, (x2, y2))
+                worst = max(worst, sum(float(((a.sums[n] - b.sums[n]) ** 2).sum()) for n in a.sums) ** 0.5 / (2 * C))
+    assert worst <= 1 + 1e-9, worst
