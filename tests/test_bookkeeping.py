@@ -6305,6 +6305,36 @@ def test_spectral_norm_keeps_the_memos():
 _HIDDEN = [0]  # a module-level counter: state the engine cannot see
 
 
+def _neighbour_case(m, loss=None, shape=(3,), C=0.5, B=4, **opts):
+    """A batch, replacements for its examples and a bk step (σ = 0) of ``m``."""
+    torch.manual_seed(0)
+    x, y = torch.randn(B, *shape, dtype=torch.float64), torch.randn(B, dtype=torch.float64)
+    xr, yr = torch.randn(B, *shape, dtype=torch.float64) * 3, torch.randn(B, dtype=torch.float64) * 3
+    step = make_dp_step(m, loss or _table_or_batch_loss, max_grad_norm=C, noise_multiplier=0.0, method="bk",
+                        bk_options=opts or None)
+    return (x, y), (xr, yr), step, dict(m.named_parameters())
+
+
+def _worst_move(step, params, batch, repl, put_back, C=0.5, warm=False):
+    """The step's clipped sum on ``batch`` and the largest move of it / 2C when one example is replaced (by
+    ``repl``'s), ``put_back()`` before each call; ``warm``: one call first (the memos as the neighbours' calls
+    find them)."""
+    (x, y), (xr, yr) = batch, repl
+    if warm:
+        put_back()
+        step.clipped_sum(params, (x, y))
+    put_back()
+    a = step.clipped_sum(params, (x, y))
+    worst = 0.0
+    for i in range(x.shape[0]):
+        x2, y2 = x.clone(), y.clone()
+        x2[i], y2[i] = xr[i], yr[i]
+        put_back()
+        b = step.clipped_sum(params, (x2, y2))
+        worst = max(worst, sum(float(((a.sums[n] - b.sums[n]) ** 2).sum()) for n in a.sums) ** 0.5 / (2 * C))
+    return a, worst
+
+
 class _HiddenTableOrBatch(nn.Module):
     """``_StatefulTableOrBatch``'s choice by state the engine cannot see: a module-level counter, or a count kept
     in a list on a helper object (the table, and a sum over the batch, every ``period``-th forward from the
@@ -6354,41 +6384,26 @@ def test_a_path_the_checks_did_not_verify_takes_the_exact_fallback(kind, period,
     call and the step's memos as the neighbours' calls find them (a first fallback of a batch shape runs one more
     forward, which such state counts). A new path is confirmed by one more capture from the state the step's began
     in (``_hold_to_paths``): not here, the count moved on. (Here the table comes after the first step.)"""
-    torch.manual_seed(0)
-    B, C = 4, 0.5
     _HIDDEN[0] = 0
-    m = _HiddenTableOrBatch(B, kind, period).double().train(train)
-    x, y = torch.randn(B, 3, dtype=torch.float64), torch.randn(B, dtype=torch.float64)
-    xr, yr = torch.randn(B, 3, dtype=torch.float64) * 3, torch.randn(B, dtype=torch.float64) * 3
-    step = make_dp_step(m, _table_or_batch_loss, max_grad_norm=C, noise_multiplier=0.0, method="bk")
-    params = dict(m.named_parameters())
+    m = _HiddenTableOrBatch(4, kind, period).double().train(train)
+    batch, repl, step, params = _neighbour_case(m)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        step.clipped_sum(params, (x, y))  # (the batch shape's first step: its checks, and its path recorded)
+        step.clipped_sum(params, batch)  # (the batch shape's first step: its checks, and its path recorded)
         assert not any(m.branches)
         m.set_state(m.START - 2 if kind == "global" else [1] * (m.START - 2))
         worst, fell = 0.0, []
         for _ in range(2 * period + 1):
             st = m.state()
-            m.set_state(st)
-            step.clipped_sum(params, (x, y))  # (the memos of a first fallback as the neighbours' calls find them)
-            m.set_state(st)
-            a = step.clipped_sum(params, (x, y))
+            a, w = _worst_move(step, params, batch, repl, lambda: m.set_state(st), warm=True)
             after = m.state()
             fell.append(set(a.routes.values()) == {"vmap"})  # (the table's step: every ruled parameter)
             assert fell[-1] or "vmap" not in a.routes.values(), a.routes
-            for i in range(B):
-                x2, y2 = x.clone(), y.clone()
-                x2[i], y2[i] = xr[i], yr[i]
-                m.set_state(st)
-                b = step.clipped_sum(params, (x2, y2))
-                assert b.routes == a.routes  # (the same state, the same path)
-                worst = max(worst, sum(float(((a.sums[n] - b.sums[n]) ** 2).sum()) for n in a.sums) ** 0.5 / (2 * C))
+            worst = max(worst, w)
             m.set_state(after)
     assert 2 <= sum(fell) < len(fell), fell  # (some steps on the table, the others on the rules)
     assert worst <= 1 + 1e-9, worst
     assert sum("autograd graph" in str(w.message) for w in rec) == 1
-
 
 class _ValueBranch(nn.Module):
     """The table and a sum over the batch when some example's first feature passes 2 (a statistic of the
@@ -6514,35 +6529,20 @@ def test_a_first_step_on_a_path_its_replay_does_not_take_takes_the_exact_fallbac
     the step's began in. Hidden state that alternates the table (and a sum over the batch) with the batch at every
     forward never gives that capture the step's path: no path is recorded, every step (the first too) takes the exact
     fallback, and the bound holds (the engine of ec708fc sent these steps to the fallback by its probes too)."""
-    torch.manual_seed(0)
-    B, C = 4, 0.5
     _HIDDEN[0] = 0
-    m = _HiddenTableOrBatch(B, "global", 2).double()
+    m = _HiddenTableOrBatch(4, "global", 2).double()
     m.START = 0
-    x, y = torch.randn(B, 3, dtype=torch.float64), torch.randn(B, dtype=torch.float64)
-    xr, yr = torch.randn(B, 3, dtype=torch.float64) * 3, torch.randn(B, dtype=torch.float64) * 3
-    step = make_dp_step(m, _table_or_batch_loss, max_grad_norm=C, noise_multiplier=0.0, method="bk")
-    params = dict(m.named_parameters())
+    batch, repl, step, params = _neighbour_case(m)
     worst = 0.0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for k in range(4):
             st = m.state()
-            m.set_state(st)
-            step.clipped_sum(params, (x, y))  # (the memos as the neighbours' calls find them)
-            m.set_state(st)
-            a = step.clipped_sum(params, (x, y))
-            after = m.state()
+            a, w = _worst_move(step, params, batch, repl, lambda: m.set_state(st), warm=True)
             assert set(a.routes.values()) == {"vmap"}, (k, a.routes)
-            for i in range(B):
-                x2, y2 = x.clone(), y.clone()
-                x2[i], y2[i] = xr[i], yr[i]
-                m.set_state(st)
-                b = step.clipped_sum(params, (x2, y2))
-                worst = max(worst, sum(float(((a.sums[n] - b.sums[n]) ** 2).sum()) for n in a.sums) ** 0.5 / (2 * C))
-            m.set_state(after + 1)
+            worst = max(worst, w)
+            m.set_state(st + 7)
     assert worst <= 1 + 1e-9, worst
-
 
 # ---- round 48 review of the path hold: hidden global counters that choose a mixing branch; every start of the
 # counter in a range, the counter put back before each call (every call then the same mechanism) ----------------
@@ -6586,30 +6586,16 @@ def test_hidden_state_mixing_is_held_back_from_every_start(kind, options, starts
     expansion that failed or was dropped) had a new key with no recorded path and recorded its own. Now dims saved
     under any name are part of a node's shape, a capture made again is held to the step's recorded paths, and a new
     path is confirmed again after the example-order check's forwards. From every start of the counter: at most 2 C."""
-    torch.manual_seed(0)
-    B, C = 4, 0.5
     m = _HiddenMix(kind).double()
-    x, y = torch.randn(B, 5, 3, dtype=torch.float64), torch.randn(B, dtype=torch.float64)
-    xr, yr = torch.randn(B, 5, 3, dtype=torch.float64) * 3, torch.randn(B, dtype=torch.float64) * 3
-    loss = lambda mm, b: (mm(b[0]) - b[1]) ** 2  # noqa: E731
-    step = make_dp_step(m, loss, max_grad_norm=C, noise_multiplier=0.0, method="bk", bk_options=options or None)
-    params = dict(m.named_parameters())
+    batch, repl, step, params = _neighbour_case(m, lambda mm, b: (mm(b[0]) - b[1]) ** 2, (5, 3), **options)
     worst = 0.0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _G48[0] = 3
-        step.clipped_sum(params, (x, y))
+        step.clipped_sum(params, batch)
         for g0 in starts:
-            _G48[0] = g0
-            a = step.clipped_sum(params, (x, y))
-            for i in range(B):
-                x2, y2 = x.clone(), y.clone()
-                x2[i], y2[i] = xr[i], yr[i]
-                _G48[0] = g0
-                b = step.clipped_sum(params, (x2, y2))
-                worst = max(worst, sum(float(((a.sums[n] - b.sums[n]) ** 2).sum()) for n in a.sums) ** 0.5 / (2 * C))
+            worst = max(worst, _worst_move(step, params, batch, repl, lambda: _G48.__setitem__(0, g0))[1])
     assert worst <= 1 + 1e-9, worst
-
 
 class _LoggedHiddenMix(nn.Module):
     """A logging counter attribute (chooses nothing) and a hidden global counter that mixes examples every 40th
@@ -6634,33 +6620,22 @@ def test_a_logging_counter_does_not_turn_the_hold_off(options):
     ``check_order="always"``, made every step a first one, and a first step's path was recorded as it came, so the
     hidden counter's mixing forward went through on the rules. A first step's path is now confirmed by one more
     capture from its state. Both counters put back before each call; from every start: at most 2 C."""
-    torch.manual_seed(0)
-    B, C = 4, 0.5
     _G48[0] = 0
     m = _LoggedHiddenMix().double()
-    x, y = torch.randn(B, 3, dtype=torch.float64), torch.randn(B, dtype=torch.float64)
-    xr, yr = torch.randn(B, 3, dtype=torch.float64) * 3, torch.randn(B, dtype=torch.float64) * 3
-    step = make_dp_step(m, _table_or_batch_loss, max_grad_norm=C, noise_multiplier=0.0, method="bk",
-                        bk_options=options or None)
-    params = dict(m.named_parameters())
+    batch, repl, step, params = _neighbour_case(m, **options)
     worst = 0.0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        step.clipped_sum(params, (x, y))
+        step.clipped_sum(params, batch)
         for g0 in range(60):
             c0 = m.calls
-            _G48[0], m.calls = g0, c0
-            a = step.clipped_sum(params, (x, y))
-            g1, c1 = _G48[0], m.calls
-            for i in range(B):
-                x2, y2 = x.clone(), y.clone()
-                x2[i], y2[i] = xr[i], yr[i]
-                _G48[0], m.calls = g0, c0
-                b = step.clipped_sum(params, (x2, y2))
-                worst = max(worst, sum(float(((a.sums[n] - b.sums[n]) ** 2).sum()) for n in a.sums) ** 0.5 / (2 * C))
-            _G48[0], m.calls = g1, c1
-    assert worst <= 1 + 1e-9, worst
 
+            def put_back():
+                _G48[0], m.calls = g0, c0
+
+            _, w = _worst_move(step, params, batch, repl, put_back)
+            worst = max(worst, w)
+    assert worst <= 1 + 1e-9, worst
 
 class _BackwardCounted(nn.Module):
     """The table-or-batch choice by a counter that a gradient hook on the output advances (counting optimisation
@@ -6690,26 +6665,12 @@ def test_a_counter_advanced_in_the_backward_is_put_back_by_the_checks():
     from the counter the capture's backward had advanced. Now both run from the state the capture began in. The
     counter put back before each call, each call after a first one of the same state (the memos as the neighbours'
     calls find them): at most 2 C from every start."""
-    torch.manual_seed(0)
-    B, C = 4, 0.5
-    m = _BackwardCounted(B).double()
-    x, y = torch.randn(B, 3, dtype=torch.float64), torch.randn(B, dtype=torch.float64)
-    xr, yr = torch.randn(B, 3, dtype=torch.float64) * 3, torch.randn(B, dtype=torch.float64) * 3
-    step = make_dp_step(m, _table_or_batch_loss, max_grad_norm=C, noise_multiplier=0.0, method="bk")
-    params = dict(m.named_parameters())
+    m = _BackwardCounted(4).double()
+    batch, repl, step, params = _neighbour_case(m)
     worst = 0.0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        step.clipped_sum(params, (x, y))
+        step.clipped_sum(params, batch)
         for st in range(18):
-            m.n = st
-            step.clipped_sum(params, (x, y))
-            m.n = st
-            a = step.clipped_sum(params, (x, y))
-            for i in range(B):
-                x2, y2 = x.clone(), y.clone()
-                x2[i], y2[i] = xr[i], yr[i]
-                m.n = st
-                b = step.clipped_sum(params, (x2, y2))
-                worst = max(worst, sum(float(((a.sums[n] - b.sums[n]) ** 2).sum()) for n in a.sums) ** 0.5 / (2 * C))
+            worst = max(worst, _worst_move(step, params, batch, repl, lambda: setattr(m, "n", st), warm=True)[1])
     assert worst <= 1 + 1e-9, worst
