@@ -2179,7 +2179,7 @@ _NEW_PATH_WARNING = ("the model's forward took a path (autograd graph) in this s
 def _path_of(losses: Tensor, glue: Set[Any] = frozenset()) -> FrozenSet[Tuple]:
     """The autograd graph behind ``losses`` as the set of its nodes' shapes: (node type, which of its
     inputs need a gradient, the dims it acts on where it saved them: reduced, joined, rolled, flipped,
-    permuted, transposed along; which dims an index indexes). A set, and no
+    permuted, transposed along). A set, and no
     wiring: a layer skipped (LayerDrop, all of them included), a batch of another size or another
     order of the same ops gives a subset of the same shapes; an op the graph did not have (a sum or
     a concatenation over the batch dim, a gather, a batch statistic) a new one. (With the types of
@@ -2207,24 +2207,21 @@ def _path_of(losses: Tensor, glue: Set[Any] = frozenset()) -> FrozenSet[Tuple]:
         t = type(f)
         names = _DIM_ATTRS.get(t)
         if names is None:
-            names = _DIM_ATTRS[t] = tuple(a for a in dir(f) if a.startswith("_saved_") and "dim" in a
-                                          or a == "_saved_indices")
+            names = _DIM_ATTRS[t] = tuple(a for a in dir(f) if a.startswith("_saved_") and "dim" in a)
         out.add((t, tuple(kids), tuple(_dims_of(getattr(f, a)) for a in names) if names else None))
     return frozenset(out)
 
 
 # node type -> the names of its saved attributes that say which dims it acts on (``_saved_dim``, ``_saved_dims``,
-# ``_saved_dim0`` / ``_saved_dim1``, ``_saved_keepdim``; an index's ``_saved_indices``: which dims it indexes)
+# ``_saved_dim0`` / ``_saved_dim1``, ``_saved_keepdim``): plain values. (Not an index's ``_saved_indices``: reading
+# saved tensors unpacks them, which re-runs a non-reentrant checkpoint's segment and breaks one-shot
+# saved-tensor hooks; review of round 48: 28 % slower with an index inside checkpointed blocks.)
 _DIM_ATTRS: Dict[type, Tuple[str, ...]] = {}
 
 
 def _dims_of(v: Any) -> Any:
-    """A saved dims attribute as a hashable value; an index's tensors as which dims they index."""
-    if isinstance(v, (list, tuple)):
-        return tuple(_dims_of(x) for x in v)
-    if isinstance(v, Tensor) or v is None:
-        return v is not None
-    return v
+    """A saved dims attribute as a hashable value."""
+    return tuple(_dims_of(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
 def _glue_of(expanded: Tensor, glue: Set[Any]) -> None:
@@ -2248,14 +2245,15 @@ def _held_back(probe_memo: Dict, hold_key, ruled_names: Set[str], fallback: Dict
 
 
 def _replayed_path(loss_module, params, constants, batch, registry, overrides, memo, no_expand, rng,
-                   attrs) -> Optional[FrozenSet[Tuple]]:
+                   attrs, seed: Optional[int] = None) -> Optional[FrozenSet[Tuple]]:
     """The path (``_path_of``) of one more capture of ``batch`` as the step runs (its modes, its
     dropouts), from the random state (``rng``) and module attributes (``attrs``, if kept) the step's
-    capture began in; None if it fails."""
+    capture began in (``rng`` None: from streams seeded with ``seed``, as the example-order check's
+    runs draw); None if it fails."""
     seen: List[Tuple[int, FrozenSet[Tuple]]] = []
     t1, t2 = _CHECK_REPLAY.set(rng), _CHECK_PATHS.set(seen)
     try:
-        with _attrs_replayed(loss_module.model, attrs), _own_rng(params, model=loss_module.model):
+        with _attrs_replayed(loss_module.model, attrs), _own_rng(params, seed, model=loss_module.model):
             _collect(loss_module, params, constants, batch, registry, overrides, memo, check_broadcast=False,
                      no_expand=no_expand, check_order=False)
     except Exception as err:  # (the path is not confirmed; the exact fallback's forward is the judge)
@@ -2270,21 +2268,24 @@ def _replayed_path(loss_module, params, constants, batch, registry, overrides, m
 
 def _hold_to_paths(path: FrozenSet[Tuple], probe_memo: Dict, hold_key, okey, fresh: bool, ruled_names: Set[str],
                    fallback: Dict[str, str], loss_module, params, constants, batch, registry, overrides, no_expand,
-                   rng, attrs, order: Tuple, pre: Any = _NOT_REACHED) -> Tuple:
-    """The step's capture against the paths verified for its batch shape (``okey``); returns the
-    step's example-order verdicts. A path with shapes no verified one had is confirmed first: one
-    more capture of the batch as the step runs, from the random state and attributes the step's
-    began in (``_replayed_path``), must take it too (a path chosen by a random draw, the global
+                   rng, attrs, order: Tuple, pre0: Any = _NOT_REACHED) -> Tuple:
+    """The step's capture against the paths verified for its batch shape (``hold_key``); returns the
+    step's example-order verdicts. On the step whose example-order check ran (``fresh``: the batch
+    shape's first, or one whose memos were dropped), a path is recorded as verified if a capture as the
+    step runs on the streams the check's runs draw from (seed 0; ``pre0`` where it ran before the
+    step's capture) takes its new shapes too. Any other new path (on a later step; or on that step, a
+    path drawn from the caller's streams that the check's runs did not take: review of round 48, a
+    mixing path drawn with probability 0.3 on the first step was recorded, 1.75 × 2C) is confirmed
+    first: one more capture of the batch as the step runs, from the random state and attributes the
+    step's began in (``_replayed_path``), must take it too (a path chosen by a random draw, the global
     streams' or a held generator's, or by the batch's values is taken again; one chosen by state the
     engine cannot see, which that capture advanced, need not be). Not confirmed: every ruled
     parameter takes the exact fallback in this step, with a warning once per batch shape. Confirmed:
-    on the step whose example-order check ran (``fresh``; the batch shape's first) the path is
-    recorded; on a later one the check runs again, from the same random state, on a copy of the memo,
-    and one more capture after it must take the path too (state the check's forwards advanced no
-    longer chooses it); its verdicts join the batch shape's (``order``; a parameter found mixing by
-    either takes the fallback) for this step; the path is recorded if it found nothing the batch
-    shape's had not. ``pre``: the confirming capture's path (or None: it failed), where it ran
-    before the step's (``_NOT_REACHED``: it did not)."""
+    the example-order check runs again, from the same random state, on a copy of the memo, and one
+    more capture after it must take the path too (state the check's forwards advanced no longer
+    chooses it); its verdicts join the batch shape's (``order``; a parameter found mixing by either
+    takes the fallback) for this step; the path is recorded if it found nothing the batch shape's
+    had not."""
     if _DROPOUT_OFF.get():
         return order  # (a DropoutOff block around the step: ``testing.check_sensitivity``'s removal runs; not held)
     key = ("paths", hold_key)
@@ -2293,17 +2294,21 @@ def _hold_to_paths(path: FrozenSet[Tuple], probe_memo: Dict, hold_key, okey, fre
         return order
     scratch = {k: v for k, v in probe_memo.items() if k not in (okey, ("float32", okey))}
     new = path - (known or frozenset())
+    if fresh or known is None:
+        if pre0 is _NOT_REACHED:  # (not run before the step's capture: a first step whose path was recorded)
+            pre0 = _replayed_path(loss_module, params, constants, batch, registry, overrides, scratch, no_expand,
+                                  None, attrs, seed=0)
+        if pre0 is not None and new <= pre0:
+            _memo_put(probe_memo, key, path if known is None else known | path)
+            return order
 
     def replayed() -> bool:  # (one more capture from the step's state takes the new shapes too)
         taken = _replayed_path(loss_module, params, constants, batch, registry, overrides, scratch, no_expand, rng,
                                attrs)
         return taken is not None and new <= taken
 
-    if not (replayed() if pre is _NOT_REACHED else pre is not None and new <= pre):
+    if not replayed():
         return _held_back(probe_memo, hold_key, ruled_names, fallback, order)
-    if fresh or known is None:
-        _memo_put(probe_memo, key, path if known is None else known | path)
-        return order
     t1 = _CHECK_REPLAY.set(rng)
     try:
         with _attrs_replayed(loss_module.model, attrs):
@@ -2318,10 +2323,10 @@ def _hold_to_paths(path: FrozenSet[Tuple], probe_memo: Dict, hold_key, okey, fre
             if c in again[0] or c not in again[1]:
                 fallback.setdefault(c, again[0].get(c, _NEW_PATH))
         if not again[0]:
-            _memo_put(probe_memo, key, known | path)
+            _memo_put(probe_memo, key, (known or frozenset()) | path)
         return order
     if set(again[0]) <= set(order[0]):
-        _memo_put(probe_memo, key, known | path)
+        _memo_put(probe_memo, key, (known or frozenset()) | path)
     return (*_both_passed(order[:3], again[:3]), order[3] or again[3])
 
 
@@ -2432,17 +2437,17 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     fresh = bool(check_order) and B > 1 and probe_memo is not None and okey not in probe_memo
     order = (_order_disagree(loss_module, params, constants, batch, registry, overrides, probe_memo, no_expand, okey)
              if check_order and B > 1 else None)
-    # the capture that confirms this step's path where none is recorded (``_hold_to_paths``), run now, before the
-    # step's own: from the same random state and attributes, and its memory freed before the step's capture holds
-    # its factors (after it, the first step's peak grew by a quarter)
     # (a capture made again in this step, ``paths`` = (key, fresh): held to the same recorded paths as the first)
     hold_key, fresh = paths if isinstance(paths, tuple) else (okey, fresh)
     paths_again = paths and (hold_key, fresh)
-    pre = (_replayed_path(loss_module, params, constants, batch, registry, overrides,
-                          {k: v for k, v in probe_memo.items() if k not in (okey, ("float32", okey))}, no_expand,
-                          _rng_now(params, model), None)
-           if paths and B > 1 and probe_memo is not None and ("paths", hold_key) not in probe_memo
-           and not _DROPOUT_OFF.get() else _NOT_REACHED)
+    # where no path is recorded yet, the capture that may confirm this step's (``_hold_to_paths``), run now, before
+    # the step's own (its memory freed before the step's capture holds its factors; after it, the first step's peak
+    # grew by a quarter): as the step runs, from the streams the example-order check's runs draw from (seed 0)
+    pre0 = (_replayed_path(loss_module, params, constants, batch, registry, overrides,
+                           {k: v for k, v in probe_memo.items() if k not in (okey, ("float32", okey))}, no_expand,
+                           None, None, seed=0)
+            if paths and B > 1 and probe_memo is not None and ("paths", hold_key) not in probe_memo
+            and not _DROPOUT_OFF.get() else _NOT_REACHED)
     for m, (mn, _, local) in ruled.items():
         if mn in no_expand:
             for c in local.values():
@@ -2778,7 +2783,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     if path[0] is not None and paths:
         order = _hold_to_paths(path[0], probe_memo, hold_key, okey, fresh, ruled_names, fallback, loss_module,
                                params, constants, batch, registry, overrides, no_expand, rng_at[0], attrs_at[0], order,
-                               pre)
+                               pre0)
     n_call = sum(len(t) for t in call_targets)
     for n, g in zip(leaf_names, grads[n_call:]):
         if g is not None:

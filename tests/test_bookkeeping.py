@@ -6674,3 +6674,107 @@ def test_a_counter_advanced_in_the_backward_is_put_back_by_the_checks():
         for st in range(18):
             worst = max(worst, _worst_move(step, params, batch, repl, lambda: setattr(m, "n", st), warm=True)[1])
     assert worst <= 1 + 1e-9, worst
+
+
+class _DrawnMix(nn.Module):
+    """Mixes examples (a sum over the batch) when a draw from the global stream falls under 0.3."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = nn.Linear(3, 3), nn.Linear(3, 1)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if bool(torch.rand(()) < 0.3):
+            h = h + 3 * h.sum(0, keepdim=True)
+        return self.out(torch.tanh(h))
+
+
+@pytest.mark.parametrize("options", [{}, {"check_order": "always"}])
+def test_a_random_mixing_path_on_the_first_step_is_not_recorded_unchecked(options):
+    """Review of round 48 (1.75 × 2C): a mixing path drawn from the caller's stream on the batch shape's first step
+    (every step with ``check_order="always"``) was recorded as verified, though the example-order check's runs,
+    on their own seeded streams, had not taken it; every later step on it stayed on the rules. Now the first step's
+    path is recorded at once only if a capture on the check's streams takes it too; else it is checked as a later
+    step's new path is: the check runs again from the step's random state, finds the mixing, and the step, which vmap
+    cannot run, refuses. No step on the mixing path stays on the rules."""
+    m = _DrawnMix().double()
+    batch, repl, step, params = _neighbour_case(m, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(3)  # (the first step's draw: 0.004, it mixes)
+        with pytest.raises(RuntimeError, match="mix examples"):
+            step.clipped_sum(params, batch)
+        torch.manual_seed(100)
+        refused = 0
+        for _ in range(12):
+            st = torch.get_rng_state()
+            try:
+                _, w = _worst_move(step, params, batch, repl, lambda: torch.set_rng_state(st))
+                assert w <= 1 + 1e-9, w
+            except RuntimeError as err:
+                assert "mix examples" in str(err) or "autograd graph" in str(err), err
+                refused += 1
+            torch.set_rng_state(st)
+            torch.rand(())
+    assert refused >= 1
+
+
+def test_the_path_reads_no_saved_tensor():
+    """Review of round 48: reading an index node's saved indices for the path unpacked them during the forward, which
+    ran a non-reentrant checkpoint's segment again (28 % slower with indexing inside checkpointed blocks) and broke a
+    one-shot saved-tensor hook (its storage freed on the first unpack: KeyError). The path reads plain values only."""
+    from torch.utils.checkpoint import checkpoint
+
+    calls = [0]
+
+    class Seg(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.l1, self.l2, self.out = nn.Embedding(50, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+
+        def seg(self, h, idx):
+            calls[0] += 1
+            return torch.tanh(self.l2(torch.tanh(self.l1(h))[:, idx]))
+
+        def forward(self, ids):
+            return self.out(checkpoint(self.seg, self.emb(ids), torch.arange(0, ids.shape[1], 2),
+                                       use_reentrant=False).mean(1)).squeeze(-1)
+
+    class OneShot(torch.autograd.graph.saved_tensors_hooks):
+        def __init__(self):
+            store = {}
+
+            def pack(t):
+                store[len(store)] = t
+                return len(store) - 1
+
+            super().__init__(pack, store.pop)
+
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.out = nn.Linear(16, 16), nn.Linear(16, 1)
+
+        def forward(self, x):
+            h = torch.tanh(self.l1(x))
+            with OneShot():
+                h = h[:, torch.arange(0, 16, 2)]
+            return self.out(h.repeat(1, 2)).squeeze(-1)
+
+    torch.manual_seed(0)
+    loss = lambda mm, b: (mm(b) - 1) ** 2  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = Seg().train()
+        step = make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+        ids = torch.randint(0, 50, (6, 10))
+        step.clipped_sum(dict(m.named_parameters()), ids)
+        calls[0] = 0
+        step.clipped_sum(dict(m.named_parameters()), ids)
+        assert calls[0] == 2  # (the forward and the backward's recomputation)
+        p = Plain()
+        step2 = make_dp_step(p, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+        for _ in range(3):
+            out = step2.clipped_sum(dict(p.named_parameters()), torch.randn(6, 16))
+        assert "vmap" not in out.routes.values()
