@@ -2178,14 +2178,14 @@ _NEW_PATH_WARNING = ("the model's forward took a path (autograd graph) in this s
 
 def _path_of(losses: Tensor, glue: Set[Any] = frozenset()) -> FrozenSet[Tuple]:
     """The autograd graph behind ``losses`` as the set of its nodes' shapes: (node type, which of its
-    inputs need a gradient, the dims it acts on where it saved them: reduced, joined, rolled, flipped,
-    permuted, transposed along). A set, and no
-    wiring: a layer skipped (LayerDrop, all of them included), a batch of another size or another
-    order of the same ops gives a subset of the same shapes; an op the graph did not have (a sum or
-    a concatenation over the batch dim, a gather, a batch statistic) a new one. (With the types of
-    the nodes below, as a first version had, a LayerDrop step that skips every layer rewires a
-    node to another type and is new.) ``glue``: the engine's own nodes (a batch-free output
-    expanded to B rows, which depends on B), seen through. ~70 µs for a 4-layer GPT-2."""
+    inputs need a gradient, the dims it acts on where it saved them as plain values: reduced, joined,
+    rolled, flipped, permuted, transposed along). A set, and no wiring: a layer skipped (LayerDrop,
+    all of them included), a batch of another size or another order of the same ops gives a subset of
+    the same shapes; an op the graph did not have (a sum or a concatenation over the batch dim, a
+    gather, a batch statistic) a new one. (With the types of the nodes below, as a first version had,
+    a LayerDrop step that skips every layer rewires a node to another type and is new.) ``glue``: the
+    engine's own nodes (a batch-free output expanded to B rows, which depends on B), seen through.
+    ~70 µs for a 4-layer GPT-2."""
     root = losses.grad_fn
     if root is None:
         return frozenset()
