@@ -1830,16 +1830,12 @@ def _own_rng(params: Params, seed: Optional[int] = None, *, model: nn.Module) ->
     user's streams, and so the step's noise, are as without them. The modules' plain attributes (a
     counter the forward advances) are put back after the block too (round 47): every extra forward
     starts from the state the step's own capture starts from."""
-    devs = sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
     state = _CHECK_REPLAY.get()
-    if state is not None:  # (the example-order check of a step's new path: from the state its capture began in)
-        with torch.random.fork_rng(devices=devs), _host_rngs(state[2:4]), \
-                _held_forked(state[4].rngs, state=state[4]), _attrs_kept(model):
-            torch.set_rng_state(state[0])
-            for d, st in state[1].items():
-                torch.cuda.set_rng_state(st, d)
+    if state is not None:  # (a step's new path confirmed and checked: from the state its capture began in)
+        with _rng_replay(params, state), _attrs_kept(model):
             yield
         return
+    devs = _rng_devices(params)
     with torch.random.fork_rng(devices=devs), _host_rngs(seed=seed), _held_forked(_model_rngs(model), seed=seed), \
             _attrs_kept(model):
         if seed is not None:  # (only the forked streams)
@@ -2038,7 +2034,7 @@ class _EvalFlags:
 # registry's adapters failed and runs again without them (see ``_collect``).
 _ADAPTERS_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("pdpsgd_adapters_off", default=False)
 # While a step's new path is confirmed (``_hold_to_paths``): the random state the extra forwards start from
-# (the capture's, ``_rng_now``; instead of their seeds), and the paths their captures take, (B, ``_path_of``).
+# (the capture's, ``_rng_now``; instead of their seeds), and the paths their captures take (``_path_of``).
 _CHECK_REPLAY: contextvars.ContextVar[Any] = contextvars.ContextVar("pdpsgd_check_replay", default=None)
 _CHECK_PATHS: contextvars.ContextVar[Optional[List]] = contextvars.ContextVar("pdpsgd_check_paths", default=None)
 
@@ -2234,6 +2230,12 @@ def _glue_of(expanded: Tensor, glue: Set[Any]) -> None:
         f = f.next_functions[0][0] if f.next_functions else None
 
 
+def _memo_apart(probe_memo: Dict, okey) -> Dict:
+    """A copy of the probe memo without the example-order check's verdicts for ``okey``: what a path's
+    confirming captures and the check run again for it read and write, apart from the step's memo."""
+    return {k: v for k, v in probe_memo.items() if k not in (okey, ("float32", okey))}
+
+
 def _held_back(probe_memo: Dict, hold_key, ruled_names: Set[str], fallback: Dict[str, str], order):
     """A step's path not confirmed: every ruled parameter to the exact fallback, a warning once per batch shape."""
     for c in ruled_names:
@@ -2250,7 +2252,7 @@ def _replayed_path(loss_module, params, constants, batch, registry, overrides, m
     dropouts), from the random state (``rng``) and module attributes (``attrs``, if kept) the step's
     capture began in (``rng`` None: from streams seeded with ``seed``, as the example-order check's
     runs draw); None if it fails."""
-    seen: List[Tuple[int, FrozenSet[Tuple]]] = []
+    seen: List[FrozenSet[Tuple]] = []
     t1, t2 = _CHECK_REPLAY.set(rng), _CHECK_PATHS.set(seen)
     try:
         with _attrs_replayed(loss_module.model, attrs), _own_rng(params, seed, model=loss_module.model):
@@ -2263,7 +2265,7 @@ def _replayed_path(loss_module, params, constants, batch, registry, overrides, m
     finally:
         _CHECK_REPLAY.reset(t1)
         _CHECK_PATHS.reset(t2)
-    return seen[-1][1] if seen else None
+    return seen[-1] if seen else None
 
 
 def _hold_to_paths(path: FrozenSet[Tuple], probe_memo: Dict, hold_key, okey, fresh: bool, ruled_names: Set[str],
@@ -2292,7 +2294,7 @@ def _hold_to_paths(path: FrozenSet[Tuple], probe_memo: Dict, hold_key, okey, fre
     known = probe_memo.get(key)
     if known is not None and path <= known:
         return order
-    scratch = {k: v for k, v in probe_memo.items() if k not in (okey, ("float32", okey))}
+    scratch = _memo_apart(probe_memo, okey)
     new = path - (known or frozenset())
     if fresh or known is None:
         if pre0 is _NOT_REACHED:  # (not run before the step's capture: a first step whose path was recorded)
@@ -2351,7 +2353,7 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
              registry: RuleRegistry, overrides: Mapping[str, str], probe_memo: Optional[Dict] = None,
              check_broadcast: bool = True, loss_weights: Optional[Tensor] = None,
              no_expand: Optional[Mapping[str, str]] = None, check_order: Union[bool, str] = True,
-             paths: bool = False) -> _Collected:
+             paths: Union[bool, Tuple[Any, bool]] = False) -> _Collected:
     """Forward with the ruled layers' forwards wrapped, backward to the captured outputs; uses per ruled parameter.
 
     With the registry's capture adapters installed (``rules.base.CaptureAdapter``) while some module takes one.
@@ -2359,7 +2361,8 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
     (B·C, T), against an adapter's (B, ...) result) runs again without them: the layers they served take the
     exact fallback, and that is memoised per batch shape (without B). If it fails without them too, the
     first error is raised (the model's own). ``paths``: the step's own capture (not a check's), whose
-    autograd graph is held to the paths the example-order check verified (``_path_of``)."""
+    autograd graph is held to the paths the example-order check verified (``_path_of``); (key, fresh):
+    a capture the step makes again, held to the first one's recorded paths."""
     args = (loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast, loss_weights,
             no_expand, check_order, paths)
     if not _adapters_apply(loss_module.model, registry):
@@ -2398,7 +2401,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                   registry: RuleRegistry, overrides: Mapping[str, str], probe_memo: Optional[Dict] = None,
                   check_broadcast: bool = True, loss_weights: Optional[Tensor] = None,
                   no_expand: Optional[Mapping[str, str]] = None, check_order: Union[bool, str] = True,
-                  paths: bool = False) -> _Collected:
+                  paths: Union[bool, Tuple[Any, bool]] = False) -> _Collected:
     """``_collect``'s one attempt (with the adapters as ``_ADAPTERS_OFF`` says)."""
     model = loss_module.model
     B = batch_size(batch)
@@ -2444,8 +2447,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     # the step's own (its memory freed before the step's capture holds its factors; after it, the first step's peak
     # grew by a quarter): as the step runs, from the streams the example-order check's runs draw from (seed 0)
     pre0 = (_replayed_path(loss_module, params, constants, batch, registry, overrides,
-                           {k: v for k, v in probe_memo.items() if k not in (okey, ("float32", okey))}, no_expand,
-                           None, None, seed=0)
+                           _memo_apart(probe_memo, okey), no_expand, None, None, seed=0)
             if paths and B > 1 and probe_memo is not None and ("paths", hold_key) not in probe_memo
             and not _DROPOUT_OFF.get() else _NOT_REACHED)
     for m, (mn, _, local) in ruled.items():
@@ -2692,7 +2694,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         if (paths and B > 1 and probe_memo is not None) or rec is not None:
             path[0] = _path_of(losses, glue)
             if rec is not None and not paths:
-                rec.append((B, path[0]))
+                rec.append(path[0])
         glue.clear()
         # in-place edits of a captured input/output after the layer ran would make a or g stale
         for c in calls:
