@@ -2075,6 +2075,11 @@ def _probe_key(batch: Batch, B: int, training: bool):
                                           else _leaf_sig(x) for x in leaves))
 
 
+def _detached(out: Any) -> Any:
+    """A check forward's losses without their graph (freed with the forward's saved tensors)."""
+    return out.detach() if isinstance(out, Tensor) else out
+
+
 def _plain_forward(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
                    leaves: bool = False):
     """The loss's forward at the step's values (detached), no capture: the checks' extra forwards.
@@ -3480,9 +3485,10 @@ def _draws_nothing(loss_module: LossModule, params: Params, constants: Mapping[s
     model = loss_module.model
     if not isinstance(first, Tensor) or not any(m.training for m in model.modules()):
         return False
-    with torch.no_grad(), mha_fastpath_off(), preserve_module_state(model), _own_rng(params, 1, model=model), DropoutOff():
+    with torch.enable_grad(), mha_fastpath_off(), preserve_module_state(model), _own_rng(params, 1, model=model), \
+            DropoutOff():
         before = _streams(params, model)
-        again = _plain_forward(loss_module, params, constants, batch)
+        again = _detached(_plain_forward(loss_module, params, constants, batch, leaves=True))
         # (and it drew no random number at all, with torch's dropouts at rate 0, which draw none: round 46, a
         # LayerDrop that skipped its layer on seeds 0 and 1 alike gave the same losses, and the check's own-mode
         # runs never reached that layer, which then took the fallback on every step that ran it)
@@ -3513,10 +3519,10 @@ def _mixes_under_same_draws(loss_module: LossModule, params: Params, constants: 
     seeded: List[Any] = []
 
     def losses(b: Batch) -> Tuple[Any, Tuple[Any, ...]]:  # (the losses, the forked streams as the forward left them)
-        with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), \
+        with torch.enable_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), \
                 _own_rng(params, 0, model=loss_module.model), (contextlib.nullcontext() if dropout else DropoutOff()):
             seeded[:] = [_streams(params, loss_module.model)]
-            out = _plain_forward(loss_module, params, constants, b)
+            out = _detached(_plain_forward(loss_module, params, constants, b, leaves=True))
             return out, _streams(params, loss_module.model)
 
     if dropout:
@@ -3567,14 +3573,17 @@ def _mixes_under_same_draws(loss_module: LossModule, params: Params, constants: 
 def _watch_order(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
                  B: int) -> Tuple[Optional[str], Any]:
     """One forward of the batch in the step's own mode (module flags as they are: a sort taken only
-    in training is seen), without gradients, on forked random streams seeded 0, under ``ReorderWatch``:
+    in training is seen), in grad mode with the parameters as leaves as the capture runs (a forward that
+    mixes examples only while gradients are on, ``torch.is_grad_enabled()``, is seen: review of round 48,
+    2.2 × 2C with these forwards, ``_draws_nothing``'s and ``_mixes_under_same_draws``' without gradients;
+    the graph is dropped with the losses), on forked random streams seeded 0, under ``ReorderWatch``:
     (where it selected or placed the batch's rows by a computed order, or None; its losses, for
     ``_draws_nothing``: so torch's dropouts run at rate 0 here, ``DropoutOff``)."""
     watch = ReorderWatch(B)
-    with torch.no_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), \
+    with torch.enable_grad(), mha_fastpath_off(), preserve_module_state(loss_module.model), \
             _own_rng(params, 0, model=loss_module.model):
         with DropoutOff(), watch:  # (the watch innermost: it sees the model's own calls, not ours)
-            losses = _plain_forward(loss_module, params, constants, batch)
+            losses = _detached(_plain_forward(loss_module, params, constants, batch, leaves=True))
     return watch.found, losses
 
 

@@ -6778,3 +6778,48 @@ def test_the_path_reads_no_saved_tensor():
         for _ in range(3):
             out = step2.clipped_sum(dict(p.named_parameters()), torch.randn(6, 16))
         assert "vmap" not in out.routes.values()
+
+
+# ---- round 49: the example-order check's own-mode forwards in grad mode
+
+
+class _GradGatedMix(nn.Module):
+    """A drop path on the residual (its own draws: the order check's captures run in eval mode) and a sum over the
+    batch taken only in training with gradients on (``torch.is_grad_enabled()``), or, ``gate="train"``, in
+    training whatever the grad mode (a control: the own-mode forwards saw it before round 49 too)."""
+
+    def __init__(self, gate="grad"):
+        super().__init__()
+        self.lin, self.out, self.gate = nn.Linear(3, 3), nn.Linear(3, 1), gate
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.training:
+            keep = (torch.rand(x.shape[0], 1, dtype=x.dtype) > 0.1).to(x.dtype) / 0.9
+            h = h + keep * torch.tanh(h)
+        if self.training and (torch.is_grad_enabled() or self.gate == "train"):
+            h = h + 3 * h.sum(0, keepdim=True)
+        return self.out(torch.tanh(h)).squeeze(-1)
+
+
+@pytest.mark.parametrize("gate", ["grad", "train"])
+def test_mixing_only_with_gradients_on_is_seen_by_the_order_check(gate):
+    """Review of round 48 (2.2 × 2C): a model that mixes examples only in training with gradients on, and draws
+    random numbers of its own, so that the example-order check's captures run in eval mode and its own-mode
+    forwards (``_watch_order``, ``_draws_nothing``, ``_mixes_under_same_draws``) ran without gradients: no run of the
+    check took the mixing branch, and the first step recorded the capture's path as verified. Those forwards now
+    run in grad mode as the capture does: every step takes the exact fallback, the bound holds, with a warning."""
+    torch.manual_seed(0)
+    m = _GradGatedMix(gate).double().train()
+    loss = lambda mm, b: (mm(b[0]) - b[1]) ** 2  # noqa: E731
+    batch, repl, step, params = _neighbour_case(m, loss)
+    worst = 0.0
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for k in range(3):
+            state = torch.get_rng_state()
+            a, w = _worst_move(step, params, batch, repl, lambda: torch.set_rng_state(state))
+            assert set(a.routes.values()) == {"vmap"}, (k, a.routes)
+            worst = max(worst, w)
+    assert worst <= 1 + 1e-9, worst
+    assert any("mixing" in str(w.message) for w in got)
