@@ -64,7 +64,7 @@ from typing import Any, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequ
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 
 
@@ -2075,6 +2075,42 @@ def _probe_key(batch: Batch, B: int, training: bool):
                                           else _leaf_sig(x) for x in leaves))
 
 
+def _batch_in_graph(batch: Batch, B: int, memo: Optional[Dict] = None) -> Batch:
+    """The batch as a capture's forward takes it: each floating tensor with the batch's rows (B in its first
+    two dims: time-major too) that needs no gradient as itself minus a zero scalar that does (the same values,
+    signed zeros included; one node), so that what the forward or ``loss_fn`` computes from the raw inputs
+    leaves nodes in the autograd graph, which the path hold reads (``_path_of``): a sum over the batch's inputs
+    or input mixup in ``loss_fn`` chosen by a random draw or hidden state left none, and a step that took it
+    looked like a clean one (review of round 48: 2.44 × 2C, mixup 1.30 × 2C). No gradient is asked for there
+    (the backward stops at the captured layers' outputs and the parameters). Integer inputs (token ids) stay as
+    they are: mixing them leaves no node still. So do masks (every value 0, 1, -inf or the dtype's lowest, as
+    Hugging Face's additive ones): a mask that needs a gradient turns scaled_dot_product_attention from its
+    fused kernel to the plain one (slower, and memory ∝ T² per head). Whether a tensor is a mask is read on the
+    host once per batch shape (``memo``; the checks' captures of the step take the same), not at every step."""
+    if B < 2:
+        return batch
+    leaves, spec = tree_flatten(batch)
+    out = []
+    for i, x in enumerate(leaves):
+        if isinstance(x, Tensor) and x.is_floating_point() and not x.requires_grad and x.dim() >= 1 \
+                and B in tuple(x.shape[:2]):
+            key = ("mask-like", len(leaves), i, tuple(x.shape), x.dtype, x.device)
+            mask = memo.get(key) if memo is not None else None
+            if mask is None:
+                mask = _mask_like(x)
+                _memo_put(memo, key, mask)
+            if not mask:
+                x = torch.sub(x, torch.zeros((), dtype=x.dtype, device=x.device, requires_grad=True))
+        out.append(x)
+    return tree_unflatten(out, spec)
+
+
+def _mask_like(x: Tensor) -> bool:
+    """Every value of the float tensor 0, 1, -inf or its dtype's lowest (a mask, binary or additive)."""
+    with torch.no_grad():
+        return bool(((x == 0) | (x == 1) | (x == float("-inf")) | (x == torch.finfo(x.dtype).min)).all())
+
+
 def _detached(out: Any) -> Any:
     """A check forward's losses without their graph (freed with the forward's saved tensors)."""
     return out.detach() if isinstance(out, Tensor) else out
@@ -2480,6 +2516,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     path: List[Optional[FrozenSet[Tuple]]] = [None]  # its autograd graph's node shapes (``_path_of``), if ``paths``
     glue: Set[Any] = set()  # the autograd nodes of this forward's expansions (seen through by ``_path_of``)
     rng_at: List[Any] = [None]  # the random streams as the capture's forward began (``_rng_now``)
+    reached: List[bool] = [True]  # whether the losses reached a ruled parameter or call (``_Collected.reached``)
     # the modules' attributes then (``_module_attrs``), kept where a probe may need them: on the
     # first step of a batch shape, and at every step of a forward found to change the model's state; and
     # where some parameter is known to take the exact fallback (its forward runs from them if the capture,
@@ -2681,7 +2718,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     def forward_backward():
         rng_at[0] = _rng_now(params, model)  # (the exact fallback replays it: the same dropout masks)
         with torch.enable_grad(), _watch_autograd() as watched:
-            losses = loss_module(batch)
+            losses = loss_module(_batch_in_graph(batch, B, probe_memo))
         watch[0] = watched
         if watched.create_graph:  # every ruled parameter to the exact fallback (vmap follows torch.func.grad)
             for _, _, local in ruled.values():
@@ -2715,6 +2752,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         _release_outputs(calls)
         if not losses.requires_grad and leaf_names and len(leaf_names) == len(params):
             raise ValueError(DETACHED_LOSS)  # (every trained parameter a leaf here, none reached)
+        reached[0] = losses.requires_grad  # (through the batch's inputs alone, ``_batch_in_graph``: not; below)
         early = _eager_calls(calls, [leaves[n] for n in leaf_names]) if losses.requires_grad else {}
         call_targets = [[] if i in early else c.targets for i, c in enumerate(calls)]
         targets = [t for ts in call_targets for t in ts] + [leaves[n] for n in leaf_names]
@@ -2727,6 +2765,10 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                 grads = grads[:len(targets)]
                 if used:
                     raise stray_parameter_error(used)
+                if not early and all(g is None for g in grads):  # (the losses reached the batch's inputs only)
+                    reached[0] = False
+                    if leaf_names and len(leaf_names) == len(params):
+                        raise ValueError(DETACHED_LOSS)
             else:
                 grads = (None,) * len(targets)
         except RuntimeError as err:
@@ -2886,7 +2928,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                            check_order=False, paths=paths_again)
             return _apply_order(col, order, batch, probe_memo, params, okey)
     col = _Collected(losses.detach(), uses, fallback, owner)
-    col.reached = losses.requires_grad
+    col.reached = reached[0]
     col.rng = rng_at[0]
     pgot = probe_memo.get(pkey) if pkey is not None else None
     # (only for a forward found to change the model's state, or a capture that changed a plain attribute, e.g. a

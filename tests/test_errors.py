@@ -70,18 +70,23 @@ class _Unruled(nn.Linear):
 
 
 @pytest.mark.parametrize("method", ["vmap", "bk", "auto"])
-@pytest.mark.parametrize("how", ["detach", "no_grad"])
+@pytest.mark.parametrize("how", ["detach", "no_grad", "detached_output"])
 @pytest.mark.parametrize("first", ["ruled", "unruled"])
 def test_loss_that_does_not_reach_the_parameters_is_refused(method, how, first):
     """A loss that depends on none of the trained parameters would give gradients of 0 (noise alone,
     silently; review of round 31): refused, naming the cause, under every method, whether the layers
-    are on rules or on the exact fallback. A loss that reaches only some of them is fine."""
+    are on rules or on the exact fallback. A loss that reaches only some of them is fine.
+    ``detached_output``: the model's output detached, compared with the batch's float inputs, which
+    book-keeping's capture puts in the autograd graph (round 49): the losses need a gradient through
+    the inputs alone, and are refused as well."""
     m = nn.Sequential(nn.Linear(5, 4) if first == "ruled" else _Unruled(5, 4), nn.Tanh(), nn.Linear(4, 3))
 
     def loss(model, b):
         if how == "no_grad":
             with torch.no_grad():
                 return mlp_loss(model, b)
+        if how == "detached_output":
+            return (model(b["x"]).detach() - b["x"][:, :3]).pow(2).sum(1)
         out = mlp_loss(model, b)
         return out.detach()
 
