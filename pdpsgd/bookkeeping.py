@@ -98,7 +98,7 @@ __all__ = ["bk_engine", "plan", "fallback_reasons", "cost", "choose_route", "COS
 
 COST_MODELS = ("time", "fastdp", "ghost", "explicit")
 BK_OPTIONS = ("registry", "routes", "cost_model", "explicit_max_elems", "elementwise_cost", "explicit_keep_elems",
-              "check_order", "hold_paths")
+              "check_order", "hold_paths", "inputs_in_graph")
 
 # Relative cost of one element of an elementwise / memory-bound pass vs one multiply-add inside
 # a matmul. Rough estimates (CPU: norm + weighted-sum passes over a (B, p, d) tensor vs bmm
@@ -2077,7 +2077,7 @@ def _probe_key(batch: Batch, B: int, training: bool):
 
 def _batch_in_graph(batch: Batch, B: int, memo: Optional[Dict] = None) -> Batch:
     """The batch as a capture's forward takes it: each floating tensor with the batch's rows (B in its first
-    two dims: time-major too) that needs no gradient as itself minus a zero scalar that does (the same values,
+    two dims: time-major too) that needs no gradient as itself times a scalar 1 that needs one (the same values,
     signed zeros included; one node), so that what the forward or ``loss_fn`` computes from the raw inputs
     leaves nodes in the autograd graph, which the path hold reads (``_path_of``): a sum over the batch's inputs
     or input mixup in ``loss_fn`` chosen by a random draw or hidden state left none, and a step that took it
@@ -2087,7 +2087,7 @@ def _batch_in_graph(batch: Batch, B: int, memo: Optional[Dict] = None) -> Batch:
     Hugging Face's additive ones): a mask that needs a gradient turns scaled_dot_product_attention from its
     fused kernel to the plain one (slower, and memory ∝ T² per head). Whether a tensor is a mask is read on the
     host once per batch shape (``memo``; the checks' captures of the step take the same), not at every step."""
-    if B < 2:
+    if B < 2 or _INPUTS_OUT.get():
         return batch
     leaves, spec = tree_flatten(batch)
     out = []
@@ -2099,10 +2099,25 @@ def _batch_in_graph(batch: Batch, B: int, memo: Optional[Dict] = None) -> Batch:
             if mask is None:
                 mask = _mask_like(x)
                 _memo_put(memo, key, mask)
-            if not mask:
-                x = torch.sub(x, torch.zeros((), dtype=x.dtype, device=x.device, requires_grad=True))
+            if not mask:  # (x · 1: exact, signed zeros included; a product node, not the difference node
+                # the engine gives a ruled output that needs no gradient: inputs taken out of the graph on some step,
+                # a no_grad block mixing them, give the first layer's output that node instead)
+                x = torch.mul(x, torch.ones((), dtype=x.dtype, device=x.device, requires_grad=True))
         out.append(x)
     return tree_unflatten(out, spec)
+
+
+# Set while a capture takes the batch as it is (``_batch_in_graph`` does nothing): ``bk_options={"inputs_in_graph":
+# False}``, or a model that failed with its inputs in the graph (``_collect``: memoised per batch shape).
+_INPUTS_OUT: contextvars.ContextVar[bool] = contextvars.ContextVar("pdpsgd_inputs_out", default=False)
+# What torch says when a forward cannot take an input that needs a gradient: NumPy of it (``x.numpy()``,
+# ``np.asarray(x)``), or its requires_grad flag set (Hugging Face's speech encoders: ``input_values[:, None]``
+# then ``.requires_grad = True``, a leaf's flag only).
+_INPUTS_REFUSED = ("Can't call numpy() on Tensor that requires grad", "only change requires_grad flags of leaf variables")
+_INPUTS_OUT_WARNING = ("book-keeping: the model (or loss_fn) failed with the batch's float inputs in the autograd graph "
+                       "({why}), so they are left out of it for this batch shape: mixing of the raw inputs chosen at "
+                       "random or by hidden state (input mixup in loss_fn on some steps, say) is not seen on later "
+                       "steps. bk_options={{'inputs_in_graph': False}} says so from the start")
 
 
 def _mask_like(x: Tensor) -> bool:
@@ -2199,8 +2214,8 @@ _STATEFUL = ("the model's forward changes state the model keeps ({what}): book-k
              "state). Keep state that chooses no path (a count for logging, say) outside the model's modules")
 
 # A step's capture is checked against the paths the example-order check has verified for its batch
-# shape: the autograd graph behind its losses, as the set of its nodes' local shapes (``_path_of``).
-# One whose graph has a node shape no verified capture of that shape had (a mixing op, a layer given
+# shape: the autograd graph behind its losses, as its nodes' local shapes with their counts (``_path_of``).
+# One whose graph has a node shape no verified capture of that shape had, or more nodes of one (a mixing op, a layer given
 # a table instead of the batch, on a branch that the checks' forwards did not take: chosen by state
 # the engine cannot see, a rare random draw, the batch's values) takes the exact fallback for every
 # ruled parameter in that step (review, round 47: such paths moved the sum by up to 1.9 × 2C). On unless
@@ -2213,22 +2228,62 @@ _NEW_PATH_WARNING = ("the model's forward took a path (autograd graph) in this s
                      "the batch's values does this; dp_step.fallback_reasons does not show it (it is per step)")
 
 
-def _path_of(losses: Tensor, glue: Set[Any] = frozenset()) -> FrozenSet[Tuple]:
-    """The autograd graph behind ``losses`` as the set of its nodes' shapes: (node type, which of its
-    inputs need a gradient, the dims it acts on where it saved them as plain values: reduced, joined,
-    rolled, flipped, permuted, transposed along). A set, and no wiring: a layer skipped (LayerDrop,
-    all of them included), a batch of another size or another order of the same ops gives a subset of
-    the same shapes; an op the graph did not have (a sum or a concatenation over the batch dim, a
-    gather, a batch statistic) a new one. (With the types of the nodes below, as a first version had,
-    a LayerDrop step that skips every layer rewires a node to another type and is new.) ``glue``: the
-    engine's own nodes (a batch-free output expanded to B rows, which depends on B), seen through.
-    ~70 µs for a 4-layer GPT-2."""
+class _Path:
+    """A step's path (``_path_of``): its autograd graph's node shapes, each with the number of nodes that have
+    it (a multiset). ``a <= b``: b has every shape of a, at least as many times; ``a - b``: a's shapes that b
+    has fewer times (with a's counts); ``a | b``: every shape of either, the larger count. Counts, not a set
+    (round 49): a mixing op of a shape the graph had elsewhere (an ``h @ h.T`` where the model has matmuls
+    with both inputs needing a gradient, a ``view`` that moves rows between examples) adds a node of that
+    shape, one more than a verified path had; a layer skipped (LayerDrop) has fewer."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self, counts: Optional[Mapping[Tuple, int]] = None):
+        self.counts: Dict[Tuple, int] = dict(counts or {})
+
+    def __le__(self, other: "_Path") -> bool:
+        oc = other.counts
+        return all(oc.get(k, 0) >= n for k, n in self.counts.items())
+
+    def __sub__(self, other: "_Path") -> "_Path":
+        oc = other.counts
+        return _Path({k: n for k, n in self.counts.items() if n > oc.get(k, 0)})
+
+    def __or__(self, other: "_Path") -> "_Path":
+        out = dict(other.counts)
+        for k, n in self.counts.items():
+            if n > out.get(k, 0):
+                out[k] = n
+        return _Path(out)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Path) and self.counts == other.counts
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __bool__(self) -> bool:
+        return bool(self.counts)
+
+    def __repr__(self) -> str:
+        return f"_Path({len(self.counts)} shapes, {sum(self.counts.values())} nodes)"
+
+
+def _path_of(losses: Tensor, glue: Set[Any] = frozenset()) -> _Path:
+    """The autograd graph behind ``losses`` as its nodes' shapes (node type, which of its inputs need a
+    gradient, the dims it acts on where it saved them as plain values: reduced, joined, rolled, flipped,
+    permuted, transposed along), each with its count (``_Path``). No wiring: a layer skipped (LayerDrop,
+    all of them included), a batch of another size or another order of the same ops gives a sub-multiset
+    of the same shapes; an op the graph did not have (a sum or a concatenation over the batch dim, a
+    gather, a batch statistic) a new shape, and one more op of a shape it had a count one larger. (With
+    the types of the nodes below, as a first version had, a LayerDrop step that skips every layer rewires
+    a node to another type and is new.) ``glue``: the engine's own nodes (a batch-free output expanded to B
+    rows, which depends on B), seen through. ~70 µs for a 4-layer GPT-2."""
     root = losses.grad_fn
     if root is None:
-        return frozenset()
+        return _Path()
     seen = {root}
     stack = [root]
-    out = set()
+    out: Dict[Tuple, int] = {}
     while stack:
         f = stack.pop()
         kids = []
@@ -2245,8 +2300,9 @@ def _path_of(losses: Tensor, glue: Set[Any] = frozenset()) -> FrozenSet[Tuple]:
         names = _DIM_ATTRS.get(t)
         if names is None:
             names = _DIM_ATTRS[t] = tuple(a for a in dir(f) if a.startswith("_saved_") and "dim" in a)
-        out.add((t, tuple(kids), tuple(_dims_of(getattr(f, a)) for a in names) if names else None))
-    return frozenset(out)
+        k = (t, tuple(kids), tuple(_dims_of(getattr(f, a)) for a in names) if names else None)
+        out[k] = out.get(k, 0) + 1
+    return _Path(out)
 
 
 # node type -> the names of its saved attributes that say which dims it acts on (``_saved_dim``, ``_saved_dims``,
@@ -2288,12 +2344,12 @@ def _held_back(probe_memo: Dict, hold_key, ruled_names: Set[str], fallback: Dict
 
 
 def _replayed_path(loss_module, params, constants, batch, registry, overrides, memo, no_expand, rng,
-                   attrs, seed: Optional[int] = None) -> Optional[FrozenSet[Tuple]]:
+                   attrs, seed: Optional[int] = None) -> Optional[_Path]:
     """The path (``_path_of``) of one more capture of ``batch`` as the step runs (its modes, its
     dropouts), from the random state (``rng``) and module attributes (``attrs``, if kept) the step's
     capture began in (``rng`` None: from streams seeded with ``seed``, as the example-order check's
     runs draw); None if it fails."""
-    seen: List[FrozenSet[Tuple]] = []
+    seen: List[_Path] = []
     t1, t2 = _CHECK_REPLAY.set(rng), _CHECK_PATHS.set(seen)
     try:
         with _attrs_replayed(loss_module.model, attrs), _own_rng(params, seed, model=loss_module.model):
@@ -2309,7 +2365,7 @@ def _replayed_path(loss_module, params, constants, batch, registry, overrides, m
     return seen[-1] if seen else None
 
 
-def _hold_to_paths(path: FrozenSet[Tuple], probe_memo: Dict, hold_key, okey, fresh: bool, ruled_names: Set[str],
+def _hold_to_paths(path: _Path, probe_memo: Dict, hold_key, okey, fresh: bool, ruled_names: Set[str],
                    fallback: Dict[str, str], loss_module, params, constants, batch, registry, overrides, no_expand,
                    rng, attrs, order: Tuple, pre0: Any = _NOT_REACHED) -> Tuple:
     """The step's capture against the paths verified for its batch shape (``hold_key``); returns the
@@ -2336,7 +2392,7 @@ def _hold_to_paths(path: FrozenSet[Tuple], probe_memo: Dict, hold_key, okey, fre
     if known is not None and path <= known:
         return order
     scratch = _memo_apart(probe_memo, okey)
-    new = path - (known or frozenset())
+    new = path - (known or _Path())
     if fresh or known is None:
         if pre0 is _NOT_REACHED:  # (not run before the step's capture: a first step whose path was recorded)
             pre0 = _replayed_path(loss_module, params, constants, batch, registry, overrides, scratch, no_expand,
@@ -2366,10 +2422,10 @@ def _hold_to_paths(path: FrozenSet[Tuple], probe_memo: Dict, hold_key, okey, fre
             if c in again[0] or c not in again[1]:
                 fallback.setdefault(c, again[0].get(c, _NEW_PATH))
         if not again[0]:
-            _memo_put(probe_memo, key, (known or frozenset()) | path)
+            _memo_put(probe_memo, key, (known or _Path()) | path)
         return order
     if set(again[0]) <= set(order[0]):
-        _memo_put(probe_memo, key, (known or frozenset()) | path)
+        _memo_put(probe_memo, key, (known or _Path()) | path)
     return (*_both_passed(order[:3], again[:3]), order[3] or again[3])
 
 
@@ -2401,9 +2457,35 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
     A capture that fails with them (e.g. a model whose inner batch is not B, such as multiple choice run as
     (B·C, T), against an adapter's (B, ...) result) runs again without them: the layers they served take the
     exact fallback, and that is memoised per batch shape (without B). If it fails without them too, the
-    first error is raised (the model's own). ``paths``: the step's own capture (not a check's), whose
+    first error is raised (the model's own). A capture whose forward cannot take the batch's float inputs in the
+    autograd graph (``_batch_in_graph``; torch's refusals ``_INPUTS_REFUSED``) runs again with them as they are,
+    with a warning, memoised per batch shape (without B). ``paths``: the step's own capture (not a check's), whose
     autograd graph is held to the paths the example-order check verified (``_path_of``); (key, fresh):
     a capture the step makes again, held to the first one's recorded paths."""
+    ikey = ("inputs out", _duplicates_key(loss_module, batch, batch_size(batch)))
+    if _INPUTS_OUT.get() or probe_memo is None or ikey not in probe_memo:
+        try:
+            return _collect_adapted(loss_module, params, constants, batch, registry, overrides, probe_memo,
+                                    check_broadcast, loss_weights, no_expand, check_order, paths)
+        except RuntimeError as err:
+            why = next((w for w in _INPUTS_REFUSED if w in str(err)), None)
+            if _INPUTS_OUT.get() or why is None or batch_size(batch) < 2:
+                raise
+        if probe_memo is None or ("inputs out warned", ikey) not in probe_memo:
+            _memo_put(probe_memo, ("inputs out warned", ikey), True)
+            warn(_INPUTS_OUT_WARNING.format(why=why))
+        _memo_put(probe_memo, ikey, why)
+    tok = _INPUTS_OUT.set(True)
+    try:
+        return _collect_adapted(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
+                                loss_weights, no_expand, check_order, paths)
+    finally:
+        _INPUTS_OUT.reset(tok)
+
+
+def _collect_adapted(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
+                     loss_weights, no_expand, check_order, paths) -> _Collected:
+    """``_collect`` with the batch's inputs in the graph or not (``_INPUTS_OUT``): the adapters' retry."""
     args = (loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast, loss_weights,
             no_expand, check_order, paths)
     if not _adapters_apply(loss_module.model, registry):
@@ -2513,7 +2595,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     # must see the same parameters and produce the same graph as in the forward, and is not recorded.
     replay = [False]
     watch: List[Optional[_Watched]] = [None]  # the forward's (``_watch_autograd``), read after the backward
-    path: List[Optional[FrozenSet[Tuple]]] = [None]  # its autograd graph's node shapes (``_path_of``), if ``paths``
+    path: List[Optional[_Path]] = [None]  # its autograd graph's node shapes (``_path_of``), if ``paths``
     glue: Set[Any] = set()  # the autograd nodes of this forward's expansions (seen through by ``_path_of``)
     rng_at: List[Any] = [None]  # the random streams as the capture's forward began (``_rng_now``)
     reached: List[bool] = [True]  # whether the losses reached a ruled parameter or call (``_Collected.reached``)
@@ -4432,9 +4514,15 @@ def _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registr
     B = mask.shape[0]
     device = _device_of(params, mask)  # the parameters' device decides what may sync
     # (the model's forward and backward: the caller's mixed precision and matmul precision)
-    with amp(state, True), _caller_matmuls(list(caller)):
-        col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
-                       check_order=_check_order(opts), paths=bool(_check_order(opts)) and opts.get("hold_paths", True) is not False)
+    tok = _INPUTS_OUT.set(True) if opts.get("inputs_in_graph", True) is False else None
+    try:
+        with amp(state, True), _caller_matmuls(list(caller)):
+            col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo,
+                           check_order=_check_order(opts),
+                           paths=bool(_check_order(opts)) and opts.get("hold_paths", True) is not False)
+    finally:
+        if tok is not None:
+            _INPUTS_OUT.reset(tok)
     _settle_pending(col, params, B, getattr(weights_fn, "clip_groups", None))
     _one_network(col, loss_module, params, constants, batch, B, overrides, probe_memo)
     # routes; compact: id(use) -> its non-zero rows, where they are few (CPU: host reads)

@@ -6505,7 +6505,7 @@ def test_path_of_sees_a_sum_over_the_batch_and_not_a_skipped_layer():
     assert _path_of(net(skip=(1,))) <= full and _path_of(net(skip=(0, 2))) <= full
     assert not _path_of(net(mix=True)) <= full
     assert _path_of(net()) == full
-    assert _path_of(torch.zeros(4)) == frozenset()
+    assert not _path_of(torch.zeros(4))
 
 
 def test_holding_paths_can_be_turned_off():
@@ -6847,38 +6847,19 @@ class _RawInputMix(nn.Module):
         return self.out(torch.tanh(self.lin(x))).squeeze(-1)
 
 
-def _mixup_loss(m, b):
-    """Input mixup in ``loss_fn`` (each example with the next, targets too) when Python's ``random`` draws below
-    0.5."""
-    x, y = b
-    if random.random() < 0.5:
-        perm = torch.roll(torch.arange(x.shape[0]), 1)
-        x, y = 0.6 * x + 0.4 * x[perm], 0.6 * y + 0.4 * y[perm]
-    return (m(x) - y) ** 2
-
-
-@pytest.mark.parametrize("case", ["input", "frozen", "mixup"])
-def test_mixing_the_raw_inputs_on_a_drawn_step_keeps_the_bound(case):
-    """Review of round 48 (2.44 × 2C mixing the inputs, 1.30 × 2C with mixup in ``loss_fn``): mixing on tensors that
-    need no gradient left no node, so a step that took it had the clean steps' path and stayed on the rules. The
-    capture now takes the batch's float inputs as nodes of the graph (``_batch_in_graph``): such a step's path is
-    new, is confirmed from the step's random state, and the example-order check run again from there sees the
-    mixing. Over steps that mix and steps that do not (the batch shape's first does not), every replaced example
-    moves the clipped sum by ≤ 2C; the mixing steps take the exact fallback."""
-    m = (nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1), nn.Flatten(0)) if case == "mixup"
-         else _RawInputMix(case)).double()
-    loss = _mixup_loss if case == "mixup" else (lambda mm, b: (mm(b[0]) - b[1]) ** 2)  # noqa: E731
-    batch, repl, step, params = _neighbour_case(m, loss)
-    params = {n: p for n, p in params.items() if p.requires_grad}
+def _drawn_mixing_steps(step, params, batch, repl, p, steps=8):
+    """Steps whose mixing Python's ``random`` chooses (below ``p``; the first, seeded 0, does not mix), each with its
+    neighbours on the same draws: every mixing step takes the exact fallback, some clean step stays on the rules,
+    and every replaced example moves the clipped sum by ≤ 2C."""
     mixed = ruled = 0
     worst = 0.0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         random.seed(0)  # (0.84: a first step that does not mix)
         step.clipped_sum(params, batch)
-        for k in range(8):
+        for k in range(steps):
             state = random.getstate()
-            mixes = random.random() < (0.5 if case == "mixup" else 0.3)
+            mixes = random.random() < p
             a, w = _worst_move(step, params, batch, repl, lambda: random.setstate(state))
             worst = max(worst, w)
             if mixes:
@@ -6890,6 +6871,40 @@ def test_mixing_the_raw_inputs_on_a_drawn_step_keeps_the_bound(case):
             random.random()
     assert mixed and ruled, (mixed, ruled)
     assert worst <= 1 + 1e-9, worst
+
+
+def _mixup_loss(m, b, no_grad=False):
+    """Input mixup in ``loss_fn`` (each example with the next, targets too) when Python's ``random`` draws below
+    0.5 (``no_grad``: the inputs only, in a ``torch.no_grad()`` block, as augmentation code often is)."""
+    x, y = b
+    if random.random() < 0.5:
+        perm = torch.roll(torch.arange(x.shape[0]), 1)
+        if no_grad:  # (the inputs only)
+            with torch.no_grad():
+                x = 0.6 * x + 0.4 * x[perm]
+        else:
+            x, y = 0.6 * x + 0.4 * x[perm], 0.6 * y + 0.4 * y[perm]
+    return (m(x) - y) ** 2
+
+
+@pytest.mark.parametrize("case", ["input", "frozen", "mixup", "mixup_no_grad"])
+def test_mixing_the_raw_inputs_on_a_drawn_step_keeps_the_bound(case):
+    """Review of round 48 (2.44 × 2C mixing the inputs, 1.30 × 2C with mixup in ``loss_fn``): mixing on tensors that
+    need no gradient left no node, so a step that took it had the clean steps' path and stayed on the rules. The
+    capture now takes the batch's float inputs as nodes of the graph (``_batch_in_graph``): such a step's path is
+    new, is confirmed from the step's random state, and the example-order check run again from there sees the
+    mixing. Over steps that mix and steps that do not (the batch shape's first does not), every replaced example
+    moves the clipped sum by ≤ 2C; the mixing steps take the exact fallback. ``mixup_no_grad``: the mixup in a
+    ``torch.no_grad()`` block, so the first layer reads a tensor that needs no gradient on those steps: the node the
+    engine then gives that layer's output is not the batch's node (a product by 1), so the path is new too."""
+    mixup = case.startswith("mixup")
+    m = (nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1), nn.Flatten(0)) if mixup
+         else _RawInputMix(case)).double()
+    loss = (functools.partial(_mixup_loss, no_grad=case == "mixup_no_grad") if mixup
+            else (lambda mm, b: (mm(b[0]) - b[1]) ** 2))  # noqa: E731
+    batch, repl, step, params = _neighbour_case(m, loss)
+    params = {n: p for n, p in params.items() if p.requires_grad}
+    _drawn_mixing_steps(step, params, batch, repl, 0.5 if mixup else 0.3)
 
 
 def test_batch_in_graph_takes_float_inputs_and_leaves_masks_ids_and_tables():
@@ -6914,3 +6929,116 @@ def test_batch_in_graph_takes_float_inputs_and_leaves_masks_ids_and_tables():
     assert all(a is b for a, b in zip(got["m"], (mask, add, inf)))
     assert got["ids"] is ids and got["t"] is table
     assert _batch_in_graph({"x": x[:1]}, 1)["x"] is not None and not _batch_in_graph({"x": x[:1]}, 1)["x"].requires_grad
+
+
+# ---- round 49: a path's node shapes with their counts
+
+
+class _MatmulMix(nn.Module):
+    """Each example's own Gram ``h_i h_iᵀ`` on every step (matmuls of two tensors that need a gradient, one example
+    each), and on steps Python's ``random`` draws below ``p`` the same ops over the whole batch, which mix examples
+    (``h + 0.1 · (h hᵀ) h``): every node shape of the mixing is already on the clean path (with a set of shapes,
+    round 48's, the mixing steps stayed on the rules)."""
+
+    def __init__(self, p=0.4):
+        super().__init__()
+        self.lin, self.out, self.p = nn.Linear(3, 3), nn.Linear(3, 1), p
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        g = torch.cat([torch.mm(h[i:i + 1], h[i:i + 1].t()) for i in range(h.shape[0])])  # (B, 1): each its own
+        h = h + 0.1 * g
+        if random.random() < self.p:
+            h = h + 0.1 * torch.mm(torch.mm(h, h.t()), h)
+        return self.out(torch.tanh(h)).squeeze(-1)
+
+
+def test_path_of_counts_nodes_of_a_shape_it_has():
+    """Round 49: a mixing op whose node shapes the graph has elsewhere (matmuls of two tensors that need a gradient)
+    is one more node of those shapes: not within the clean path; a layer skipped is fewer."""
+    from pdpsgd.bookkeeping import _path_of
+
+    torch.manual_seed(0)
+    A, lin = torch.randn(3, 3, requires_grad=True), nn.Linear(3, 3)
+    x = torch.randn(4, 3)
+
+    def net(skip=False, mix=False):
+        h = torch.tanh(lin(x))
+        h = h + torch.mm(h, A)
+        if not skip:
+            h = h + torch.mm(torch.tanh(lin(h)), A)
+        if mix:
+            h = h + torch.mm(torch.mm(h, h.t()), torch.mm(h, A))  # (shapes the clean graph has: mm, t, add)
+        return h.sum(1)
+
+    full = _path_of(net())
+    mixed = _path_of(net(mix=True))
+    assert set(mixed.counts) <= set(full.counts)  # (no new shape: a set of shapes would not see it)
+    assert not mixed <= full and (mixed - full)
+    assert _path_of(net(skip=True)) <= full and not (_path_of(net(skip=True)) - full)
+    assert (full | mixed) == mixed and (full | _path_of(net(skip=True))) == full
+
+
+def test_a_mixing_matmul_of_shapes_the_path_has_keeps_the_bound():
+    """Round 49 (the documented residual of round 48: a mixing op whose node shape the verified path already has was
+    not seen as new): the mixing steps of ``_MatmulMix`` take the exact fallback, the others stay on the rules, and
+    every replaced example moves the clipped sum by ≤ 2C."""
+    m = _MatmulMix().double()
+    loss = lambda mm, b: (mm(b[0]) - b[1]) ** 2  # noqa: E731
+    batch, repl, step, params = _neighbour_case(m, loss)
+    _drawn_mixing_steps(step, params, batch, repl, m.p)
+
+
+def test_inputs_in_graph_can_be_turned_off():
+    """Round 49: ``bk_options={"inputs_in_graph": False}`` leaves the batch's float inputs as they are (the
+    documented hole then stays: a mixing step on the raw inputs has the clean path and stays on the rules)."""
+    m = _RawInputMix("input").double()
+    loss = lambda mm, b: (mm(b[0]) - b[1]) ** 2  # noqa: E731
+    for on in (True, False):
+        batch, repl, step, params = _neighbour_case(m, loss, inputs_in_graph=on)
+        params = {n: p for n, p in params.items() if p.requires_grad}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            random.seed(0)  # (0.84: no mixing)
+            step.clipped_sum(params, batch)
+            random.seed(4)  # (0.24: mixing)
+            out = step.clipped_sum(params, batch)
+        # (off: the hole, a mixing step on the rules)
+        assert ("vmap" in out.routes.values()) == on, (on, out.routes)
+
+
+class _NumpyWeighted(nn.Module):
+    """A forward that reads its float input through NumPy (a finiteness assert), which torch refuses for a tensor
+    that needs a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = nn.Linear(3, 3), nn.Linear(3, 1)
+
+    def forward(self, x):
+        import numpy as np
+
+        assert np.isfinite(x.numpy()).all()
+        return self.out(torch.tanh(self.lin(x))).squeeze(-1)
+
+
+def test_a_forward_that_cannot_take_its_inputs_in_the_graph_runs_with_them_out_and_warns_once():
+    """Round 49 review: a forward that calls ``.numpy()`` on its float input (or sets ``requires_grad`` on one, as
+    Hugging Face's speech encoders do) failed with the inputs in the graph. It runs again with them as they are,
+    stays on the rules, exact against the oracle, and warns once per batch shape."""
+    torch.manual_seed(0)
+    m = _NumpyWeighted().double()
+    loss = lambda mm, b: (mm(b[0]) - b[1]) ** 2  # noqa: E731
+    batch = (torch.randn(5, 3, dtype=torch.float64), torch.randn(5, dtype=torch.float64))
+    step = make_dp_step(m, loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
+    params = dict(m.named_parameters())
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        outs = [step.clipped_sum(params, batch) for _ in range(3)]
+    said = [w for w in got if "inputs in the autograd graph" in str(w.message)]
+    assert len(said) == 1 and "numpy()" in str(said[0].message)
+    assert all("vmap" not in o.routes.values() for o in outs)
+    _, want = pdpsgd.testing.naive_clipped_sum(m, loss, batch, max_grad_norm=0.5,
+                                              params={n: p.detach() for n, p in params.items()})
+    for n in params:
+        torch.testing.assert_close(outs[-1].sums[n], want[n], rtol=1e-9, atol=1e-12)
