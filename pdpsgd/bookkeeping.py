@@ -2108,16 +2108,42 @@ def _batch_in_graph(batch: Batch, B: int, memo: Optional[Dict] = None) -> Batch:
 
 
 # Set while a capture takes the batch as it is (``_batch_in_graph`` does nothing): ``bk_options={"inputs_in_graph":
-# False}``, or a model that failed with its inputs in the graph (``_collect``: memoised per batch shape).
+# False}``, or a capture that failed with its inputs in the graph, run again (``_collect``).
 _INPUTS_OUT: contextvars.ContextVar[bool] = contextvars.ContextVar("pdpsgd_inputs_out", default=False)
 # What torch says when a forward cannot take an input that needs a gradient: NumPy of it (``x.numpy()``,
 # ``np.asarray(x)``), or its requires_grad flag set (Hugging Face's speech encoders: ``input_values[:, None]``
 # then ``.requires_grad = True``, a leaf's flag only).
 _INPUTS_REFUSED = ("Can't call numpy() on Tensor that requires grad", "only change requires_grad flags of leaf variables")
 _INPUTS_OUT_WARNING = ("book-keeping: the model (or loss_fn) failed with the batch's float inputs in the autograd graph "
-                       "({why}), so they are left out of it for this batch shape: mixing of the raw inputs chosen at "
-                       "random or by hidden state (input mixup in loss_fn on some steps, say) is not seen on later "
-                       "steps. bk_options={{'inputs_in_graph': False}} says so from the start")
+                       "({why}), so the capture ran again with them left out of it: mixing of the raw inputs chosen at "
+                       "random or by hidden state (input mixup in loss_fn on some steps, say) is not seen in the captures "
+                       "that fail so. Each capture tries them in the graph first (the failed attempt costs time); "
+                       "bk_options={{'inputs_in_graph': False}} leaves them out from the start")
+
+
+class _InputsRefused(RuntimeError):
+    """A capture's forward refused its float inputs in the graph (``_INPUTS_REFUSED``: ``why``); ``rng``: the
+    random streams as its forward began (``_rng_now``), for the capture run again without them."""
+
+    def __init__(self, why: str, rng: Any):
+        super().__init__(why)
+        self.why, self.rng = why, rng
+
+
+def _rewind(params: Params, state: Any) -> None:
+    """The caller's random streams (CPU, the parameters' CUDA devices, Python's, numpy's, the model's held
+    generators) set to ``state`` (``_rng_now``): a draw that the refusal of one batch's forward took (a dropout
+    before it), and another batch's did not, would have given the two different masks."""
+    if state is None:
+        return
+    torch.set_rng_state(state[0])
+    for d, st in state[1].items():
+        torch.cuda.set_rng_state(st, d)
+    np_ = sys.modules.get("numpy")
+    random.setstate(state[2])
+    if np_ is not None and state[3] is not None:
+        np_.random.set_state(state[3])
+    state[4].put()
 
 
 def _mask_like(x: Tensor) -> bool:
@@ -2230,8 +2256,7 @@ _NEW_PATH_WARNING = ("the model's forward took a path (autograd graph) in this s
 
 class _Path:
     """A step's path (``_path_of``): its autograd graph's node shapes, each with the number of nodes that have
-    it (a multiset). ``a <= b``: b has every shape of a, at least as many times; ``a - b``: a's shapes that b
-    has fewer times (with a's counts); ``a | b``: every shape of either, the larger count. Counts, not a set
+    it (a multiset). ``a <= b``: b has every shape of a, at least as many times. Counts, not a set
     (round 49): a mixing op of a shape the graph had elsewhere (an ``h @ h.T`` where the model has matmuls
     with both inputs needing a gradient, a ``view`` that moves rows between examples) adds a node of that
     shape, one more than a verified path had; a layer skipped (LayerDrop) has fewer."""
@@ -2244,17 +2269,6 @@ class _Path:
     def __le__(self, other: "_Path") -> bool:
         oc = other.counts
         return all(oc.get(k, 0) >= n for k, n in self.counts.items())
-
-    def __sub__(self, other: "_Path") -> "_Path":
-        oc = other.counts
-        return _Path({k: n for k, n in self.counts.items() if n > oc.get(k, 0)})
-
-    def __or__(self, other: "_Path") -> "_Path":
-        out = dict(other.counts)
-        for k, n in self.counts.items():
-            if n > out.get(k, 0):
-                out[k] = n
-        return _Path(out)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Path) and self.counts == other.counts
@@ -2372,11 +2386,12 @@ def _hold_to_paths(path: _Path, probe_memo: Dict, hold_key, okey, fresh: bool, r
     step's example-order verdicts. On the step whose example-order check ran (``fresh``: the batch
     shape's first, or one whose memos were dropped), a path is recorded as verified if a capture as the
     step runs on the streams the check's runs draw from (seed 0; ``pre0`` where it ran before the
-    step's capture) takes its new shapes too. Any other new path (on a later step; or on that step, a
+    step's capture) takes it too (a multiset: at least its nodes of each shape; round 49: the whole path,
+    where round 48 asked for its new shapes). Any other new path (on a later step; or on that step, a
     path drawn from the caller's streams that the check's runs did not take: review of round 48, a
     mixing path drawn with probability 0.3 on the first step was recorded, 1.75 × 2C) is confirmed
     first: one more capture of the batch as the step runs, from the random state and attributes the
-    step's began in (``_replayed_path``), must take it too (a path chosen by a random draw, the global
+    step's began in (``_replayed_path``), must take it too (all of it; a path chosen by a random draw, the global
     streams' or a held generator's, or by the batch's values is taken again; one chosen by state the
     engine cannot see, which that capture advanced, need not be). Not confirmed: every ruled
     parameter takes the exact fallback in this step, with a warning once per batch shape. Confirmed:
@@ -2388,23 +2403,22 @@ def _hold_to_paths(path: _Path, probe_memo: Dict, hold_key, okey, fresh: bool, r
     if _DROPOUT_OFF.get():
         return order  # (a DropoutOff block around the step: ``testing.check_sensitivity``'s removal runs; not held)
     key = ("paths", hold_key)
-    known = probe_memo.get(key)
-    if known is not None and path <= known:
+    known: Tuple[_Path, ...] = probe_memo.get(key, ())
+    if any(path <= k for k in known):
         return order
     scratch = _memo_apart(probe_memo, okey)
-    new = path - (known or _Path())
-    if fresh or known is None:
+    if fresh or not known:
         if pre0 is _NOT_REACHED:  # (not run before the step's capture: a first step whose path was recorded)
             pre0 = _replayed_path(loss_module, params, constants, batch, registry, overrides, scratch, no_expand,
                                   None, attrs, seed=0)
-        if pre0 is not None and new <= pre0:
-            _memo_put(probe_memo, key, path if known is None else known | path)
+        if pre0 is not None and path <= pre0:
+            _memo_put(probe_memo, key, _with_path(known, path))
             return order
 
-    def replayed() -> bool:  # (one more capture from the step's state takes the new shapes too)
+    def replayed() -> bool:  # (one more capture from the step's state takes the whole path too)
         taken = _replayed_path(loss_module, params, constants, batch, registry, overrides, scratch, no_expand, rng,
                                attrs)
-        return taken is not None and new <= taken
+        return taken is not None and path <= taken
 
     if not replayed():
         return _held_back(probe_memo, hold_key, ruled_names, fallback, order)
@@ -2422,11 +2436,24 @@ def _hold_to_paths(path: _Path, probe_memo: Dict, hold_key, okey, fresh: bool, r
             if c in again[0] or c not in again[1]:
                 fallback.setdefault(c, again[0].get(c, _NEW_PATH))
         if not again[0]:
-            _memo_put(probe_memo, key, (known or _Path()) | path)
+            _memo_put(probe_memo, key, _with_path(known, path))
         return order
     if set(again[0]) <= set(order[0]):
-        _memo_put(probe_memo, key, (known or _Path()) | path)
+        _memo_put(probe_memo, key, _with_path(known, path))
     return (*_both_passed(order[:3], again[:3]), order[3] or again[3])
+
+
+PATHS_MAX = 32  # verified paths kept per batch shape (the largest ones; the oldest go first)
+
+
+def _with_path(known: Tuple[_Path, ...], path: _Path) -> Tuple[_Path, ...]:
+    """The verified paths with ``path`` (review of round 49: each step is held to one verified path, not to the
+    largest count of each shape over all of them, which a step could combine from several: a benign branch with
+    two row selections, another with none, and a mixing step on the second with one that permutes rows, 1.64 × 2C):
+    those within it dropped, none added if it is within one."""
+    if any(path <= k for k in known):
+        return known
+    return tuple([k for k in known if not k <= path] + [path])[-PATHS_MAX:]
 
 
 def _rule_batch_dim(rule: Rule, module: nn.Module, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[int]:
@@ -2459,22 +2486,21 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
     exact fallback, and that is memoised per batch shape (without B). If it fails without them too, the
     first error is raised (the model's own). A capture whose forward cannot take the batch's float inputs in the
     autograd graph (``_batch_in_graph``; torch's refusals ``_INPUTS_REFUSED``) runs again with them as they are,
-    with a warning, memoised per batch shape (without B). ``paths``: the step's own capture (not a check's), whose
+    warned once per batch shape; each capture tries them in the graph first (review of round 49: remembered per
+    batch shape, one refusal, a check on the first call only, left input mixup unseen on every later step, 1.86 ×
+    2C). ``paths``: the step's own capture (not a check's), whose
     autograd graph is held to the paths the example-order check verified (``_path_of``); (key, fresh):
     a capture the step makes again, held to the first one's recorded paths."""
-    ikey = ("inputs out", _duplicates_key(loss_module, batch, batch_size(batch)))
-    if _INPUTS_OUT.get() or probe_memo is None or ikey not in probe_memo:
-        try:
-            return _collect_adapted(loss_module, params, constants, batch, registry, overrides, probe_memo,
-                                    check_broadcast, loss_weights, no_expand, check_order, paths)
-        except RuntimeError as err:
-            why = next((w for w in _INPUTS_REFUSED if w in str(err)), None)
-            if _INPUTS_OUT.get() or why is None or batch_size(batch) < 2:
-                raise
-        if probe_memo is None or ("inputs out warned", ikey) not in probe_memo:
-            _memo_put(probe_memo, ("inputs out warned", ikey), True)
-            warn(_INPUTS_OUT_WARNING.format(why=why))
-        _memo_put(probe_memo, ikey, why)
+    try:
+        return _collect_adapted(loss_module, params, constants, batch, registry, overrides, probe_memo,
+                                check_broadcast, loss_weights, no_expand, check_order, paths)
+    except _InputsRefused as err:
+        why, rng = err.why, err.rng
+    wkey = ("inputs out warned", _duplicates_key(loss_module, batch, batch_size(batch)))
+    if probe_memo is None or wkey not in probe_memo:
+        _memo_put(probe_memo, wkey, True)
+        warn(_INPUTS_OUT_WARNING.format(why=why))
+    _rewind(params, rng)  # (the failed attempt's draws undone: the capture again draws what it drew, whatever the batch)
     tok = _INPUTS_OUT.set(True)
     try:
         return _collect_adapted(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
@@ -2800,7 +2826,13 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     def forward_backward():
         rng_at[0] = _rng_now(params, model)  # (the exact fallback replays it: the same dropout masks)
         with torch.enable_grad(), _watch_autograd() as watched:
-            losses = loss_module(_batch_in_graph(batch, B, probe_memo))
+            try:
+                losses = loss_module(_batch_in_graph(batch, B, probe_memo))
+            except RuntimeError as err:
+                why = next((w for w in _INPUTS_REFUSED if w in str(err)), None)
+                if why is None or _INPUTS_OUT.get() or B < 2:
+                    raise
+                raise _InputsRefused(why, rng_at[0]) from err
         watch[0] = watched
         if watched.create_graph:  # every ruled parameter to the exact fallback (vmap follows torch.func.grad)
             for _, _, local in ruled.values():
