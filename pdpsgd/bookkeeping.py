@@ -2083,8 +2083,9 @@ def _batch_in_graph(batch: Batch, B: int, memo: Optional[Dict] = None) -> Batch:
     or input mixup in ``loss_fn`` chosen by a random draw or hidden state left none, and a step that took it
     looked like a clean one (review of round 48: 2.44 × 2C, mixup 1.30 × 2C). No gradient is asked for there
     (the backward stops at the captured layers' outputs and the parameters). Integer inputs (token ids) stay as
-    they are: mixing them leaves no node still. So do masks (every value 0, 1, -inf or the dtype's lowest, as
-    Hugging Face's additive ones): a mask that needs a gradient turns scaled_dot_product_attention from its
+    they are: mixing them leaves no node still. So do masks (shaped as one, ``_mask_shaped``, and every value 0, 1,
+    -inf or the dtype's lowest, as Hugging Face's additive ones): a mask that needs a gradient turns
+    scaled_dot_product_attention from its
     fused kernel to the plain one (slower, and memory ∝ T² per head). Whether a tensor is a mask is read on the
     host once per batch shape (``memo``; the checks' captures of the step take the same), not at every step."""
     if B < 2 or _INPUTS_OUT.get():
@@ -2097,7 +2098,7 @@ def _batch_in_graph(batch: Batch, B: int, memo: Optional[Dict] = None) -> Batch:
             key = ("mask-like", len(leaves), i, tuple(x.shape), x.dtype, x.device)
             mask = memo.get(key) if memo is not None else None
             if mask is None:
-                mask = _mask_like(x)
+                mask = _mask_shaped(x, leaves) and _mask_like(x)
                 _memo_put(memo, key, mask)
             if not mask:  # (x · 1: exact, signed zeros included; a product node, not the difference node
                 # the engine gives a ruled output that needs no gradient: inputs taken out of the graph on some step,
@@ -2144,6 +2145,17 @@ def _rewind(params: Params, state: Any) -> None:
     if np_ is not None and state[3] is not None:
         np_.random.set_state(state[3])
     state[4].put()
+
+
+def _mask_shaped(x: Tensor, leaves: Sequence[Any]) -> bool:
+    """Whether a float tensor of the batch has an attention mask's shape: (B, T) beside another tensor of the batch
+    whose first two dims are (B, T) (the ids, the embeddings), or (..., T, T). 0/1 float features (one-hot or
+    binarised columns, (B, F) alone) are not masks: they go into the graph (review of round 49: taken for masks,
+    their mixup stayed unseen, 1.57 × 2C)."""
+    if x.dim() >= 3 and x.shape[-1] == x.shape[-2]:
+        return True
+    return x.dim() == 2 and any(isinstance(o, Tensor) and o is not x and o.dim() >= 2 and o.shape[:2] == x.shape
+                                for o in leaves)
 
 
 def _mask_like(x: Tensor) -> bool:

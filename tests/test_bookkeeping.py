@@ -6910,8 +6910,9 @@ def test_mixing_the_raw_inputs_on_a_drawn_step_keeps_the_bound(case):
 
 def test_batch_in_graph_takes_float_inputs_and_leaves_masks_ids_and_tables():
     """``_batch_in_graph``: float tensors with the batch's rows (first or second dim, time-major) become nodes of the
-    graph with the same values (signed zeros and NaN included); masks (0/1, additive with -inf or the dtype's
-    lowest: a mask that needs a gradient sends scaled_dot_product_attention to its plain kernel), ids, tensors
+    graph with the same values (signed zeros and NaN included), 0/1 features too; masks (0/1, additive with -inf or
+    the dtype's lowest, shaped (B, T) beside the ids or (..., T, T): a mask that needs a gradient sends
+    scaled_dot_product_attention to its plain kernel), ids, tensors
     without the batch's rows and a batch of one stay as they are (the same objects)."""
     from pdpsgd.bookkeeping import _batch_in_graph
 
@@ -6922,8 +6923,12 @@ def test_batch_in_graph_takes_float_inputs_and_leaves_masks_ids_and_tables():
     add = torch.where(mask.bool(), 0.0, torch.finfo(torch.float32).min)
     inf = torch.where(mask.bool(), 0.0, float("-inf"))
     ids, table = torch.randint(0, 9, (B, 3)), torch.randn(9, 6)
-    got = _batch_in_graph({"x": x, "tm": tm, "m": (mask, add, inf), "ids": ids, "t": table}, B)
-    for k, src in (("x", x), ("tm", tm)):
+    binary = torch.randint(0, 2, (B, 5)).double()  # (0/1 features: no tensor beside them has (B, 5) rows)
+    square = torch.ones(B, 1, 3, 3)  # (an attention mask's (..., T, T))
+    got = _batch_in_graph({"x": x, "tm": tm, "m": (mask, add, inf), "ids": ids, "t": table, "bin": binary,
+                           "sq": square}, B)
+    assert got["sq"] is square
+    for k, src in (("x", x), ("tm", tm), ("bin", binary)):
         assert got[k].requires_grad and got[k].grad_fn is not None
         assert torch.equal(torch.signbit(got[k]), torch.signbit(src))
         assert torch.equal(got[k].nan_to_num(5.0), src.nan_to_num(5.0))
@@ -7159,3 +7164,17 @@ def test_a_refused_capture_runs_again_on_the_same_draws():
             state = torch.get_rng_state()
             _, w = _worst_move(step, params, (x, y), (xr, yr), lambda: torch.set_rng_state(state), warm=k == 0)
             assert w <= 1 + 1e-9, (k, w)
+
+
+def test_mixing_binary_features_on_a_drawn_step_keeps_the_bound():
+    """Review of round 49 (1.57 × 2C): 0/1 float features (one-hot, binarised columns) were taken for masks by their
+    values and left out of the graph, so a drawn step mixing them was unseen. A mask is now also shaped as one
+    (``_mask_shaped``): the features go into the graph and the mixing steps take the exact fallback."""
+    m = _RawInputMix("input").double()
+    loss = lambda mm, b: (mm(b[0]) - b[1]) ** 2  # noqa: E731
+    _, (_, yr), step, params = _neighbour_case(m, loss)
+    params = {n: p for n, p in params.items() if p.requires_grad}
+    g = torch.Generator().manual_seed(5)
+    x, xr = (torch.randint(0, 2, (4, 3), generator=g).double() for _ in range(2))
+    y = torch.randn(4, dtype=torch.float64, generator=g)
+    _drawn_mixing_steps(step, params, (x, y), (xr, yr), 0.3)
