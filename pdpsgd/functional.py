@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import functools
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
 
@@ -202,6 +203,10 @@ def model_constants(model: nn.Module, trainable: Iterable[str]) -> Dict[str, Ten
     return out
 
 
+# Set by the step while it watches the batch for in-place edits (``step._BatchEdits``): told after each forward.
+BATCH_EDITS: contextvars.ContextVar[Any] = contextvars.ContextVar("pdpsgd_batch_edits", default=None)
+
+
 class LossModule(nn.Module):
     """``forward(batch) = loss_fn(model, batch)``; parameters prefixed ``model.``.
 
@@ -215,7 +220,12 @@ class LossModule(nn.Module):
         self._loss_fn = loss_fn
 
     def forward(self, batch: Batch) -> Tensor:  # type: ignore[override]
-        return self._loss_fn(self.model, batch)
+        try:
+            return self._loss_fn(self.model, batch)
+        finally:
+            watch = BATCH_EDITS.get()
+            if watch is not None:  # (a step's first batch of a signature: in-place edits of the batch, ``step``)
+                watch.after_forward()
 
     @staticmethod
     def prefixed(d: Mapping[str, Tensor]) -> Dict[str, Tensor]:

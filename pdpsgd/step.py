@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 from ._types import Batch, LossFn, Params, StepOutput
 from ._warn import warn
 from .clipping import MIN_THRESHOLD, Clipping, as_spec, make_groups, make_weights_fn, sum_sq_norms
-from .functional import (LossModule, ParamIndex, _spectral_norms, advance_spectral_norms, check_no_batch_mixing,
+from .functional import (BATCH_EDITS, LossModule, ParamIndex, _spectral_norms, advance_spectral_norms, check_no_batch_mixing,
                          model_constants, model_settings, model_structure, no_rope_mixing, no_writes_to,
                          spectral_norms_held, trainable_params)
 from .fused import CPU_RNGS, RNGS, TORCH_CPU_WARNING, noise_and_scale, resolve_rng
@@ -237,6 +237,58 @@ def _is_compiled(model: nn.Module) -> bool:
     cls = getattr(eval_frame, "OptimizedModule", None)
     return any((cls is not None and isinstance(m, cls)) or getattr(m, "_compiled_call_impl", None) is not None
                for m in model.modules())
+
+
+class _BatchEdits:
+    """In-place edits of the batch's tensors during a book-keeping step (``x /= 255`` in the forward): the step runs
+    the forward more than once (its checks, the exact fallback; six times on a batch shape's first step), so an edit
+    that changes values again at each forward is applied again each time and the step trains on other data (round
+    49: the batch divided by 255⁶, and the example-order check blamed mixing). Watched on the first step of a batch
+    signature (the tensors copied first; ``functional.BATCH_EDITS`` tells it after each forward): where the batch
+    after the step is not as the first forward that edited it left it, the edits are undone and refused with an
+    error; an edit that a second forward repeats to the same values (a padding label set to -100) is fine, as in
+    an ordinary training loop. Later steps: nothing read."""
+
+    def __init__(self, batch: Batch, seen: set):
+        self.leaves = [x for x in tree_flatten(batch)[0] if isinstance(x, Tensor)]
+        sig = tuple((tuple(x.shape), x.dtype, x.device) for x in self.leaves)
+        self.copies = self.first = self.token = None
+        if sig not in seen:
+            seen.add(sig)
+            self.versions = [x._version for x in self.leaves]
+            self.copies = [x.detach().clone() for x in self.leaves]
+            self.token = BATCH_EDITS.set(self)
+
+    def after_forward(self) -> None:
+        if self.first is None and any(x._version != v for x, v in zip(self.leaves, self.versions)):
+            self.first = [x.detach().clone() for x in self.leaves]  # (as the first forward that edited it left it)
+
+    def check(self) -> None:
+        if self.token is None:
+            return
+        BATCH_EDITS.reset(self.token)
+        self.token = None
+        if self.first is None or all(_same_values(x, f) for x, f in zip(self.leaves, self.first)):
+            return
+        i = next(i for i, (x, f) in enumerate(zip(self.leaves, self.first)) if not _same_values(x, f))
+        with torch.no_grad():
+            for y, c in zip(self.leaves, self.copies):
+                y.copy_(c)
+        raise ValueError(
+            f"the model (or loss_fn) edited tensor {i} of the batch (shape {tuple(self.leaves[i].shape)}) in place, "
+            "to other values at each forward (x /= 255, x.clamp_(...) after a shift, x += noise): book-keeping runs "
+            "the forward more than once a step (its checks, the exact fallback), so the edit was applied again each "
+            "time. The batch is put back as it was passed. Edit a copy inside the forward (x = x / 255), or edit the "
+            "batch before the step.")
+
+
+def _same_values(a: Tensor, b: Tensor) -> bool:
+    """Bitwise the same (NaN where the other has NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(torch.equal(torch.isnan(a), torch.isnan(b))) and bool(torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)))
+    return bool(torch.equal(a, b))
 
 
 @contextlib.contextmanager
@@ -459,6 +511,7 @@ class DPStep:
         # code and the shapes; see bookkeeping.PROBE_B)
         self._probe_memo: dict = {}
         self._rope_seen: dict = {}  # (no_rope_mixing: tables taken with shared positions, for its warning)
+        self._edits_seen: set = set()  # (batch signatures whose first step looked for in-place edits: ``_batch_edits``)
         self.generator = generator
         self.clipping = as_spec(clipping)  # (read once: a generator is not used up by the first step; round 38)
         if clip_budget is not None and not isinstance(clip_budget, (str, bytes, Mapping)):
@@ -678,6 +731,7 @@ class DPStep:
                              self.max_grad_norm, budget=self.clip_budget)
         weights_fn = make_weights_fn(groups, clip_fn=self.clip_fn, gamma=self.gamma)
         _check_grad_mode(params, batch, tensors=self.method != "vmap")
+        edits = _BatchEdits(batch, self._edits_seen) if self.method != "vmap" else None
         try:
             with _guards(self.model, detached, self._rope_seen, self._spectral):
                 if self.method == "vmap":
@@ -697,6 +751,8 @@ class DPStep:
                 # norms' power iterations, rotary tables; review of round 47: read inside, every step
                 # dropped the memos): ``_resolve``
                 self._settings = model_settings(self.model)
+            if edits is not None:
+                edits.check()  # (also where the engine raised: the watch is taken off)
         total_sq = sum_sq_norms(res.sq_norms)
         norms = total_sq.sqrt()
         kept = mask & torch.isfinite(total_sq) & torch.isfinite(res.losses)

@@ -1,6 +1,7 @@
 """Bad input gets a clear error that names the problem and the fix."""
 import math
 import sys
+import warnings
 
 import pytest
 import torch
@@ -918,3 +919,53 @@ def test_an_oom_in_the_eager_rerun_leaves_the_vmap_error_as_it_is():
     with pytest.raises(RuntimeError, match="vmap-side failure") as got:
         st(pdpsgd.trainable_params(m), (torch.randn(8, 4), torch.zeros(8, dtype=torch.long)))
     assert not isinstance(got.value, torch.OutOfMemoryError)
+
+
+class _ScalesInPlace(nn.Module):
+    """A forward that edits its input in place (``x /= 255``): other values at each forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = nn.Linear(5, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        x /= 255
+        return self.out(torch.tanh(self.lin(x)))
+
+
+@pytest.mark.parametrize("method", ["bk", "auto"])
+def test_a_forward_that_edits_the_batch_in_place_is_refused_and_the_batch_put_back(method):
+    """Round 49: book-keeping runs the forward several times a step (its checks, the exact fallback), so ``x /= 255``
+    in the forward divided the caller's batch by 255 at each (255⁶ on a first step) and the step trained on other
+    data, while the example-order check blamed mixing. Refused with an error that names the edit and the fix; the
+    batch is put back as it was passed."""
+    m = _ScalesInPlace()
+    b = batch()
+    x0 = b["x"].clone()
+    step = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0, method=method)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"edited tensor .* in place.*x = x / 255"):
+            step.clipped_sum(pdpsgd.trainable_params(m), b)
+    assert torch.equal(b["x"], x0)
+
+
+def test_an_in_place_edit_a_second_forward_repeats_to_the_same_values_is_fine():
+    """Round 49: an in-place edit that sets the same values at every forward (labels past the classes set to the last
+    one, as padding labels to -100) leaves the batch as one forward would: no error, the sums of the edited batch."""
+    m = mlp()
+
+    def loss(model, b):
+        b["y"][b["y"] > 1] = 1
+        return mlp_loss(model, b)
+
+    b = batch()
+    b["y"][:3] = 2
+    want = {**b, "y": b["y"].clamp(max=1)}
+    got = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk").clipped_sum(
+        pdpsgd.trainable_params(m), b)
+    ref = pdpsgd.make_dp_step(m, mlp_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk").clipped_sum(
+        pdpsgd.trainable_params(m), want)
+    assert torch.equal(b["y"], want["y"])
+    for n in ref.sums:
+        torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-6, atol=1e-7)
