@@ -2109,17 +2109,21 @@ def _batch_in_graph(batch: Batch, B: int, memo: Optional[Dict] = None) -> Batch:
 
 
 # Set while a capture takes the batch as it is (``_batch_in_graph`` does nothing): ``bk_options={"inputs_in_graph":
-# False}``, or a capture that failed with its inputs in the graph, run again (``_collect``).
+# False}``, or a batch shape whose first capture failed with its inputs in the graph (``_collect``).
 _INPUTS_OUT: contextvars.ContextVar[bool] = contextvars.ContextVar("pdpsgd_inputs_out", default=False)
 # What torch says when a forward cannot take an input that needs a gradient: NumPy of it (``x.numpy()``,
 # ``np.asarray(x)``), or its requires_grad flag set (Hugging Face's speech encoders: ``input_values[:, None]``
 # then ``.requires_grad = True``, a leaf's flag only).
 _INPUTS_REFUSED = ("Can't call numpy() on Tensor that requires grad", "only change requires_grad flags of leaf variables")
 _INPUTS_OUT_WARNING = ("book-keeping: the model (or loss_fn) failed with the batch's float inputs in the autograd graph "
-                       "({why}), so the capture ran again with them left out of it: mixing of the raw inputs chosen at "
-                       "random or by hidden state (input mixup in loss_fn on some steps, say) is not seen in the captures "
-                       "that fail so. Each capture tries them in the graph first (the failed attempt costs time); "
-                       "bk_options={{'inputs_in_graph': False}} leaves them out from the start")
+                       "({why}), so they are left out of it for this batch shape: mixing of the raw inputs chosen at "
+                       "random or by hidden state (input mixup in loss_fn on some steps, say) is not seen on its steps. "
+                       "bk_options={{'inputs_in_graph': False}} says so from the start")
+_INPUTS_REFUSED_LATER = ("the model (or loss_fn) failed with the batch's float inputs in the autograd graph ({why}) on this "
+                         "batch, where earlier batches of its shape ran with them: book-keeping cannot run it again "
+                         "without them on the same random draws in every case (a generator it cannot see), so it does "
+                         "not. Pass bk_options={{'inputs_in_graph': False}} (mixing of the raw inputs chosen at random "
+                         "is then not seen), or read the inputs without NumPy (x.detach().numpy()).")
 
 
 class _InputsRefused(RuntimeError):
@@ -2148,14 +2152,18 @@ def _rewind(params: Params, state: Any) -> None:
 
 
 def _mask_shaped(x: Tensor, leaves: Sequence[Any]) -> bool:
-    """Whether a float tensor of the batch has an attention mask's shape: (B, T) beside another tensor of the batch
-    whose first two dims are (B, T) (the ids, the embeddings), or (..., T, T). 0/1 float features (one-hot or
-    binarised columns, (B, F) alone) are not masks: they go into the graph (review of round 49: taken for masks,
-    their mixup stayed unseen, 1.57 × 2C)."""
-    if x.dim() >= 3 and x.shape[-1] == x.shape[-2]:
-        return True
-    return x.dim() == 2 and any(isinstance(o, Tensor) and o is not x and o.dim() >= 2 and o.shape[:2] == x.shape
-                                for o in leaves)
+    """Whether a float tensor of the batch has an attention mask's shape: (B, T) or (..., T, T) beside another
+    tensor of the batch whose first two dims are (B, T) (the ids, the embeddings). 0/1 float features (one-hot or
+    binarised columns, (B, F) alone; binarised square images) are not masks: they go into the graph (review of
+    round 49: taken for masks, their mixup stayed unseen, 1.57 and 1.08 × 2C)."""
+    if x.dim() == 2:
+        T = int(x.shape[1])
+    elif x.dim() >= 3 and x.shape[-1] == x.shape[-2]:
+        T = int(x.shape[-1])
+    else:
+        return False
+    return any(isinstance(o, Tensor) and o is not x and o.dim() >= 2 and tuple(o.shape[:2]) == (x.shape[0], T)
+               for o in leaves)
 
 
 def _mask_like(x: Tensor) -> bool:
@@ -2497,22 +2505,30 @@ def _collect(loss_module: LossModule, params: Params, constants: Mapping[str, Te
     (B·C, T), against an adapter's (B, ...) result) runs again without them: the layers they served take the
     exact fallback, and that is memoised per batch shape (without B). If it fails without them too, the
     first error is raised (the model's own). A capture whose forward cannot take the batch's float inputs in the
-    autograd graph (``_batch_in_graph``; torch's refusals ``_INPUTS_REFUSED``) runs again with them as they are,
-    warned once per batch shape; each capture tries them in the graph first (review of round 49: remembered per
-    batch shape, one refusal, a check on the first call only, left input mixup unseen on every later step, 1.86 ×
-    2C). ``paths``: the step's own capture (not a check's), whose
+    autograd graph (``_batch_in_graph``; torch's refusals ``_INPUTS_REFUSED``) on a batch shape none of whose
+    captures took them yet runs again with them as they are, from the random streams as it began, and the batch
+    shape's later captures take them so too (warned); a refusal after a capture of the shape took them is an
+    error. (Review of round 49: retried at every capture, a refusal that only one neighbour's batch met drew that
+    batch's dropouts again from a generator the engine cannot put back, a closure's, 1.47 × 2C; and remembered
+    once per shape it must be, or a forward refused on one capture only and held by nothing after would choose
+    when its inputs are seen.) ``paths``: the step's own capture (not a check's), whose
     autograd graph is held to the paths the example-order check verified (``_path_of``); (key, fresh):
     a capture the step makes again, held to the first one's recorded paths."""
-    try:
-        return _collect_adapted(loss_module, params, constants, batch, registry, overrides, probe_memo,
-                                check_broadcast, loss_weights, no_expand, check_order, paths)
-    except _InputsRefused as err:
-        why, rng = err.why, err.rng
-    wkey = ("inputs out warned", _duplicates_key(loss_module, batch, batch_size(batch)))
-    if probe_memo is None or wkey not in probe_memo:
-        _memo_put(probe_memo, wkey, True)
-        warn(_INPUTS_OUT_WARNING.format(why=why))
-    _rewind(params, rng)  # (the failed attempt's draws undone: the capture again draws what it drew, whatever the batch)
+    dkey = _duplicates_key(loss_module, batch, batch_size(batch))
+    if _INPUTS_OUT.get() or probe_memo is None or ("inputs out", dkey) not in probe_memo:
+        try:
+            col = _collect_adapted(loss_module, params, constants, batch, registry, overrides, probe_memo,
+                                   check_broadcast, loss_weights, no_expand, check_order, paths)
+            if not _INPUTS_OUT.get() and batch_size(batch) > 1:  # (B = 1: nothing was put in the graph)
+                _memo_put(probe_memo, ("inputs in", dkey), True)
+            return col
+        except _InputsRefused as err:
+            if probe_memo is not None and ("inputs in", dkey) in probe_memo:
+                raise ValueError(_INPUTS_REFUSED_LATER.format(why=err.why)) from err
+            if probe_memo is None or ("inputs out", dkey) not in probe_memo:  # (a nested check's capture may have)
+                _memo_put(probe_memo, ("inputs out", dkey), err.why)
+                warn(_INPUTS_OUT_WARNING.format(why=err.why))
+            _rewind(params, err.rng)  # (the refused attempt's draws undone)
     tok = _INPUTS_OUT.set(True)
     try:
         return _collect_adapted(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
