@@ -22,9 +22,9 @@ from torch.utils._pytree import tree_flatten
 from ._types import Batch, LossFn, Params, StepOutput
 from ._warn import warn
 from .clipping import MIN_THRESHOLD, Clipping, as_spec, make_groups, make_weights_fn, sum_sq_norms
-from .functional import (BATCH_EDITS, LossModule, ParamIndex, _spectral_norms, advance_spectral_norms, check_no_batch_mixing,
-                         model_constants, model_settings, model_structure, no_rope_mixing, no_writes_to,
-                         spectral_norms_held, trainable_params)
+from .functional import (BATCH_EDITS, LossModule, ParamIndex, _spectral_norms, advance_spectral_norms,
+                         check_no_batch_mixing, model_constants, model_settings, model_structure, no_rope_mixing,
+                         no_writes_to, spectral_norms_held, trainable_params)
 from .fused import CPU_RNGS, RNGS, TORCH_CPU_WARNING, noise_and_scale, resolve_rng
 from .noise import entropy_generator
 from .per_sample import acc_dtype, batch_chunks, batch_size, vmap_engine
@@ -287,7 +287,8 @@ def _same_values(a: Tensor, b: Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.is_floating_point() or a.is_complex():
-        return bool(torch.equal(torch.isnan(a), torch.isnan(b))) and bool(torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)))
+        na, nb = torch.isnan(a), torch.isnan(b)
+        return bool(torch.equal(na, nb)) and bool(torch.equal(a.masked_fill(na, 0), b.masked_fill(nb, 0)))
     return bool(torch.equal(a, b))
 
 
@@ -511,7 +512,7 @@ class DPStep:
         # code and the shapes; see bookkeeping.PROBE_B)
         self._probe_memo: dict = {}
         self._rope_seen: dict = {}  # (no_rope_mixing: tables taken with shared positions, for its warning)
-        self._edits_seen: set = set()  # (batch signatures whose first step looked for in-place edits: ``_batch_edits``)
+        self._edits_seen: set = set()  # (batch signatures whose first step looked for in-place edits: ``_BatchEdits``)
         self.generator = generator
         self.clipping = as_spec(clipping)  # (read once: a generator is not used up by the first step; round 38)
         if clip_budget is not None and not isinstance(clip_budget, (str, bytes, Mapping)):
