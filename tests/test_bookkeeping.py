@@ -6850,7 +6850,8 @@ class _RawInputMix(nn.Module):
 def _drawn_mixing_steps(step, params, batch, repl, p, steps=8, draws=None):
     """Steps whose mixing Python's ``random`` chooses (below ``p``, or as ``draws()`` says; the first, seeded 0, does
     not mix where ``draws`` is not given), each with its neighbours on the same draws: every mixing step takes the
-    exact fallback, some clean step stays on the rules, and every replaced example moves the clipped sum by ≤ 2C."""
+    exact fallback (asserted here, per step). Returns (mixing steps, clean steps on the rules, the largest move of
+    the clipped sum / 2C when one example is replaced), for the caller to assert: some of each, and ≤ 1."""
     mixed = ruled = 0
     worst = 0.0
     with warnings.catch_warnings():
@@ -6870,8 +6871,7 @@ def _drawn_mixing_steps(step, params, batch, repl, p, steps=8, draws=None):
                 ruled += "vmap" not in a.routes.values()
             random.setstate(state)
             random.random()
-    assert mixed and ruled, (mixed, ruled)
-    assert worst <= 1 + 1e-9, worst
+    return mixed, ruled, worst
 
 
 def _mixup_loss(m, b, no_grad=False):
@@ -6905,7 +6905,9 @@ def test_mixing_the_raw_inputs_on_a_drawn_step_keeps_the_bound(case):
             else (lambda mm, b: (mm(b[0]) - b[1]) ** 2))  # noqa: E731
     batch, repl, step, params = _neighbour_case(m, loss)
     params = {n: p for n, p in params.items() if p.requires_grad}
-    _drawn_mixing_steps(step, params, batch, repl, 0.5 if mixup else 0.3)
+    mixed, ruled, worst = _drawn_mixing_steps(step, params, batch, repl, 0.5 if mixup else 0.3)
+    assert mixed and ruled, (mixed, ruled)
+    assert worst <= 1 + 1e-9, worst
 
 
 def test_batch_in_graph_takes_float_inputs_and_leaves_masks_ids_and_tables():
@@ -6991,7 +6993,9 @@ def test_a_mixing_matmul_of_shapes_the_path_has_keeps_the_bound():
     m = _MatmulMix().double()
     loss = lambda mm, b: (mm(b[0]) - b[1]) ** 2  # noqa: E731
     batch, repl, step, params = _neighbour_case(m, loss)
-    _drawn_mixing_steps(step, params, batch, repl, m.p)
+    mixed, ruled, worst = _drawn_mixing_steps(step, params, batch, repl, m.p)
+    assert mixed and ruled, (mixed, ruled)
+    assert worst <= 1 + 1e-9, worst
 
 
 def test_inputs_in_graph_can_be_turned_off():
@@ -7096,8 +7100,11 @@ def test_a_step_is_held_to_one_verified_path_not_to_their_union():
         for _ in range(6):  # (both benign branches taken and verified)
             step.clipped_sum(params, batch)
     m.MIX_FROM = 0
-    _drawn_mixing_steps(step, params, batch, repl, p=None, steps=12, draws=lambda: (random.random() < 0.5,
-                                                                                   random.random() < 0.3)[1])
+    mixed, ruled, worst = _drawn_mixing_steps(
+        step, params, batch, repl, p=None, steps=12,
+        draws=lambda: (random.random() < 0.5, random.random() < 0.3)[1])
+    assert mixed and ruled, (mixed, ruled)
+    assert worst <= 1 + 1e-9, worst
 
 
 class _CheckedOnce(nn.Module):
@@ -7130,7 +7137,9 @@ def test_a_forward_refused_once_keeps_the_bound_on_drawn_mixup_steps():
         random.seed(0)
         step.clipped_sum(params, batch)  # (the refusal, on the first step's first capture)
     assert m.checked[0]
-    _drawn_mixing_steps(step, params, batch, repl, 0.5)
+    mixed, ruled, worst = _drawn_mixing_steps(step, params, batch, repl, 0.5)
+    assert mixed and ruled, (mixed, ruled)
+    assert worst <= 1 + 1e-9, worst
 
 
 class _DropThenNumpy(nn.Module):
@@ -7180,4 +7189,6 @@ def test_mixing_binary_features_on_a_drawn_step_keeps_the_bound():
     g = torch.Generator().manual_seed(5)
     x, xr = (torch.randint(0, 2, (4, 3), generator=g).double() for _ in range(2))
     y = torch.randn(4, dtype=torch.float64, generator=g)
-    _drawn_mixing_steps(step, params, (x, y), (xr, yr), 0.3)
+    mixed, ruled, worst = _drawn_mixing_steps(step, params, (x, y), (xr, yr), 0.3)
+    assert mixed and ruled, (mixed, ruled)
+    assert worst <= 1 + 1e-9, worst
