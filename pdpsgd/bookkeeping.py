@@ -2931,7 +2931,9 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
             # g must be the gradient of the output the layer computed: captured inside the forward
             # (custom-forward rules compute the layer themselves, to keep internal activations)
             patched.append(m)
-            m.forward = wrapped_forward(m, rule, types.MethodType(type(m).forward, m))
+            # (the instance dict, as the removal below: nn.Module.__setattr__'s registry checks cost
+            # ~15 µs a layer, 4 % of a small model's step)
+            m.__dict__["forward"] = wrapped_forward(m, rule, types.MethodType(type(m).forward, m))
         # forward and backward inside one functional_call: the parameters stay swapped in for a
         # checkpointed layer that the backward recomputes
         scope = _Scope(loss_module)
