@@ -1732,7 +1732,8 @@ PROBE_MEMO_MAX = 64
 # with V == B, had the probe's call on the batch confirm the capture's call on the table). A forward
 # that draws random numbers is probed on PROBE_DRAWS more seeds on its first step, and a call with no
 # probe record from its own site (LayerDrop skipped its layer in the probes) on up to PROBE_RETRIES
-# more per step, PROBE_MAX probes in all per batch shape; a call is confirmed only if every probe
+# more per step, PROBE_MAX probes in all per batch shape (and, where still none, one probe of the whole
+# batch: a forward whose calls depend on the batch's values; round 50); a call is confirmed only if every probe
 # record from the same sites confirms it.
 PROBE_DRAWS = 2
 PROBE_RETRIES = 3
@@ -2188,14 +2189,16 @@ def _plain_forward(loss_module: LossModule, params: Params, constants: Mapping[s
 
 def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
                       ruled: Dict[nn.Module, Tuple[str, Rule, Dict[str, str]]], B: int, registry: RuleRegistry,
-                      seed: Optional[int] = None, replay: Optional[Tuple[Any, Any]] = None):
+                      seed: Optional[int] = None, replay: Optional[Tuple[Any, Any]] = None,
+                      whole: bool = False):
     """(probe size, {module name: (first dim, its whole-view base's first dim, second dim, call site) of
     its calls, in order}, whether the forward drew random numbers, what of the model's state it
     changed: module plain attributes by name, "(a generator it holds)"), or (probe size, error
     text, False, ()). ``seed``: the forked random streams seeded with it (else they go on from the
     caller's). ``replay``: (``_rng_now``, ``_module_attrs``) as the capture began: the probe runs from
-    there (its streams and the attributes it finds are put back after)."""
-    Bp = PROBE_B if B != PROBE_B else PROBE_B + 1
+    there (its streams and the attributes it finds are put back after). ``whole``: the probe is the
+    whole batch and its first example again (B + 1 examples; see ``_check_batch_dims``)."""
+    Bp = B + 1 if whole else PROBE_B if B != PROBE_B else PROBE_B + 1
     idx = torch.arange(Bp) % B  # examples 0, 1, ... (repeated when B is smaller)
     probe = select_examples(batch, idx)
     seen: Dict[str, List[Tuple[Optional[int], Optional[int], Optional[int], Any]]] = {}
@@ -4166,7 +4169,8 @@ def _order_runs(loss_module, params, constants, batch, registry, overrides, prob
 @dataclass
 class _Probed:
     """The batch-dimension probes of one batch shape (memoised): for each module, the distinct lists
-    of its calls' records that the probes saw (``_probe_first_dims``), one per alternative."""
+    of its calls' records that the probes saw (``_probe_first_dims``), one per alternative, each with
+    the size of the probe that saw it (``Bp``, or B + 1 for a whole-batch probe)."""
 
     Bp: int
     alts: Dict[str, List[Tuple[Any, ...]]]
@@ -4175,15 +4179,17 @@ class _Probed:
     stateful: bool = False  # a probe's forward changed the model's state: probed from the capture's at every step
     counters: bool = False  # ... its modules' plain attributes: the example-order check runs at every step too
 
-    def add(self, seen: Mapping[str, List[Tuple[Any, ...]]]) -> None:
+    def add(self, seen: Mapping[str, List[Tuple[Any, ...]]], Bp: int) -> None:
         for mn, recs in seen.items():
             got = self.alts.setdefault(mn, [])
-            if tuple(recs) not in got:
-                got.append(tuple(recs))
+            if (Bp, tuple(recs)) not in got:
+                got.append((Bp, tuple(recs)))
 
-    def matching(self, mname: str, sites: Sequence[Any]) -> List[Tuple[Any, ...]]:
-        """The module's alternatives whose calls came from the capture's call sites, in order."""
-        return [a for a in self.alts.get(mname, ()) if len(a) == len(sites) and all(r[3] == x for r, x in zip(a, sites))]
+    def matching(self, mname: str, sites: Sequence[Any]) -> List[Tuple[int, Tuple[Any, ...]]]:
+        """The module's alternatives (probe size, records) whose calls came from the capture's call
+        sites, in order."""
+        return [(bp, a) for bp, a in self.alts.get(mname, ())
+                if len(a) == len(sites) and all(r[3] == x for r, x in zip(a, sites))]
 
 
 def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, real_sites, fallback,
@@ -4210,10 +4216,10 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
     got = probe_memo.get(key) if key is not None else None
     grew = False
 
-    def probe_more(seed: Optional[int], again: Optional[Tuple[Any, Any]] = None) -> Optional[str]:
+    def probe_more(seed: Optional[int], again: Optional[Tuple[Any, Any]] = None, whole: bool = False) -> Optional[str]:
         # one more probe into ``got`` (``again``: from the capture's state); its error, if any
         Bp_, seen_, drew_, stateful_ = _probe_first_dims(loss_module, params, constants, batch, ruled, B, registry,
-                                                         seed, again)
+                                                         seed, again, whole)
         got.runs += again is None
         if isinstance(seen_, str):
             return seen_
@@ -4224,7 +4230,7 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
                                   order=" (and runs its example-order check again)" if attrs else ""))
         got.stateful = got.stateful or bool(stateful_)
         got.counters = got.counters or any(not w.startswith("(a generator") for w in stateful_)
-        got.add(seen_)
+        got.add(seen_, Bp_)
         return None
 
     failed: Optional[str] = None
@@ -4240,10 +4246,9 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
                       "state this capture began in was not kept")
         else:
             failed, grew = probe_more(None, replay), True
-    Bp = got.Bp
-    matched: Dict[str, List[Tuple[Any, ...]]] = {}  # (each module's, once per step: cleared when a probe adds some)
+    matched: Dict[str, List[Tuple[int, Tuple[Any, ...]]]] = {}  # (each module's, once per step: cleared when a probe adds some)
 
-    def alts(mname: str) -> List[Tuple[Any, ...]]:
+    def alts(mname: str) -> List[Tuple[int, Tuple[Any, ...]]]:
         if mname not in matched:
             matched[mname] = [] if failed is not None else got.matching(mname, real_sites.get(mname, ()))
         return matched[mname]
@@ -4256,23 +4261,44 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
         matched.clear()
         tries += 1
         grew = True
+    if failed is None and B + 1 != got.Bp and B > 1 and (not got.drew or got.runs < PROBE_MAX) \
+            and any(not alts(mn) for mn in need):
+        # A call with no probe record from its sites, the forward drawing nothing (or no seed gave one):
+        # how often or where the model calls a layer depends on the batch's values (review, round 50: a
+        # cell unrolled ``range(int(lens.max()))`` times ran once in a probe of two short examples, 7
+        # times in the batch; an ``if`` on the data). The whole batch, with its first example again,
+        # takes the batch's own path (B + 1 examples: a batch dimension follows, a fixed one does not).
+        # Its records join the batch shape's alternatives, so a later batch of the same values' path
+        # finds them; a probe that fails leaves the calls unconfirmed, as before. (A forward that draws:
+        # within its PROBE_MAX probes a batch shape.)
+        probe_more(None, replay if got.stateful else None, whole=True)
+        matched.clear()
+        grew = True
     if key is not None and failed is None and grew:
         _memo_put(probe_memo, key, got)
 
     def every(mname: str, test) -> bool:  # some alternative from the capture's sites, and each passes ``test``
-        a = alts(mname)
-        return bool(a) and all(test(d) for d in a)
+        a = alts(mname)  # (test(records, that probe's size))
+        return bool(a) and all(test(d, bp) for bp, d in a)
 
     def time_major(c: _Call) -> bool:  # dim 0 stayed, dim 1 followed the probe's size
-        return every(c.mname, lambda d: d[c.k][0] == real_dims[c.mname][c.k] and d[c.k][2] == Bp)
+        return every(c.mname, lambda d, bp: d[c.k][0] == real_dims[c.mname][c.k] and d[c.k][2] == bp)
 
     def probe_saw(c: _Call, part=slice(0, 1)) -> Any:  # (for the message)
         a = alts(c.mname)
         if not a:
-            return (f"no call from the same call sites (in {got.runs} probe{'s' if got.runs != 1 else ''})"
-                    if failed is None else "no such call")
-        d = a[0][c.k][part]
+            if failed is not None:
+                return "no such call"
+            n = len(real_sites.get(c.mname, ()))
+            counts = " or ".join(map(str, sorted({len(r) for _, r in got.alts.get(c.mname, ())}))) or "0"
+            return (f"no call from the same call sites (in {got.runs} probe{'s' if got.runs != 1 else ''}, which "
+                    f"called it {counts} times, against the batch's {n})")
+        d = a[0][1][c.k][part]
         return d[0] if len(d) == 1 else d
+
+    def probe_size(c: _Call) -> int:  # (for the message)
+        a = alts(c.mname)
+        return a[0][0] if a else got.Bp
 
     confirmed = {id(c) for c in todo if c.retry and time_major(c)}
     relift = {(c.mname, c.retry) for c in todo if id(c) in confirmed}
@@ -4289,22 +4315,23 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
         elif c.bdim:
             if time_major(c):
                 continue  # time-major: dim 0 stayed, dim 1 followed the probe's size
-            reason = (f"read as time-major ((T, B, ...), T = {real_dims[c.mname][c.k]}), but a probe with {Bp} "
-                      f"examples gave first and second dims {probe_saw(c, slice(0, 3, 2))}")
+            reason = (f"read as time-major ((T, B, ...), T = {real_dims[c.mname][c.k]}), but a probe with "
+                      f"{probe_size(c)} examples gave first and second dims {probe_saw(c, slice(0, 3, 2))}")
         elif c.rows:
-            if c.root is not None and every(c.root[0], lambda r: r[c.root[1]][:2] == (Bp * c.rows, Bp)) \
-                    and every(c.mname, lambda d: d[c.k][0] == Bp * c.rows):
+            if c.root is not None and every(c.root[0], lambda r, bp: r[c.root[1]][:2] == (bp * c.rows, bp)) \
+                    and every(c.mname, lambda d, bp: d[c.k][0] == bp * c.rows):
                 continue  # flattened (B·rows, ...) rows traced to a (B, ...) view whose first dim is the batch
-            reason = (f"its input has {B * c.rows} rows, the batch flattened, but a probe with {Bp} examples did "
-                      "not confirm that the flattened tensor's first dimension is the batch")
+            reason = (f"its input has {B * c.rows} rows, the batch flattened, but a probe with {probe_size(c)} "
+                      "examples did not confirm that the flattened tensor's first dimension is the batch")
         else:
-            if every(c.mname, lambda d: d[c.k][0] == Bp or (d[c.k][0] == 1 and getattr(c.rule, "broadcast_batch", False))
+            if every(c.mname, lambda d, bp: d[c.k][0] == bp
+                     or (d[c.k][0] == 1 and getattr(c.rule, "broadcast_batch", False))
                      or bool(c.lift and d[c.k][0] == c.lift)):
                 continue  # the first dimension is the batch (or, B == 1, a broadcast one, e.g. positions;
                 # or batch-free ids, expanded: it stayed T with fewer examples)
             what = "the axis its rule reads as the batch" if c.capture is not None else "input's first dimension"
             reason = (f"{what} equals the batch size {B} but is not the batch dimension "
-                      f"(a probe with {Bp} examples gave {probe_saw(c)})")
+                      f"(a probe with {probe_size(c)} examples gave {probe_saw(c)})")
         for n in ruled[c.module][2].values():
             fallback.setdefault(n, f"{type(c.module).__name__} ({c.mname}): {reason}")
     return relift

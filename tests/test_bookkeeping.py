@@ -7192,3 +7192,90 @@ def test_mixing_binary_features_on_a_drawn_step_keeps_the_bound():
     mixed, ruled, worst = _drawn_mixing_steps(step, params, (x, y), (xr, yr), 0.3)
     assert mixed and ruled, (mixed, ruled)
     assert worst <= 1 + 1e-9, worst
+
+
+# ------------------------------------------------------------------------------------------------
+# round 50: a forward whose calls depend on the batch's values is probed with the whole batch too
+# ------------------------------------------------------------------------------------------------
+
+
+class _Unrolled(nn.Module):
+    """A Linear cell unrolled ``int(lens.max())`` times, an example past its length keeping its state
+    (``torch.where``): per example, but how often the cell runs depends on the batch's values (review, round 50:
+    a probe of two short examples ran it once, the batch 7 times; every Linear fell back and the step raised)."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.inp, self.cell, self.out = nn.Linear(3, d), nn.Linear(d, d), nn.Linear(d, 2)
+
+    def forward(self, x, lens):
+        h = torch.zeros(x.shape[0], self.cell.out_features, dtype=x.dtype)
+        for t in range(int(lens.max())):
+            h = torch.where((t < lens)[:, None], torch.tanh(self.inp(x[:, t]) + self.cell(h)), h)
+        return self.out(h)
+
+
+def _unrolled_loss(m, b):
+    x, lens, y = b
+    return F.cross_entropy(m(x, lens), y, reduction="none")
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(3, 5), st.lists(st.lists(st.integers(1, 6), min_size=5, max_size=5), min_size=1, max_size=3),
+       st.sampled_from(["bk", "auto"]), st.floats(0.05, 2.0), st.integers(0, 2 ** 16))
+def test_loop_count_from_the_batch_values_is_exact_on_the_rules(B, lens_seq, method, C, seed):
+    """Batches of one shape whose longest example differs, in any order, first step or later (the probe memo kept
+    from batches that took other paths): exact against the naive loop, every Linear on its rule, no fallback."""
+    torch.manual_seed(seed)
+    m = _Unrolled().double()
+    step = make_dp_step(m, _unrolled_loss, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=float(B),
+                        method=method)
+    params = trainable_params(m)
+    for lens in lens_seq:
+        lens = torch.tensor(lens[:B])
+        b = (torch.randn(B, 6, 3, dtype=torch.float64), lens, torch.randint(0, 2, (B,)))
+        part = step.clipped_sum(params, b)
+        assert "vmap" not in set(part.routes.values()), (lens, part.routes)
+        norms, sums = naive_clipped_sum(m, _unrolled_loss, b, max_grad_norm=C)
+        assert torch.allclose(part.per_sample_norms, norms, rtol=1e-9, atol=0), (lens, part.per_sample_norms, norms)
+        for n, s in sums.items():
+            assert torch.allclose(part.sums[n], s, rtol=1e-9, atol=1e-12), (lens, n)
+
+
+def test_whole_batch_probe_runs_only_where_a_call_is_unmatched():
+    """A model whose calls do not depend on the values takes no whole-batch probe; the unrolled cell takes one
+    per new path (a later batch of a path seen before finds its records)."""
+    from pdpsgd import bookkeeping as bk
+
+    wholes = []
+    real = bk._probe_first_dims
+
+    def counting(*a, **k):
+        wholes.append(bool(a[9] if len(a) > 9 else k.get("whole", False)))
+        return real(*a, **k)
+
+    torch.manual_seed(0)
+    m = _Unrolled().double()
+    step = make_dp_step(m, _unrolled_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    params = trainable_params(m)
+    x, y = torch.randn(4, 6, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    bk._probe_first_dims = counting
+    try:
+        done = []
+        for lens in ([6, 6, 2, 1], [6, 5, 2, 3], [1, 1, 6, 6], [2, 1, 2, 1], [6, 1, 1, 1], [2, 2, 1, 1]):
+            wholes.clear()
+            step.clipped_sum(params, (x, torch.tensor(lens), y))
+            done.append(sum(wholes))
+        # 6 (the two-example probe runs it 6 times too), 6 seen, 6 seen (the two-example probe would run it once),
+        # 2 new, 6 seen, 2 seen
+        assert done == [0, 0, 0, 1, 0, 0], done
+        mlp = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+        step2 = make_dp_step(mlp, lambda mm, b: (mm(b[0]).squeeze(1) - b[1]) ** 2, max_grad_norm=1.0,
+                             noise_multiplier=0.0, method="bk")
+        wholes.clear()
+        for _ in range(2):
+            step2.clipped_sum(trainable_params(mlp), (torch.randn(5, 3, dtype=torch.float64),
+                                                      torch.randn(5, dtype=torch.float64)))
+        assert not any(wholes) and len(wholes) >= 1, wholes
+    finally:
+        bk._probe_first_dims = real
