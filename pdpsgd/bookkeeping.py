@@ -1732,9 +1732,9 @@ PROBE_MEMO_MAX = 64
 # with V == B, had the probe's call on the batch confirm the capture's call on the table). A forward
 # that draws random numbers is probed on PROBE_DRAWS more seeds on its first step, and a call with no
 # probe record from its own site (LayerDrop skipped its layer in the probes) on up to PROBE_RETRIES
-# more per step, PROBE_MAX probes in all per batch shape (and, where still none, one probe of the whole
-# batch: a forward whose calls depend on the batch's values; round 50); a call is confirmed only if every probe
-# record from the same sites confirms it.
+# more per step, PROBE_MAX probes in all per batch shape; a call is confirmed only if every probe record from
+# the same sites, on the batch's path (``_shape_agrees``), confirms it; one still unconfirmed gets a probe of the
+# whole batch, once per path (a forward whose calls or sizes depend on the batch's values; round 50).
 PROBE_DRAWS = 2
 PROBE_RETRIES = 3
 PROBE_MAX = 8
@@ -2201,11 +2201,12 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
     Bp = B + 1 if whole else PROBE_B if B != PROBE_B else PROBE_B + 1
     idx = torch.arange(Bp) % B  # examples 0, 1, ... (repeated when B is smaller)
     probe = select_examples(batch, idx)
-    seen: Dict[str, List[Tuple[Optional[int], Optional[int], Optional[int], Any]]] = {}
+    seen: Dict[str, List[Tuple[Optional[int], Optional[int], Optional[int], Any, Any]]] = {}
 
-    def hook(module, args, kwargs, output):  # (first dim, first dim of the base it is a whole view of, second dim, site)
+    def hook(module, args, kwargs, output):  # (first dim, first dim of the base it is a whole view of, second dim,
+        # site, the first input's shape (``_input_shape``))
         if getattr(ruled[module][1], "batch_dim_of_output", False):
-            seen.setdefault(ruled[module][0], []).append((_out_dim(output), None, None, _call_site()))
+            seen.setdefault(ruled[module][0], []).append((_out_dim(output), None, None, _call_site(), None))
             return
         x = _first_tensor(args, kwargs)
         base = _whole_view_of(x) if x is not None and x.dim() > 0 else None
@@ -2213,7 +2214,8 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
         # recorded as None: not confirmed as the batch)
         seen.setdefault(ruled[module][0], []).append((_first_dim(args, kwargs), None if base is None else int(base.shape[0]),
                                                       int(x.shape[1]) if x is not None and x.dim() > 1
-                                                      and _dim1_steps_examples(x, Bp) else None, _call_site()))
+                                                      and _dim1_steps_examples(x, Bp) else None, _call_site(),
+                                                      _input_shape(ruled[module][1], args, kwargs)))
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m, (_, rule, _) in ruled.items()
                if not getattr(rule, "custom_forward", False)]  # (custom-forward rules check their own layout)
@@ -2225,7 +2227,7 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
     def custom(rule, module, *args, **kwargs):  # (the axis a custom-forward rule reads as the batch)
         if getattr(rule, "batch_axis", None) is not None:
             seen.setdefault(ruled[module][0], []).append((_rule_batch_dim(rule, module, args, kwargs), None, None,
-                                                          _call_site()))
+                                                          _call_site(), None))
         return _probe_custom_forward(rule, module, *args, **kwargs)
 
     for m in probed:
@@ -2489,6 +2491,25 @@ def _rule_batch_dim(rule: Rule, module: nn.Module, args: Tuple[Any, ...], kwargs
     return int(x.shape[axis]) if x is not None and x.dim() > axis else None
 
 
+def _input_shape(rule: Rule, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Optional[Tuple[int, ...]]:
+    """The shape of a call's first input as the capture and the batch-dimension probe record it (None for a
+    rule that reads the batch elsewhere: its output's first dim, a custom axis)."""
+    if getattr(rule, "batch_dim_of_output", False) or getattr(rule, "batch_axis", None) is not None:
+        return None
+    x = _first_tensor(args, kwargs)
+    return None if x is None else tuple(x.shape)
+
+
+def _shape_agrees(probe: Optional[Tuple[int, ...]], real: Optional[Tuple[int, ...]], bp: int, B: int) -> bool:
+    """Whether a probe call's input shape (a probe of ``bp`` examples) can be the capture's call's (B examples)
+    on the same path: each dim the same, or in the ratio bp : B (the batch, or the batch flattened with other
+    dims). Not so where the forward cut its tensors to what the batch's values ask (its longest example: another
+    T); such a record says nothing of this call (see ``_check_batch_dims``)."""
+    if probe is None or real is None:
+        return True
+    return len(probe) == len(real) and all(a == b or a * B == b * bp for a, b in zip(probe, real))
+
+
 def _probe_custom_forward(rule: Rule, module: nn.Module, *args, **kwargs):
     """A custom-forward rule's forward in the batch-dimension probe: its output (the layer's own
     forward where the rule declines the call)."""
@@ -2667,6 +2688,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     swapped: Dict[nn.Module, List[Dict[str, Tensor]]] = {}
     real_dims: Dict[str, List[Optional[int]]] = {}  # module name -> first dim of each call's input
     real_sites: Dict[str, List[Any]] = {}  # module name -> each call's site (``_call_site``)
+    real_shapes: Dict[str, List[Any]] = {}  # module name -> each call's first input's shape (``_input_shape``)
 
     def swap_in(module):
         mname, rule, local = ruled[module]
@@ -2732,6 +2754,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
             real_dims.setdefault(mname, []).append(
                 _out_dim(output) if getattr(rule, "batch_dim_of_output", False) else _rule_batch_dim(rule, module, args, kwargs))
             real_sites.setdefault(mname, []).append(_call_site())
+            real_shapes.setdefault(mname, []).append(_input_shape(rule, args, kwargs))
         # a rule that checks each call against its output does it now, with this step's parameter
         # values still in place and before the model may edit the output in place
         ok = True
@@ -2969,7 +2992,7 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
         return _apply_order(col, order, batch, probe_memo, params, okey)
     relift = _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, real_sites,
                                fallback, probe_memo, registry,
-                               None if attrs_at[0] is None else (rng_at[0], attrs_at[0]))
+                               None if attrs_at[0] is None else (rng_at[0], attrs_at[0]), real_shapes)
     if relift - forced and probe_memo is not None:  # run again with them read so
         _memo_put(probe_memo, lkey, forced | relift)
         del calls[:]
@@ -3213,7 +3236,7 @@ def _duplicates_key(loss_module: LossModule, batch: Batch, B: int):
 def _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, uses: Mapping[str, List[Use]],
                          spread: Mapping[str, List[str]], probe_memo, key, avoid: Set[int] = frozenset(),
                          forward_only: Set[str] = frozenset(), losses: Optional[Tensor] = None,
-                         no_expand: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+                         no_expand: Optional[Mapping[str, str]] = None, copies: Optional[int] = None) -> Dict[str, str]:
     """{module name: reason} for the expanded modules of ``spread`` (module name -> its parameters
     with uses) that the check above finds read otherwise; memoised per batch shape. ``avoid``: the
     lengths of the batch-free ids expanded (``_Call.lift``); the copies are as many as none of them
@@ -3224,8 +3247,11 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
     are the modules of ``spread`` when every gradient through them is exactly 0 in this step (a
     zero-initialised gate, say). The forward-only comparison takes the example whose loss (``losses``,
     the step's) is largest in magnitude, and is memoised only if that loss is not 0 (a padding-only
-    batch hides any change). ``no_expand``: the modules not expanded in the step (nor in the copies)."""
-    m = 2
+    batch hides any change). ``no_expand``: the modules not expanded in the step (nor in the copies).
+    ``copies``: at least that many (the check runs once more with one more copy where the copies' own
+    capture sent a module to the fallback: a forward cut to the copied example's length, 2, had the
+    position lookup's 2 rows taken for the copies' batch; review, round 50)."""
+    m = copies or 2
     while m in avoid:
         m += 1
     why = ("its (1, T, ...) or (T, ...) output, expanded to the batch, is not used row by row: of copies of one "
@@ -3296,6 +3322,10 @@ def _duplicates_disagree(loss_module, params, constants, batch, registry, overri
                 continue
             for n in names:
                 if n in sub.fallback:
+                    if copies is None:  # (once: its own lengths may have met the copies' number)
+                        return _duplicates_disagree(loss_module, params, constants, batch, registry, overrides, uses,
+                                                    spread, probe_memo, key, avoid, forward_only, losses, no_expand,
+                                                    copies=m + 1)
                     bad[mn] = why + f" (with {m} copies it fell back: {sub.fallback[n]})"
                     break
                 us = sub.uses.get(n, [])
@@ -4193,7 +4223,8 @@ class _Probed:
 
 
 def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, real_dims, real_sites, fallback,
-                      probe_memo, registry, replay: Optional[Tuple[Any, Any]] = None) -> Set[str]:
+                      probe_memo, registry, replay: Optional[Tuple[Any, Any]] = None,
+                      real_shapes: Optional[Mapping[str, List[Any]]] = None) -> Set[str]:
     """Send to the vmap fallback every parameter of a call whose input's first dimension equals B
     but did not follow the probe's batch size (see ``PROBE_B``), or that was read as time-major and
     whose second dimension did not. Returns {(module name, kind)} to run again read otherwise instead
@@ -4261,28 +4292,26 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
         matched.clear()
         tries += 1
         grew = True
-    if failed is None and B + 1 != got.Bp and B > 1 and (not got.drew or got.runs < PROBE_MAX) \
-            and any(not alts(mn) for mn in need):
-        # A call with no probe record from its sites, the forward drawing nothing (or no seed gave one):
-        # how often or where the model calls a layer depends on the batch's values (review, round 50: a
-        # cell unrolled ``range(int(lens.max()))`` times ran once in a probe of two short examples, 7
-        # times in the batch; an ``if`` on the data). The whole batch, with its first example again,
-        # takes the batch's own path (B + 1 examples: a batch dimension follows, a fixed one does not).
-        # Its records join the batch shape's alternatives, so a later batch of the same values' path
-        # finds them; a probe that fails leaves the calls unconfirmed, as before. (A forward that draws:
-        # within its PROBE_MAX probes a batch shape.)
-        probe_more(None, replay if got.stateful else None, whole=True)
-        matched.clear()
-        grew = True
-    if key is not None and failed is None and grew:
-        _memo_put(probe_memo, key, got)
+    shapes = real_shapes or {}
 
-    def every(mname: str, test) -> bool:  # some alternative from the capture's sites, and each passes ``test``
-        a = alts(mname)  # (test(records, that probe's size))
+    def every(mname: str, test, k: Optional[int] = None) -> bool:
+        # some alternative from the capture's sites, and each passes ``test`` (records, that probe's size). With
+        # ``k`` (the call's index), only the records of that call that can be on this batch's path count
+        # (``_shape_agrees``), and, for a call whose dims 0 and 1 both have the batch's size, not one whose dims
+        # 0 and 1 both had its probe's: it says neither which is the batch (review, round 50: a forward cut to
+        # the longest example, time-major, whose probe of two examples had T = 2, read a later batch's
+        # (T = B, B, d) input batch-first: 1.06 × 2C)
+        a = alts(mname)
+        if k is not None:
+            real = shapes.get(mname, ())
+            real = real[k] if k < len(real) else None
+            both = B > 1 and real is not None and len(real) > 1 and real[0] == real[1] == B  # (B, B, ...)
+            a = [(bp, d) for bp, d in a if _shape_agrees(d[k][4], real, bp, B)
+                 and not (both and d[k][0] == bp and d[k][2] == bp)]
         return bool(a) and all(test(d, bp) for bp, d in a)
 
     def time_major(c: _Call) -> bool:  # dim 0 stayed, dim 1 followed the probe's size
-        return every(c.mname, lambda d, bp: d[c.k][0] == real_dims[c.mname][c.k] and d[c.k][2] == bp)
+        return every(c.mname, lambda d, bp: d[c.k][0] == real_dims[c.mname][c.k] and d[c.k][2] == bp, c.k)
 
     def probe_saw(c: _Call, part=slice(0, 1)) -> Any:  # (for the message)
         a = alts(c.mname)
@@ -4293,45 +4322,75 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
             counts = " or ".join(map(str, sorted({len(r) for _, r in got.alts.get(c.mname, ())}))) or "0"
             return (f"no call from the same call sites (in {got.runs} probe{'s' if got.runs != 1 else ''}, which "
                     f"called it {counts} times, against the batch's {n})")
-        d = a[0][1][c.k][part]
+        d = a[-1][1][c.k][part]
         return d[0] if len(d) == 1 else d
 
     def probe_size(c: _Call) -> int:  # (for the message)
         a = alts(c.mname)
-        return a[0][0] if a else got.Bp
+        return a[-1][0] if a else got.Bp
 
-    confirmed = {id(c) for c in todo if c.retry and time_major(c)}
-    relift = {(c.mname, c.retry) for c in todo if id(c) in confirmed}
-    # only a module all of whose calls are read so (one kind)
-    relift = {(mn, kind) for mn, kind in relift
-              if all(id(c) in confirmed and c.retry == kind for c in calls if c.mname == mn)}
-    if probe_memo is None:  # no capture again without a memo to carry ``forced``: those go to the fallback
-        relift = set()
-    for c in todo:
-        if (c.mname, c.retry) in relift:
-            continue
-        if failed is not None:
-            reason = f"the batch-dimension probe failed ({failed})"
-        elif c.bdim:
-            if time_major(c):
-                continue  # time-major: dim 0 stayed, dim 1 followed the probe's size
-            reason = (f"read as time-major ((T, B, ...), T = {real_dims[c.mname][c.k]}), but a probe with "
-                      f"{probe_size(c)} examples gave first and second dims {probe_saw(c, slice(0, 3, 2))}")
-        elif c.rows:
-            if c.root is not None and every(c.root[0], lambda r, bp: r[c.root[1]][:2] == (bp * c.rows, bp)) \
-                    and every(c.mname, lambda d, bp: d[c.k][0] == bp * c.rows):
-                continue  # flattened (B·rows, ...) rows traced to a (B, ...) view whose first dim is the batch
-            reason = (f"its input has {B * c.rows} rows, the batch flattened, but a probe with {probe_size(c)} "
-                      "examples did not confirm that the flattened tensor's first dimension is the batch")
-        else:
-            if every(c.mname, lambda d, bp: d[c.k][0] == bp
-                     or (d[c.k][0] == 1 and getattr(c.rule, "broadcast_batch", False))
-                     or bool(c.lift and d[c.k][0] == c.lift)):
-                continue  # the first dimension is the batch (or, B == 1, a broadcast one, e.g. positions;
-                # or batch-free ids, expanded: it stayed T with fewer examples)
-            what = "the axis its rule reads as the batch" if c.capture is not None else "input's first dimension"
-            reason = (f"{what} equals the batch size {B} but is not the batch dimension "
-                      f"(a probe with {probe_size(c)} examples gave {probe_saw(c)})")
+    def verdicts() -> Tuple[Set[Tuple[str, str]], List[Tuple[_Call, str]]]:
+        # (the modules to capture again read otherwise, the calls not confirmed with why)
+        confirmed = {id(c) for c in todo if c.retry and time_major(c)}
+        relift = {(c.mname, c.retry) for c in todo if id(c) in confirmed}
+        # only a module all of whose calls are read so (one kind)
+        relift = {(mn, kind) for mn, kind in relift
+                  if all(id(c) in confirmed and c.retry == kind for c in calls if c.mname == mn)}
+        if probe_memo is None:  # no capture again without a memo to carry ``forced``: those go to the fallback
+            relift = set()
+        bad: List[Tuple[_Call, str]] = []
+        for c in todo:
+            if (c.mname, c.retry) in relift:
+                continue
+            if failed is not None:
+                reason = f"the batch-dimension probe failed ({failed})"
+            elif c.bdim:
+                if time_major(c):
+                    continue  # time-major: dim 0 stayed, dim 1 followed the probe's size
+                reason = (f"read as time-major ((T, B, ...), T = {real_dims[c.mname][c.k]}), but a probe with "
+                          f"{probe_size(c)} examples gave first and second dims {probe_saw(c, slice(0, 3, 2))}")
+            elif c.rows:
+                if c.root is not None and every(c.root[0], lambda r, bp: r[c.root[1]][:2] == (bp * c.rows, bp),
+                                                c.root[1]) \
+                        and every(c.mname, lambda d, bp: d[c.k][0] == bp * c.rows, c.k):
+                    continue  # flattened (B·rows, ...) rows traced to a (B, ...) view whose first dim is the batch
+                reason = (f"its input has {B * c.rows} rows, the batch flattened, but a probe with {probe_size(c)} "
+                          "examples did not confirm that the flattened tensor's first dimension is the batch")
+            else:
+                if every(c.mname, lambda d, bp: d[c.k][0] == bp
+                         or (d[c.k][0] == 1 and getattr(c.rule, "broadcast_batch", False))
+                         or bool(c.lift and d[c.k][0] == c.lift), c.k):
+                    continue  # the first dimension is the batch (or, B == 1, a broadcast one, e.g. positions;
+                    # or batch-free ids, expanded: it stayed T with fewer examples)
+                what = "the axis its rule reads as the batch" if c.capture is not None else "input's first dimension"
+                reason = (f"{what} equals the batch size {B} but is not the batch dimension "
+                          f"(a probe with {probe_size(c)} examples gave {probe_saw(c)})")
+            bad.append((c, reason))
+        return relift, bad
+
+    def probed_whole(c: _Call) -> bool:  # a probe of B + 1 examples on this call's path (sites and shapes) ran
+        real = shapes.get(c.mname, ())
+        real = real[c.k] if c.k < len(real) else None
+        return any(bp == B + 1 and _shape_agrees(d[c.k][4], real, bp, B) for bp, d in alts(c.mname))
+
+    relift, bad = verdicts()
+    if failed is None and any(not probed_whole(c) for c, _ in bad):
+        # A call the batch shape's probes do not confirm (no record from its sites, or none from this batch's
+        # path): how often or where the model calls a layer, or the sizes it cuts its tensors to, may depend
+        # on the batch's values (review, round 50: a cell unrolled ``range(int(lens.max()))`` times ran once
+        # in a probe of two short examples, 7 times in the batch; a forward cut to its batch's longest example;
+        # an ``if`` on the data). The whole batch, with its first example again, takes the batch's own path
+        # (B + 1 examples: a batch dimension follows, a fixed one does not). Its records join the batch shape's
+        # alternatives, so a later batch that takes that path finds them; a probe that fails leaves the calls
+        # unconfirmed, as before. One a step, only where a call is unconfirmed and no such probe ran on its path
+        # (a (V, d) table with V = B: once; a forward that draws: its other probes first, above).
+        probe_more(None, replay if got.stateful else None, whole=True)
+        matched.clear()
+        grew = True
+        relift, bad = verdicts()
+    if key is not None and failed is None and grew:
+        _memo_put(probe_memo, key, got)
+    for c, reason in bad:
         for n in ruled[c.module][2].values():
             fallback.setdefault(n, f"{type(c.module).__name__} ({c.mname}): {reason}")
     return relift

@@ -7220,12 +7220,13 @@ def _unrolled_loss(m, b):
     return F.cross_entropy(m(x, lens), y, reduction="none")
 
 
-@settings(max_examples=10, deadline=None)
-@given(st.integers(3, 5), st.lists(st.lists(st.integers(1, 6), min_size=5, max_size=5), min_size=1, max_size=3),
+@settings(max_examples=12, deadline=None)
+@given(st.integers(1, 5), st.lists(st.lists(st.integers(1, 6), min_size=5, max_size=5), min_size=1, max_size=3),
        st.sampled_from(["bk", "auto"]), st.floats(0.05, 2.0), st.integers(0, 2 ** 16))
 def test_loop_count_from_the_batch_values_is_exact_on_the_rules(B, lens_seq, method, C, seed):
     """Batches of one shape whose longest example differs, in any order, first step or later (the probe memo kept
-    from batches that took other paths): exact against the naive loop, every Linear on its rule, no fallback."""
+    from batches that took other paths), B = 1 and 2 too (review: the whole-batch probe was first skipped there):
+    exact against the naive loop, every Linear on its rule, no fallback."""
     torch.manual_seed(seed)
     m = _Unrolled().double()
     step = make_dp_step(m, _unrolled_loss, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=float(B),
@@ -7279,3 +7280,119 @@ def test_whole_batch_probe_runs_only_where_a_call_is_unmatched():
         assert not any(wholes) and len(wholes) >= 1, wholes
     finally:
         bk._probe_first_dims = real
+
+
+def test_unrolled_cell_with_dropout_keeps_to_the_rules_past_the_probe_budget():
+    """In training mode with dropout (a forward that draws: probed on more seeds, PROBE_MAX probes a batch shape),
+    a new loop count after the budget is spent still gets its whole-batch probe (review: the 5th length raised)."""
+
+    class Dropped(_Unrolled):
+        def __init__(self):
+            super().__init__()
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, x, lens):
+            return super().forward(self.drop(x), lens)
+
+    torch.manual_seed(0)
+    m = Dropped().double().train()
+    step = make_dp_step(m, _unrolled_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
+    params = trainable_params(m)
+    for lens in ([1, 2, 1, 2], [1, 2, 3, 1], [1, 1, 4, 2], [5, 1, 2, 1], [2, 1, 6, 1], [1, 1, 1, 1], [3, 3, 3, 3]):
+        b = (torch.randn(4, 6, 3, dtype=torch.float64), torch.tensor(lens), torch.randint(0, 2, (4,)))
+        part = step.clipped_sum(params, b)
+        assert "vmap" not in set(part.routes.values()), (lens, part.routes)
+        assert bool((part.per_sample_norms > 0).all()), lens
+
+
+class _CutTimeMajor(nn.Module):
+    """An ``nn.TransformerEncoder`` in torch's default time-major layout, on the batch cut to its longest example
+    (``ids[:, :L].t()``, L from the mask): the layers' (L, B, d) inputs have L = B for some batches."""
+
+    def __init__(self, V=11, T=7, D=8):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(V, D), nn.Embedding(T, D)
+        layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, ids, mask):
+        B, L = ids.shape[0], int(mask.sum(1).max())
+        ids, mask = ids[:, :L].t(), mask[:, :L]  # (L, B)
+        h = self.emb(ids) + self.pos(torch.arange(L)[:, None].expand(L, B))
+        h = self.enc(h, src_key_padding_mask=~mask)  # (L, B, D)
+        m = mask.t().unsqueeze(-1).to(h.dtype)
+        return self.head((h * m).sum(0) / m.sum(0))
+
+
+def _cut_loss(m, b):
+    ids, mask, y = b
+    return F.cross_entropy(m(ids, mask), y, reduction="none")
+
+
+@pytest.mark.parametrize("B,first,later", [(3, [1, 2, 2], [[3, 1, 2], [3, 3, 3], [1, 2, 5]]),
+                                           (4, [2, 1, 2, 1], [[4, 1, 2, 3], [1, 4, 1, 1], [6, 2, 2, 2]])])
+def test_time_major_forward_cut_to_the_longest_example_is_exact(B, first, later):
+    """(Review, round 50.) The first batch's probe of two examples had L = 2 = its size, so its (2, 2, d) records
+    read both ways; a later batch cut to L = B ((B, B, d) inputs) was read batch-first from them: time steps
+    credited to examples, one example replaced moved the sum by 1.06 × 2C. Now such records say nothing of a
+    (B, B, ...) call, nor does a record of another L: the whole batch is probed. Exact, and within the bound."""
+    torch.manual_seed(0)
+    m = _CutTimeMajor().double().eval()
+    step = make_dp_step(m, _cut_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk")
+    params = trainable_params(m)
+
+    def batch(lens):
+        mask = torch.arange(7)[None] < torch.tensor(lens)[:, None]
+        return torch.randint(0, 11, (len(lens), 7)), mask, torch.randint(0, 3, (len(lens),))
+
+    for lens in [first] + later:
+        b = batch(lens)
+        part = step.clipped_sum(params, b)
+        norms, sums = naive_clipped_sum(m, _cut_loss, b, max_grad_norm=0.1)
+        assert torch.allclose(part.per_sample_norms, norms, rtol=1e-9, atol=0), (lens, part.per_sample_norms, norms)
+        for n, v in sums.items():
+            assert torch.allclose(part.sums[n], v, rtol=1e-9, atol=1e-12), (lens, n)
+    rep = check_sensitivity(step, params, b)
+    assert rep.max_ratio <= 1 + 1e-9, rep.max_ratio
+
+
+class _CutBatchFirst(nn.Module):
+    """A batch-first ``nn.TransformerEncoder`` on the batch cut to its longest example, with nanoGPT-style positions
+    ``pos(torch.arange(L))`` (batch-free ids, expanded to the batch by the engine)."""
+
+    def __init__(self, V=11, T=7, D=8):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(V, D), nn.Embedding(T, D)
+        layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, ids, mask):
+        L = int(mask.sum(1).max())
+        ids, mask = ids[:, :L], mask[:, :L]
+        h = self.enc(self.emb(ids) + self.pos(torch.arange(L)), src_key_padding_mask=~mask)
+        m = mask.unsqueeze(-1).to(h.dtype)
+        return self.head((h * m).sum(1) / m.sum(1))
+
+
+@pytest.mark.parametrize("B,seq", [(4, [[3, 5, 2, 4], [7, 1, 1, 2], [2, 2, 2, 2], [1, 6, 3, 3]]),
+                                   (2, [[3, 1], [5, 7], [1, 1], [2, 6]]), (1, [[3], [7], [1]])])
+def test_batch_first_forward_cut_to_the_longest_example_is_exact(B, seq):
+    """(Review, round 50: every batch raised at B = 4.) The duplicated-example check of the expanded positions
+    copies one example twice, whose own cut length was 2: the positions' 2 rows read as the copies' batch, and the
+    check failed; it now runs once more with 3 copies. A probe of two examples cut to another length says
+    nothing of the batch's calls (the whole batch is probed). Exact on every batch."""
+    torch.manual_seed(0)
+    m = _CutBatchFirst().double().eval()
+    step = make_dp_step(m, _cut_loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
+    params = trainable_params(m)
+    for lens in seq:
+        mask = torch.arange(7)[None] < torch.tensor(lens)[:, None]
+        b = (torch.randint(0, 11, (B, 7)), mask, torch.randint(0, 3, (B,)))
+        part = step.clipped_sum(params, b)
+        assert "vmap" not in set(part.routes.values()), (lens, part.routes)
+        norms, sums = naive_clipped_sum(m, _cut_loss, b, max_grad_norm=0.5)
+        assert torch.allclose(part.per_sample_norms, norms, rtol=1e-9, atol=0), (lens, part.per_sample_norms, norms)
+        for n, v in sums.items():
+            assert torch.allclose(part.sums[n], v, rtol=1e-9, atol=1e-12), (lens, n)
