@@ -7243,9 +7243,9 @@ def test_loop_count_from_the_batch_values_is_exact_on_the_rules(B, lens_seq, met
             assert torch.allclose(part.sums[n], s, rtol=1e-9, atol=1e-12), (lens, n)
 
 
-def test_whole_batch_probe_runs_only_where_a_call_is_unmatched():
-    """A model whose calls do not depend on the values takes no whole-batch probe; the unrolled cell takes one
-    per new path (a later batch of a path seen before finds its records)."""
+@contextlib.contextmanager
+def _counting_wholes():
+    """The probes the engine runs meanwhile, as a list of bools (True: a whole-batch probe)."""
     from pdpsgd import bookkeeping as bk
 
     wholes = []
@@ -7255,13 +7255,22 @@ def test_whole_batch_probe_runs_only_where_a_call_is_unmatched():
         wholes.append(bool(a[9] if len(a) > 9 else k.get("whole", False)))
         return real(*a, **k)
 
+    bk._probe_first_dims = counting
+    try:
+        yield wholes
+    finally:
+        bk._probe_first_dims = real
+
+
+def test_whole_batch_probe_runs_only_where_a_call_is_unmatched():
+    """A model whose calls do not depend on the values takes no whole-batch probe; the unrolled cell takes one
+    per new path (a later batch of a path seen before finds its records)."""
     torch.manual_seed(0)
     m = _Unrolled().double()
     step = make_dp_step(m, _unrolled_loss, max_grad_norm=1.0, noise_multiplier=0.0, method="bk")
     params = trainable_params(m)
     x, y = torch.randn(4, 6, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
-    bk._probe_first_dims = counting
-    try:
+    with _counting_wholes() as wholes:
         done = []
         for lens in ([6, 6, 2, 1], [6, 5, 2, 3], [1, 1, 6, 6], [2, 1, 2, 1], [6, 1, 1, 1], [2, 2, 1, 1]):
             wholes.clear()
@@ -7278,8 +7287,6 @@ def test_whole_batch_probe_runs_only_where_a_call_is_unmatched():
             step2.clipped_sum(trainable_params(mlp), (torch.randn(5, 3, dtype=torch.float64),
                                                       torch.randn(5, dtype=torch.float64)))
         assert not any(wholes) and len(wholes) >= 1, wholes
-    finally:
-        bk._probe_first_dims = real
 
 
 def test_unrolled_cell_with_dropout_keeps_to_the_rules_past_the_probe_budget():
@@ -7331,12 +7338,15 @@ def _cut_loss(m, b):
 
 
 @pytest.mark.parametrize("B,first,later", [(3, [1, 2, 2], [[3, 1, 2], [3, 3, 3], [1, 2, 5]]),
-                                           (4, [2, 1, 2, 1], [[4, 1, 2, 3], [1, 4, 1, 1], [6, 2, 2, 2]])])
+                                           (4, [2, 1, 2, 1], [[4, 1, 2, 3], [1, 4, 1, 1], [6, 2, 2, 2]]),
+                                           (4, [3, 1, 2, 2], [[6, 1, 2, 3], [2, 1, 1, 1], [4, 1, 2, 3]])])
 def test_time_major_forward_cut_to_the_longest_example_is_exact(B, first, later):
     """(Review, round 50.) The first batch's probe of two examples had L = 2 = its size, so its (2, 2, d) records
     read both ways; a later batch cut to L = B ((B, B, d) inputs) was read batch-first from them: time steps
     credited to examples, one example replaced moved the sum by 1.06 × 2C. Now such records say nothing of a
-    (B, B, ...) call, nor does a record of another L: the whole batch is probed. Exact, and within the bound."""
+    (B, B, ...) call, nor does a record of another L: the whole batch is probed (a (3, 2, d) record once agreed
+    with a (6, 4, d) call, both dims in the 2 : 4 ratio, and vetoed its whole-batch probe's verdict: one dim at
+    most may differ). Exact, and within the bound."""
     torch.manual_seed(0)
     m = _CutTimeMajor().double().eval()
     step = make_dp_step(m, _cut_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk")
@@ -7396,3 +7406,40 @@ def test_batch_first_forward_cut_to_the_longest_example_is_exact(B, seq):
         assert torch.allclose(part.per_sample_norms, norms, rtol=1e-9, atol=0), (lens, part.per_sample_norms, norms)
         for n, v in sums.items():
             assert torch.allclose(part.sums[n], v, rtol=1e-9, atol=1e-12), (lens, n)
+
+
+def test_a_whole_batch_probe_that_fails_is_not_run_again_on_its_path():
+    """(Review of round 50.) A (V, d) table projected by a Linear with V = B (unconfirmed: the exact fallback, as
+    it should) in a forward that cannot run B + 1 examples (a buffer sized for the loader's batch): the failed
+    whole-batch probe was run again at every step. Now once per path; every step exact."""
+
+    class Sized(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.proj = nn.Linear(5, 6), nn.Linear(6, 6)
+            self.cls = nn.Parameter(torch.randn(4, 6))
+            self.register_buffer("scale", torch.ones(4, 1))
+
+        def forward(self, x):
+            return (torch.tanh(self.enc(x)) * self.scale[:x.shape[0]]) @ self.proj(self.cls).t()
+
+    torch.manual_seed(0)
+    m = Sized().double().eval()
+    step = make_dp_step(m, _ce_xy, max_grad_norm=0.3, noise_multiplier=0.0, method="bk")
+    params = trainable_params(m)
+    with _counting_wholes() as wholes:
+        per_step = []
+        for _ in range(4):
+            b = (torch.randn(4, 5, dtype=torch.float64), torch.randint(0, 4, (4,)))
+            wholes.clear()
+            part = step.clipped_sum(params, b)
+            per_step.append(sum(wholes))
+            norms, sums = naive_clipped_sum(m, _ce_xy, b, max_grad_norm=0.3)
+            assert torch.allclose(part.per_sample_norms, norms, rtol=1e-9, atol=0)
+            assert "vmap" in set(part.routes.values())  # (the table's projection)
+    assert per_step[0] >= 1 and per_step[1:] == [0, 0, 0], per_step
+
+
+def _ce_xy(m, b):
+    x, y = b
+    return F.cross_entropy(m(x), y, reduction="none")
