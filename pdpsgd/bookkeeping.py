@@ -2191,8 +2191,8 @@ def _probe_first_dims(loss_module: LossModule, params: Params, constants: Mappin
                       ruled: Dict[nn.Module, Tuple[str, Rule, Dict[str, str]]], B: int, registry: RuleRegistry,
                       seed: Optional[int] = None, replay: Optional[Tuple[Any, Any]] = None,
                       whole: bool = False):
-    """(probe size, {module name: (first dim, its whole-view base's first dim, second dim, call site) of
-    its calls, in order}, whether the forward drew random numbers, what of the model's state it
+    """(probe size, {module name: (first dim, its whole-view base's first dim, second dim, call site, first
+    input's shape) of its calls, in order}, whether the forward drew random numbers, what of the model's state it
     changed: module plain attributes by name, "(a generator it holds)"), or (probe size, error
     text, False, ()). ``seed``: the forked random streams seeded with it (else they go on from the
     caller's). ``replay``: (``_rng_now``, ``_module_attrs``) as the capture began: the probe runs from
