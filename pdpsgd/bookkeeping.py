@@ -4300,6 +4300,10 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
         grew = True
     shapes = real_shapes or {}
 
+    def real_shape(mname: str, k: int) -> Optional[Tuple[int, ...]]:  # (the capture's call's input shape)
+        got_ = shapes.get(mname, ())
+        return got_[k] if k < len(got_) else None
+
     def every(mname: str, test, k: Optional[int] = None) -> bool:
         # some alternative from the capture's sites, and each passes ``test`` (records, that probe's size). With
         # ``k`` (the call's index), only the records of that call that can be on this batch's path count
@@ -4309,8 +4313,7 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
         # (T = B, B, d) input batch-first: 1.06 × 2C)
         a = alts(mname)
         if k is not None:
-            real = shapes.get(mname, ())
-            real = real[k] if k < len(real) else None
+            real = real_shape(mname, k)
             both = B > 1 and real is not None and len(real) > 1 and real[0] == real[1] == B  # (B, B, ...)
             a = [(bp, d) for bp, d in a if _shape_agrees(d[k][4], real, bp, B)
                  and not (both and d[k][0] == bp and d[k][2] == bp)]
@@ -4375,8 +4378,7 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
         return relift, bad
 
     def probed_whole(c: _Call) -> bool:  # a probe of B + 1 examples on this call's path (sites and shapes) ran
-        real = shapes.get(c.mname, ())
-        real = real[c.k] if c.k < len(real) else None
+        real = real_shape(c.mname, c.k)
         return any(bp == B + 1 and _shape_agrees(d[c.k][4], real, bp, B) for bp, d in alts(c.mname))
 
     relift, bad = verdicts()
