@@ -1168,7 +1168,8 @@ class _Call:
     bcast: bool = False  # its (1, T, ...) or batch-free (T, ...) output was expanded to the batch (``Rule.broadcast_batch``)
     lift: int = 0  # > 0: batch-free ids (T,) of this length, expanded (``bcast``); the rule reads them as (1, T)
     # the probe may read this call otherwise: "time", a (B, B, ...) input (T = B) or a (1, B, ...) one
-    # (T = 1) that is time-major. Then the capture runs again.
+    # (T = 1) that is time-major; "free", 1-d (B,) ids that are batch-free (nanoGPT's positions with
+    # T = B). Then the capture runs again.
     retry: str = ""
     bdim: int = 0  # 1: a time-major call, (T, B, ...) with T ≠ B (``_time_major``); its rule reads it as (B, T, ...)
     ok: bool = True  # the rule's check of the call as it ran (``Rule.verify``) passed
@@ -1384,6 +1385,9 @@ class _Collected:
     reached: bool = True  # (whether the losses required grad: some ruled parameter reached them)
     rng: Any = None  # the random streams as the capture's forward began (``_rng_now``; ``_rng_replay``)
     attrs: Any = None  # the modules' attributes then, for a forward that changes them (``_attrs_replayed``)
+    # a parameter the example-order check had stopped asking about (no gradient in its runs of this batch shape,
+    # ORDER_RETRIES times) has one in this step: asked again, on this batch (``_collect_once``)
+    recheck: bool = False
 
 
 def _model_layout(model: nn.Module, params: Params, registry: RuleRegistry, overrides: Mapping[str, str]):
@@ -2608,7 +2612,26 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
                   check_broadcast: bool = True, loss_weights: Optional[Tensor] = None,
                   no_expand: Optional[Mapping[str, str]] = None, check_order: Union[bool, str] = True,
                   paths: Union[bool, Tuple[Any, bool]] = False) -> _Collected:
-    """``_collect``'s one attempt (with the adapters as ``_ADAPTERS_OFF`` says)."""
+    """``_collect``'s one attempt (with the adapters as ``_ADAPTERS_OFF`` says). A parameter the example-order
+    check had stopped asking about (``_Collected.recheck``) is asked again on this batch, which reaches it: the
+    capture runs once more, from the random streams it began with (review of round 50: a custom RNN cell's weight
+    had no gradient in the batches of length 1 that ``check_sensitivity`` ran, ORDER_RETRIES of them; every later
+    batch of the shape took the fallback for it, which could not run the forward: the step raised)."""
+    args = (loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast, loss_weights,
+            no_expand, check_order, paths)
+    col = _collect_body(*args)
+    if col.recheck and check_order and col.attrs is None:
+        _rewind(params, col.rng)
+        col = _collect_body(*args)
+    return col
+
+
+def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[str, Tensor], batch: Batch,
+                  registry: RuleRegistry, overrides: Mapping[str, str], probe_memo: Optional[Dict] = None,
+                  check_broadcast: bool = True, loss_weights: Optional[Tensor] = None,
+                  no_expand: Optional[Mapping[str, str]] = None, check_order: Union[bool, str] = True,
+                  paths: Union[bool, Tuple[Any, bool]] = False) -> _Collected:
+    """``_collect_once``'s capture."""
     model = loss_module.model
     B = batch_size(batch)
     # the model's own Parameter objects (read before they are swapped out of its modules for the
@@ -2624,8 +2647,10 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     if check_broadcast and probe_memo is not None and dkey in probe_memo:
         no_expand.update(probe_memo[dkey][1])
     expanded: Set[str] = set()  # modules whose outputs this forward expanded
+    expanded_tm: Set[str] = set()  # those of them whose call also reads as time-major ((1, B, ...): T = 1)
     # modules whose 1-d ids (B,) the probe found batch-free (T = B): expanded as (T,) ones are
-    # (module name, "time"): modules the probe found time-major with T = B or T = 1 (``_Call.retry``)
+    # (module name, "time"): modules the probe found time-major with T = B or T = 1 (``_Call.retry``); (module name,
+    # "free"): modules whose 1-d (B,) ids the probe found batch-free (T = B positions), expanded as (T,) ones are
     lkey = ("reread", _probe_key(batch, B, model.training))
     forced: FrozenSet[Tuple[str, str]] = probe_memo.get(lkey, frozenset()) if probe_memo is not None else frozenset()
     # the example-order check runs first (its passes, one at a time, are freed before this one's)
@@ -2809,30 +2834,36 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
             output = output.expand(B, *output.shape[1:]).contiguous()
             bcast = True
             expanded.add(mname)
+            if tm:
+                expanded_tm.add(mname)
             _glue_of(output, glue)
             retry = "time" if tm else ""
         lift = 0
         if getattr(rule, "broadcast_batch", False) and not bcast and mname not in no_expand:
             # e.g. nanoGPT's ``wpe(torch.arange(T))``: 1-d ids (T,) with no batch dim, a (T, d) output
             # that the model broadcasts over the batch: the same expansion, to (B, T, d), and the rule
-            # reads the ids as (1, T). Not when the ids are the batch flattened (traced, below), nor
-            # when T = B: the ids might be the batch's (a (B,) label lookup; the probe sends a
-            # batch-free one to the fallback), and the expansion would be invisible to the checks
-            # (a forward that reads ``pos.shape[0]`` sees T either way), whose verdicts hold for
-            # every B. The duplicated-example check guards the use, as above; a module expanded
-            # whose parameters fall back for any reason is not expanded (the capture runs again).
+            # reads the ids as (1, T). Not when the ids are the batch flattened (traced, below). When
+            # T = B the ids might be the batch's (a (B,) label lookup): read batch-first until the probe
+            # finds them batch-free (their length stayed B in probes of other sizes: ``retry`` "free"),
+            # then expanded (round 51; before, the fallback, which cannot run a forward cut to its
+            # batch's longest example). The duplicated-example check guards the use, as above (its
+            # copies are never T, whose verdicts hold for every B; at B = T a forward that reads
+            # ``pos.shape[0]`` sees T either way); a module expanded whose parameters fall back for any
+            # reason is not expanded (the capture runs again).
             x0 = _first_tensor(args, kwargs)
             if x0 is not None and x0.dim() == 1 and not x0.is_floating_point() and not x0.is_complex() \
                     and output.dim() == 2 and output.shape[0] == x0.shape[0] \
                     and not (B > 1 and x0.shape[0] % B == 0 and _flat_rows(x0, B, flat, (mname, -1))[0]):
                 if B == 1:  # one example owns every gradient: the ids read as (1, T), the forward as it is
                     lift = int(output.shape[0]) if x0.shape[0] != 1 else 0
-                elif x0.shape[0] != B:
+                elif x0.shape[0] != B or (mname, "free") in forced:
                     lift = int(output.shape[0])
                     output = output.expand(B, *output.shape).contiguous()
                     bcast = True
                     expanded.add(mname)
                     _glue_of(output, glue)
+                else:  # (B,) ids: the batch's, or batch-free with T = B (the probe says which)
+                    retry = "free"
         if not replay[0]:
             vers = tuple(x._version for x in args if isinstance(x, Tensor))
             if lift:  # the rule reads the batch-free ids as (1, T), as a broadcast (1, T) call's
@@ -2985,6 +3016,23 @@ def _collect_once(loss_module: LossModule, params: Params, constants: Mapping[st
     finally:
         for m in patched:
             m.__dict__.pop("forward", None)
+    if failed is not None and expanded_tm and probe_memo is not None:
+        # a time-major forward cut to T = 1: its (1, B, ...) ids read as (1, T = B) positions, whose expansion to
+        # (B, B, ...) broke the forward. Read them time-major (batch in dim 1, as ``_time_major``), which the
+        # batch-dimension probe then confirms or sends to the fallback (review, round 50: the expansion failed,
+        # those tables went to the fallback for every later batch of the shape, and the fallback could not run
+        # the forward: the step raised). Any other failure: as below.
+        timed = forced | {(mn, "time") for mn in expanded_tm}
+        _memo_put(probe_memo, lkey, timed)
+        try:
+            col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
+                           loss_weights, no_expand, check_order=False, paths=paths_again)
+        except Exception as err:
+            if isinstance(err, OOM_ERRORS):
+                raise
+            _memo_put(probe_memo, lkey, forced)
+        else:
+            return _apply_order(col, order, batch, probe_memo, params, okey)
     if failed is not None:  # run again without expanding them (their parameters: exact fallback)
         why = f"expanding its (1, T, ...) or (T, ...) output to the batch made the forward fail ({type(failed).__name__})"
         bad = {mn: why for mn in expanded}
@@ -3136,6 +3184,27 @@ def _zero_use(u: Use, p: Tensor) -> bool:
     return not bool(((sq != 0) & sq.isfinite()).any())
 
 
+def _rearm(probe_memo: Optional[Dict], okey, n: str) -> bool:
+    """Whether the example-order check, which had stopped asking about parameter n for this batch shape (no
+    gradient in its runs, ORDER_RETRIES times), is to ask again (its count reset), at most ORDER_REARMS times a
+    shape: a parameter the check's eval-mode runs never reach would otherwise have it run at every step."""
+    if probe_memo is None:
+        return False
+    known, open_ = probe_memo.get(okey, ({}, {}))
+    if open_.get(n, 0) < ORDER_RETRIES:
+        return False
+    done = probe_memo.get(("rearmed", okey), {})
+    if done.get(n, 0) >= ORDER_REARMS:
+        return False
+    _memo_put(probe_memo, ("rearmed", okey), {**done, n: done.get(n, 0) + 1})
+    for k in (okey, ("float32", okey)):
+        if k in probe_memo:
+            kn, op = probe_memo[k]
+            if n in op:
+                _memo_put(probe_memo, k, (kn, {**op, n: 0}))
+    return True
+
+
 def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[str], Set[str], bool]], batch,
                  probe_memo, params: Params, okey) -> "_Collected":
     """The example-order check's verdicts on a step's uses: only parameters it checked and passed stay
@@ -3176,6 +3245,7 @@ def _apply_order(col: "_Collected", order: Optional[Tuple[Dict[str, str], Set[st
             unseen.append(n)
             if all(_zero_use(u, params[n]) for u in col.uses[n]):
                 continue  # no gradient reaches it in this step either: its contributions are 0 wherever they go
+            col.recheck = _rearm(probe_memo, okey, n) or col.recheck
             col.fallback.setdefault(n, "the example-order check could not verify it (no gradient reached it in "
                                        "its eval-mode run of this batch shape): exact fallback")
         else:
@@ -3536,6 +3606,7 @@ def _order_key(loss_module: LossModule, batch: Batch, params: Params, no_expand:
 
 
 ORDER_RETRIES = 8  # a parameter no gradient reached in the check is checked again on this many later steps
+ORDER_REARMS = 2  # ... and asked again (``_rearm``) this many times a batch shape once a step's gradient reaches it
 
 
 # The order check's verdict for a parameter that differed between its runs by rounding only
@@ -4214,12 +4285,23 @@ class _Probed:
     stateful: bool = False  # a probe's forward changed the model's state: probed from the capture's at every step
     counters: bool = False  # ... its modules' plain attributes: the example-order check runs at every step too
     wholes: Set[Any] = field(default_factory=set)  # the paths a whole-batch probe ran on (``_check_batch_dims``)
+    # each distinct probe's records of every module (probe size, {module name: records}, and for a whole-batch
+    # probe the input shapes of the capture it was run for): whether that probe took the batch's path
+    # (``_check_batch_dims``)
+    runs_seen: List[Tuple[int, Dict[str, Tuple[Any, ...]], Any]] = field(default_factory=list)
+    # a probe was found off the path of a batch of this shape: the forward's shapes depend on the batch's values
+    # (a forward cut to its longest example); then only a whole-batch probe run for a capture of the very same
+    # shapes confirms a call
+    varies: bool = False
 
-    def add(self, seen: Mapping[str, List[Tuple[Any, ...]]], Bp: int) -> None:
+    def add(self, seen: Mapping[str, List[Tuple[Any, ...]]], Bp: int, origin: Any = None) -> None:
         for mn, recs in seen.items():
             got = self.alts.setdefault(mn, [])
             if (Bp, tuple(recs)) not in got:
                 got.append((Bp, tuple(recs)))
+        run = (Bp, {mn: tuple(recs) for mn, recs in seen.items()}, origin)
+        if run not in self.runs_seen:
+            self.runs_seen.append(run)
 
     def matching(self, mname: str, sites: Sequence[Any]) -> List[Tuple[int, Tuple[Any, ...]]]:
         """The module's alternatives (probe size, records) whose calls came from the capture's call
@@ -4267,8 +4349,16 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
                                   order=" (and runs its example-order check again)" if attrs else ""))
         got.stateful = got.stateful or bool(stateful_)
         got.counters = got.counters or any(not w.startswith("(a generator") for w in stateful_)
-        got.add(seen_, Bp_)
+        got.add(seen_, Bp_, signature() if whole else None)
         return None
+
+    shapes = real_shapes or {}
+    sig: List[Any] = []
+
+    def signature() -> Any:  # (the capture's calls' input shapes, every module's)
+        if not sig:
+            sig.append(tuple(sorted((mn, tuple(v)) for mn, v in shapes.items())))
+        return sig[0]
 
     failed: Optional[str] = None
     if got is None:
@@ -4285,12 +4375,52 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
             failed, grew = probe_more(None, replay), True
     matched: Dict[str, List[Tuple[int, Tuple[Any, ...]]]] = {}  # (each module's, once per step: cleared when a probe adds some)
 
+    need = {c.mname for c in todo} | {c.root[0] for c in todo if c.rows and c.root is not None}
+    misread = any(c.bcast and c.retry == "time" for c in todo)
+    lifted = {(c.mname, c.k) for c in todo if c.lift}
+
+    def agrees(mname: str, k: int, probe: Optional[Tuple[int, ...]], real: Optional[Tuple[int, ...]], bp: int) -> bool:
+        # (``_shape_agrees``; batch-free ids (T,), expanded: the same T, no dim of theirs follows the batch. Review of
+        # round 50: a probe's positions cut to L = 3 agreed with a batch's cut to L = 6 by the ratio 2 : 4, and said
+        # the ids were neither the batch nor batch-free: the fallback, which could not run the forward)
+        if (mname, k) in lifted:
+            return probe is None or real is None or tuple(probe) == tuple(real)
+        return _shape_agrees(probe, real, bp, B)
+    on_path: List[Tuple[int, Mapping[str, Tuple[Any, ...]]]] = []  # (the probes that took the batch's path)
+
+    def took_path(bp: int, seen: Mapping[str, Tuple[Any, ...]]) -> bool:
+        # every call to be confirmed whose module the probe called from the same sites has an input shape that
+        # can be the capture's (``_shape_agrees``): a probe whose forward was cut to another length (its examples'
+        # longest) says nothing of this batch's calls, even of a call whose own shape agrees by chance (review of
+        # round 50: positions ``pos(arange(L))`` cut to L = 2 in a probe of 2 examples agreed with a batch's (4,)
+        # ids, L = B = 4, and confirmed them as the batch: position t credited to example t, 1.58 × 2C)
+        for mn in need:
+            recs, sites, shp = seen.get(mn), real_sites.get(mn, ()), shapes.get(mn, ())
+            if recs is None or len(recs) != len(sites) or any(r[3] != x for r, x in zip(recs, sites)):
+                continue  # (its calls on another path: judged by their own alternatives, none)
+            if not all(agrees(mn, j, r[4], shp[j] if j < len(shp) else None, bp) for j, r in enumerate(recs)):
+                return False
+        return True
+
     def alts(mname: str) -> List[Tuple[int, Tuple[Any, ...]]]:
         if mname not in matched:
-            matched[mname] = [] if failed is not None else got.matching(mname, real_sites.get(mname, ()))
+            if not matched and failed is None and misread:
+                # (a (1, B, ...) time-major call expanded as (1, T = B) positions: every later shape is the
+                # expansion's, on no probe's path; the module's own records decide, "time")
+                on_path[:] = [(bp, seen) for bp, seen, _ in got.runs_seen]
+            elif not matched and failed is None:  # (after a probe added some: the probes on the batch's path again)
+                if not got.varies and not all(took_path(bp, seen) for bp, seen, _ in got.runs_seen):
+                    # (review of round 50: a probe of two examples cut to L = 2, on the path of no batch of the
+                    # shape, and a whole-batch probe of a batch cut to L = 5 = B + 1 both agreed by their shapes'
+                    # ratios with a later batch cut to L = 4 = B, and confirmed its positions as the batch)
+                    got.varies = True
+                on_path[:] = [(bp, seen) for bp, seen, origin in got.runs_seen
+                              if (not got.varies or origin == signature()) and took_path(bp, seen)]
+            sites = real_sites.get(mname, ())
+            ok = {(bp, seen[mname]) for bp, seen in on_path if mname in seen}
+            matched[mname] = [] if failed is not None else [a for a in got.matching(mname, sites) if a in ok]
         return matched[mname]
 
-    need = {c.mname for c in todo} | {c.root[0] for c in todo if c.rows and c.root is not None}
     tries = 0
     while failed is None and got.drew and got.runs < PROBE_MAX and tries < PROBE_RETRIES \
             and any(not alts(mn) for mn in need):
@@ -4298,13 +4428,12 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
         matched.clear()
         tries += 1
         grew = True
-    shapes = real_shapes or {}
 
     def real_shape(mname: str, k: int) -> Optional[Tuple[int, ...]]:  # (the capture's call's input shape)
         got_ = shapes.get(mname, ())
         return got_[k] if k < len(got_) else None
 
-    def every(mname: str, test, k: Optional[int] = None) -> bool:
+    def every(mname: str, test, k: Optional[int] = None, whole: bool = False) -> bool:
         # some alternative from the capture's sites, and each passes ``test`` (records, that probe's size). With
         # ``k`` (the call's index), only the records of that call that can be on this batch's path count
         # (``_shape_agrees``), and, for a call whose dims 0 and 1 both have the batch's size, not one whose dims
@@ -4312,15 +4441,21 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
         # the longest example, time-major, whose probe of two examples had T = 2, read a later batch's
         # (T = B, B, d) input batch-first: 1.06 × 2C)
         a = alts(mname)
+        if whole:  # (only the whole-batch probes: the batch's own path)
+            a = [(bp, d) for bp, d in a if bp == B + 1]
         if k is not None:
             real = real_shape(mname, k)
             both = B > 1 and real is not None and len(real) > 1 and real[0] == real[1] == B  # (B, B, ...)
-            a = [(bp, d) for bp, d in a if _shape_agrees(d[k][4], real, bp, B)
+            a = [(bp, d) for bp, d in a if agrees(mname, k, d[k][4], real, bp)
                  and not (both and d[k][0] == bp and d[k][2] == bp)]
         return bool(a) and all(test(d, bp) for bp, d in a)
 
     def time_major(c: _Call) -> bool:  # dim 0 stayed, dim 1 followed the probe's size
         return every(c.mname, lambda d, bp: d[c.k][0] == real_dims[c.mname][c.k] and d[c.k][2] == bp, c.k)
+
+    def free(c: _Call) -> bool:  # (B,) ids whose length stayed B in a probe of the whole batch: batch-free (T = B)
+        # (a probe of two examples cut to L = 2 says "the batch" of any (B,) ids: only the batch's own path tells)
+        return every(c.mname, lambda d, bp: d[c.k][0] == B != bp, c.k, whole=True)
 
     def probe_saw(c: _Call, part=slice(0, 1)) -> Any:  # (for the message)
         a = alts(c.mname)
@@ -4340,11 +4475,14 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
 
     def verdicts() -> Tuple[Set[Tuple[str, str]], List[Tuple[_Call, str]]]:
         # (the modules to capture again read otherwise, the calls not confirmed with why)
-        confirmed = {id(c) for c in todo if c.retry and time_major(c)}
+        confirmed = {id(c) for c in todo if (c.retry == "time" and time_major(c)) or (c.retry == "free" and free(c))}
         relift = {(c.mname, c.retry) for c in todo if id(c) in confirmed}
-        # only a module all of whose calls are read so (one kind)
+        # only a module all of whose calls are read so (one kind; "free": all of its (B,) id calls, the others read
+        # as they stand: a table looked up by the batch's (B, T = B) ids and by T = B positions)
         relift = {(mn, kind) for mn, kind in relift
-                  if all(id(c) in confirmed and c.retry == kind for c in calls if c.mname == mn)}
+                  if all((id(c) in confirmed and c.retry == kind)
+                         or (kind == "free" and c.retry != "free" and id(c) not in confirmed)
+                         for c in calls if c.mname == mn)}
         if probe_memo is None:  # no capture again without a memo to carry ``forced``: those go to the fallback
             relift = set()
         bad: List[Tuple[_Call, str]] = []
@@ -4368,7 +4506,12 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
             else:
                 if every(c.mname, lambda d, bp: d[c.k][0] == bp
                          or (d[c.k][0] == 1 and getattr(c.rule, "broadcast_batch", False))
-                         or bool(c.lift and d[c.k][0] == c.lift), c.k):
+                         or bool(c.lift and d[c.k][0] == c.lift), c.k) \
+                        and (c.retry != "free" or every(c.mname, lambda d, bp: True, c.k, whole=True)) \
+                        and (c.lift != B or B == 1 or free(c)):
+                    # ((B,) ids, the batch's or T = B positions: read as the batch only once the whole batch was
+                    # probed too, whose records join the test; and read as T = B positions, expanded, only while
+                    # the whole batch's probe finds them so: a record of the batch's size says nothing)
                     continue  # the first dimension is the batch (or, B == 1, a broadcast one, e.g. positions;
                     # or batch-free ids, expanded: it stayed T with fewer examples)
                 what = "the axis its rule reads as the batch" if c.capture is not None else "input's first dimension"
@@ -4379,12 +4522,14 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
 
     def probed_whole(c: _Call) -> bool:  # a probe of B + 1 examples on this call's path (sites and shapes) ran
         real = real_shape(c.mname, c.k)
-        return any(bp == B + 1 and _shape_agrees(d[c.k][4], real, bp, B) for bp, d in alts(c.mname))
+        return any(bp == B + 1 and agrees(c.mname, c.k, d[c.k][4], real, bp) for bp, d in alts(c.mname))
 
     relift, bad = verdicts()
     # (the unconfirmed calls' modules with their calls' sites and shapes: a probe that failed, e.g. a forward that
     # cannot take B + 1 examples, is not run again on that path; review of round 50)
     path = frozenset((c.mname, tuple(real_sites.get(c.mname, ())), tuple(shapes.get(c.mname, ()))) for c, _ in bad)
+    if got.varies:  # (each capture's own shapes: the probes that confirm its calls)
+        path = (path, signature())
     if failed is None and path not in got.wholes and any(not probed_whole(c) for c, _ in bad):
         got.wholes.add(path)
         # A call the batch shape's probes do not confirm (no record from its sites, or none from this batch's

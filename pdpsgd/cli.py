@@ -622,7 +622,7 @@ def run_train(a: argparse.Namespace) -> int:
             post = {"loss": f"{rec.get('loss', float('nan')):.3f}"}
             if not a.no_dp:
                 post["clip"] = f"{rec.get('clip_fraction', float('nan')):.2f}"
-                post["ε(upper)"] = f"{rec.get('epsilon', float('nan')):.2f}"
+                post["ε(upper)"] = f"{rec.get('epsilon', trainer.last_epsilon or float('nan')):.2f}"
             bar.set_postfix(post, refresh=False)
             bar.update(1)
             if trainer.step_count % eval_every == 0 and not trainer.done:

@@ -115,6 +115,16 @@ class ParamIndex:
                 )
             if not (value.is_floating_point() or value.is_complex()):
                 raise ValueError(f"parameter {name!r} is not floating point ({value.dtype}); it cannot be trained")
+            if isinstance(value, nn.Parameter) and value is not ref:
+                # (review, round 51: params built before a layer was replaced trained the old layer's tensors,
+                # which the model no longer holds: the loss the step reported was not the model's, and the new
+                # layer never moved. A plain tensor (a functional caller's own values) is taken as given.)
+                raise ValueError(
+                    f"params[{name!r}] is an nn.Parameter that is not the model's parameter of that name (was the "
+                    "layer replaced, or new Parameters assigned, after params was built?): the step would train "
+                    "a tensor the model no longer uses. Build params again, params = pdpsgd.trainable_params(model), "
+                    "and the optimizer over them"
+                )
             if not ref.requires_grad:
                 frozen.append(name)
             out[canon] = value

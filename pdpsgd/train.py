@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 import os
 import secrets
 import statistics
@@ -295,7 +296,10 @@ class DPTrainer:
         self.run_id = secrets.token_hex(16)
         self._unapplied: Optional[int] = None  # (that count, while the retry is pending)
         self.reseeded = False  # (set by _reseed: the streams went on from fresh entropy, not from any seed)
-        self.epsilon_every = max(1, int(epsilon_every))
+        if isinstance(epsilon_every, bool) or not isinstance(epsilon_every, numbers.Integral) or epsilon_every < 1:
+            raise ValueError(f"epsilon_every={epsilon_every!r}: give a whole number of steps ≥ 1 (ε is computed every "
+                             "that many steps, and after the last)")
+        self.epsilon_every = int(epsilon_every)
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         if accountant is None:
             from .accounting import PRVAccountant
@@ -395,8 +399,9 @@ class DPTrainer:
         if self.dp and (self.step_count % self.epsilon_every == 0 or self.done):
             self.last_epsilon = self.epsilon().upper  # (a bound: the estimate can be below the true ε)
             eps = self.last_epsilon
-        return self.telemetry.record(self.step_count, out, epsilon=eps if eps is not None else self.last_epsilon,
-                                     mask=mask, step_time=self.step_times[-1])
+        # (ε only where it was computed for this step: every ``epsilon_every``-th and the last; the last value
+        # carried to the steps between understated what they had spent (review, round 51); ``last_epsilon`` holds it)
+        return self.telemetry.record(self.step_count, out, epsilon=eps, mask=mask, step_time=self.step_times[-1])
 
     def _nonprivate_grads(self, pbs) -> Any:
         """Standard backward of Σ_i loss_i / (q·N) over the real examples (no clip, no noise)."""

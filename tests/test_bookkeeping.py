@@ -2129,20 +2129,17 @@ def test_shared_position_table_exact_for_T_one_and_T_equal_B(T):
 def test_nanogpt_batch_free_positions_on_the_rules(B, T, C, method, seed):
     """nanoGPT's ``wpe(arange(t))`` (a (T, d) output, no batch dim, broadcast by the add) is expanded
     to (B, T, d) and stays on the embedding rule, T = 1, T = 2 (the duplicated-example check then runs
-    three copies) and B = 1 included; with T = B (B > 1) it is not expanded and takes the fallback
-    (the probe); exact against the naive loop either way."""
+    three copies) and B = 1 included; with T = B (B > 1) the (B,) ids read as the batch's until a probe of
+    the whole batch finds them batch-free, then expanded too (round 51; before, the fallback); exact against
+    the naive loop either way."""
     torch.manual_seed(seed)
     m = models.NanoGPT()
     ids = torch.randint(0, 23, (B, T))
     b = {"input_ids": ids, "labels": ids}
     r = assert_exact(m, models.lm_loss_fn, b, method=method, max_grad_norm=C)
     step = make_dp_step(m, models.lm_loss_fn, max_grad_norm=C, noise_multiplier=0.0, method=method)
-    if T != B or B == 1:
-        assert "vmap" not in r.routes.values(), r.routes
-        assert step.fallback_reasons(b) == {}
-    else:
-        assert [n for n, v in r.routes.items() if v == "vmap"] == ["wpe.weight"], r.routes
-        assert "probe" in step.fallback_reasons(b)["wpe.weight"]
+    assert "vmap" not in r.routes.values(), r.routes
+    assert step.fallback_reasons(b) == {}
 
 
 def test_nanogpt_batch_free_positions_sensitivity():
@@ -2156,7 +2153,7 @@ def test_nanogpt_batch_free_positions_sensitivity():
         for B, T in shapes:
             ids = torch.randint(0, 23, (B, T))
             b = {"input_ids": ids, "labels": ids}
-            assert (step.plan(b)["wpe.weight"] == "vmap") == (B == T)
+            assert step.plan(b)["wpe.weight"] != "vmap"  # (T = B too, since round 51: the whole-batch probe)
             assert check_sensitivity(step, trainable_params(m), b).max_ratio <= 1 + 1e-9
 
 
@@ -2187,10 +2184,10 @@ def test_batch_free_ids_beside_batched_ones(shared, T):
     for method in ("bk", "auto"):
         r = assert_exact(_TableTwice(shared), loss, b, method=method, max_grad_norm=0.3)
         assert r.routes["lab.weight"] != "vmap", r.routes
-        # T = B (4): the batch-free call is not expanded (its table falls back); the label table,
-        # batched, stays on its rule
+        # T = B (4): the batch-free call is expanded once a probe of the whole batch finds it batch-free (round
+        # 51; before, its table fell back); the label table, batched, stays on its rule
         own = "emb.weight" if shared else "pos.weight"
-        assert (r.routes[own] == "vmap") == (T == 4), r.routes
+        assert r.routes[own] != "vmap", r.routes
 
 
 class _ReadsTableShape(nn.Module):
@@ -3592,7 +3589,8 @@ def test_torch_transformer_encoder_with_its_fast_path_is_exact(train):
 @pytest.mark.parametrize("B,chunk", [(6, 2), (5, 2), (4, None)])
 def test_plan_and_reasons_follow_the_step_chunks(B, chunk):
     """``plan`` / ``fallback_reasons`` report the routes the step takes per chunk (review round 24:
-    with (T,) positions and T = 2, chunks of 2 take the fallback, the whole batch of 6 does not)."""
+    with (T,) positions and T = 2, chunks of 2 took the fallback, the whole batch of 6 did not; since round 51
+    chunks of 2 stay on the rule too)."""
     torch.manual_seed(0)
     m = models.NanoGPT().eval()
     ids = torch.randint(0, 23, (B, 2))
@@ -3602,8 +3600,7 @@ def test_plan_and_reasons_follow_the_step_chunks(B, chunk):
     assert s.plan(b)["wpe.weight"] == out.routes["wpe.weight"], (s.plan(b), out.routes)
     want = {"vmap": True, "mixed": True}.get(out.routes["wpe.weight"], False)
     assert ("wpe.weight" in s.fallback_reasons(b)) == want
-    if B == 5:  # chunks of 2, 2 and 1: the last one (B = 1) stays on the rule
-        assert out.routes["wpe.weight"] == "mixed" and "in 2 of 3 chunks" in s.fallback_reasons(b)["wpe.weight"]
+    assert out.routes["wpe.weight"] != "vmap" and s.fallback_reasons(b) == {}, out.routes
 
 
 class _ReadsShapeWithoutGradient(nn.Module):
@@ -7312,6 +7309,14 @@ def test_unrolled_cell_with_dropout_keeps_to_the_rules_past_the_probe_budget():
         assert bool((part.per_sample_norms > 0).all()), lens
 
 
+def _assert_part_exact(part, m, loss, b, C, what):
+    """A step's ``clipped_sum`` part equal to the naive per-example oracle's norms and clipped sums (float64)."""
+    norms, sums = naive_clipped_sum(m, loss, b, max_grad_norm=C)
+    assert torch.allclose(part.per_sample_norms, norms, rtol=1e-9, atol=0), (what, part.per_sample_norms, norms)
+    for n, v in sums.items():
+        assert torch.allclose(part.sums[n], v, rtol=1e-9, atol=1e-12), (what, n)
+
+
 class _CutTimeMajor(nn.Module):
     """An ``nn.TransformerEncoder`` in torch's default time-major layout, on the batch cut to its longest example
     (``ids[:, :L].t()``, L from the mask): the layers' (L, B, d) inputs have L = B for some batches."""
@@ -7359,10 +7364,7 @@ def test_time_major_forward_cut_to_the_longest_example_is_exact(B, first, later)
     for lens in [first] + later:
         b = batch(lens)
         part = step.clipped_sum(params, b)
-        norms, sums = naive_clipped_sum(m, _cut_loss, b, max_grad_norm=0.1)
-        assert torch.allclose(part.per_sample_norms, norms, rtol=1e-9, atol=0), (lens, part.per_sample_norms, norms)
-        for n, v in sums.items():
-            assert torch.allclose(part.sums[n], v, rtol=1e-9, atol=1e-12), (lens, n)
+        _assert_part_exact(part, m, _cut_loss, b, 0.1, lens)
     rep = check_sensitivity(step, params, b)
     assert rep.max_ratio <= 1 + 1e-9, rep.max_ratio
 
@@ -7402,10 +7404,7 @@ def test_batch_first_forward_cut_to_the_longest_example_is_exact(B, seq):
         b = (torch.randint(0, 11, (B, 7)), mask, torch.randint(0, 3, (B,)))
         part = step.clipped_sum(params, b)
         assert "vmap" not in set(part.routes.values()), (lens, part.routes)
-        norms, sums = naive_clipped_sum(m, _cut_loss, b, max_grad_norm=0.5)
-        assert torch.allclose(part.per_sample_norms, norms, rtol=1e-9, atol=0), (lens, part.per_sample_norms, norms)
-        for n, v in sums.items():
-            assert torch.allclose(part.sums[n], v, rtol=1e-9, atol=1e-12), (lens, n)
+        _assert_part_exact(part, m, _cut_loss, b, 0.5, lens)
 
 
 def test_a_whole_batch_probe_that_fails_is_not_run_again_on_its_path():
@@ -7443,3 +7442,96 @@ def test_a_whole_batch_probe_that_fails_is_not_run_again_on_its_path():
 def _ce_xy(m, b):
     x, y = b
     return F.cross_entropy(m(x), y, reduction="none")
+
+
+# ---- round 51 ----
+
+
+@pytest.mark.parametrize("B,seq", [(2, [[1, 1], [2, 1], [1, 1], [3, 3]]), (3, [[1, 1, 1], [3, 1, 2], [1, 1, 1]]),
+                                   (2, [[2, 3], [1, 1], [2, 2], [1, 1]])])
+def test_time_major_forward_cut_to_one_step_stays_on_the_rules(B, seq):
+    """(Round 50's note, a crash.) Cut to L = 1, a time-major forward's (1, B) ids read as broadcast (1, T = B)
+    positions; their expansion to (B, B, d) broke the forward, the tables went to the exact fallback for every
+    later batch of the shape, and the fallback cannot run a forward cut by ``.item()``: the step raised. Now
+    the capture reads them time-major (the probe confirms dim 1 is the batch): exact, on the rules, within C."""
+    torch.manual_seed(0)
+    m = _CutTimeMajor().double().eval()
+    step = make_dp_step(m, _cut_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk")
+    params = trainable_params(m)
+    for lens in seq:
+        mask = torch.arange(7)[None] < torch.tensor(lens)[:, None]
+        b = torch.randint(0, 11, (B, 7)), mask, torch.randint(0, 3, (B,))
+        part = step.clipped_sum(params, b)
+        assert "vmap" not in set(part.routes.values()), (lens, part.routes)
+        _assert_part_exact(part, m, _cut_loss, b, 0.1, lens)
+        if lens == [1] * B:
+            rep = check_sensitivity(step, params, b)
+            assert rep.max_ratio <= 1 + 1e-9, rep.max_ratio
+
+
+@pytest.mark.parametrize("B", [2, 4])
+def test_a_parameter_first_reached_after_the_order_check_stopped_asking(B):
+    """(Review of round 50, a crash.) The cell's weight gets no gradient in batches of length 1 (h = 0); after
+    ORDER_RETRIES such steps of the shape the example-order check stopped asking about it, and every later batch,
+    which reaches it, took the fallback for it, which cannot run a forward unrolled by ``.item()``: the step
+    raised. Now the check asks again, on that batch (ORDER_REARMS times a shape): exact, on the rules."""
+    import pdpsgd.bookkeeping as bk
+
+    torch.manual_seed(0)
+    m = _Unrolled().double().eval()
+    step = make_dp_step(m, _unrolled_loss, max_grad_norm=0.2, noise_multiplier=0.0, method="bk")
+    params = trainable_params(m)
+
+    def batch(lens):
+        return torch.randn(B, 6, 3, dtype=torch.float64), torch.tensor(lens), torch.randint(0, 2, (B,))
+
+    for _ in range(bk.ORDER_RETRIES + 1):
+        step.clipped_sum(params, batch([1] * B))
+    for lens in ([3] + [2] * (B - 1), [1] * (B - 1) + [5]):
+        b = batch(lens)
+        part = step.clipped_sum(params, b)
+        assert "vmap" not in set(part.routes.values()), (lens, part.routes)
+        _assert_part_exact(part, m, _unrolled_loss, b, 0.2, lens)
+
+
+class _NanoCut(nn.Module):
+    """Batch-first, cut to the batch's longest example, nanoGPT positions ``pos(torch.arange(L))``, a frozen token
+    table, a pooled head: no ruled layer but the positions sees L."""
+
+    def __init__(self, V=11, T=7, D=6):
+        super().__init__()
+        self.emb, self.pos, self.head = nn.Embedding(V, D), nn.Embedding(T, D), nn.Linear(D, 3)
+        self.emb.weight.requires_grad_(False)
+
+    def forward(self, ids, mask):
+        L = int(mask.sum(1).max())
+        ids, mask = ids[:, :L], mask[:, :L]
+        h = torch.tanh(self.emb(ids) + self.pos(torch.arange(L)))
+        m = mask.unsqueeze(-1).to(h.dtype)
+        return self.head((h * m).sum(1) / m.sum(1))
+
+
+@pytest.mark.parametrize("seq", [[[2, 1, 5, 3], [2, 1, 4, 3]], [[2, 1, 4, 3]], [[1, 2, 3], [2, 2, 3]],
+                                 [[3, 1, 4, 6], [1, 3, 6, 2], [4, 2, 2, 2], [5, 7, 5, 2]]])
+def test_positions_cut_to_the_batch_size_are_not_read_as_the_batch(seq):
+    """(Review of round 50, a privacy bug.) The first batch's probe of two examples, cut to L = 2, recorded the
+    positions' ids as (2,); a later batch of the shape cut to L = 4 = B had (4,) ids, which agreed with that record
+    by the ratio of sizes (2 : 4), so they were read as the batch: position t credited to example t, one example
+    replaced moved the sum by 1.58 × 2C. (A whole-batch probe of a batch cut to L = 5 = B + 1 agreed the same way.)
+    Now a probe found off a batch's path (its calls' shapes not the batch's) marks the shape's forward as cut by
+    its values: only a whole-batch probe of a capture of the same shapes confirms a call; and (B,) ids are read as
+    the batch, or as T = B positions (expanded), only from a probe of the whole batch. Exact, on the rules (a
+    forward cut to L ≠ B was sent to the fallback too: the step raised), within C."""
+    torch.manual_seed(0)
+    m = _NanoCut().double().eval()
+    step = make_dp_step(m, _cut_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk")
+    params = trainable_params(m)
+    for lens in seq:
+        mask = torch.arange(7)[None] < torch.tensor(lens)[:, None]
+        b = torch.randint(0, 11, (len(lens), 7)), mask, torch.randint(0, 3, (len(lens),))
+        part = step.clipped_sum(params, b)
+        assert "vmap" not in set(part.routes.values()), (lens, part.routes)
+        _assert_part_exact(part, m, _cut_loss, b, 0.1, lens)
+        if max(lens) == len(lens):
+            rep = check_sensitivity(step, params, b)
+            assert rep.max_ratio <= 1 + 1e-9, (lens, rep.max_ratio)

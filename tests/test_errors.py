@@ -969,3 +969,25 @@ def test_an_in_place_edit_a_second_forward_repeats_to_the_same_values_is_fine():
     assert torch.equal(b["y"], want["y"])
     for n in ref.sums:
         torch.testing.assert_close(got.sums[n], ref.sums[n], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["vmap", "bk"])
+def test_params_of_a_replaced_layer_are_refused(method):
+    """(Review, round 51.) ``params`` built before the head was replaced trained the old head's tensors, which
+    the model no longer holds: the step's loss was not the model's, the new head never moved, no warning. Such
+    an nn.Parameter is refused (naming the fix); params built again, and plain tensors (a functional caller's own
+    values), are taken."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
+    loss = lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none")  # noqa: E731
+    b = {"x": torch.randn(6, 5), "y": torch.randint(0, 2, (6,))}
+    params = pdpsgd.trainable_params(model)
+    step = pdpsgd.make_dp_step(model, loss, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=6, method=method)
+    step(params, b)
+    model[2] = nn.Linear(8, 2)
+    with pytest.raises(ValueError, match=r"params\['2.weight'\].*trainable_params\(model\)"):
+        step(params, b)
+    fresh = pdpsgd.trainable_params(model)
+    out = step(fresh, b)
+    assert set(out.grads) == set(fresh)
+    step({n: p.detach().clone() for n, p in fresh.items()}, b)  # (plain tensors: the caller's own values)

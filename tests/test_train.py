@@ -1180,3 +1180,32 @@ def test_a_reseed_moves_every_stream_off_the_checkpoint(tmp_path):
     tr3, *_ = _mlp_setup(seed=1, epochs=2)
     assert tr3.load_state_dict(state, ledger=tr._ledger()) is None
     assert torch.equal(tr3.sample_generator.get_state(), state["rng"]["sample"])
+
+
+def test_epsilon_in_the_telemetry_is_the_step_own_or_absent():
+    """(Review, round 51.) With ``epsilon_every=4`` the records of steps 5-7 carried step 4's ε (1.535 against
+    1.628-1.790 spent): a record now has ε only where it was computed for that step (every 4th and the last),
+    equal to an accountant of that many steps; ``epsilon_every`` < 1 is refused (it was turned into 1)."""
+    torch.manual_seed(0)
+    N = 100
+    data = {"x": torch.randn(N, 5), "y": torch.randint(0, 3, (N,))}
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    loss = lambda m, b: F.cross_entropy(m(b["x"]), b["y"], reduction="none")  # noqa: E731
+    plan = plan_training(N, batch_size=10, epochs=1, target_epsilon=None, delta=1e-5, noise_multiplier=1.0)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="epsilon_every"):
+            DPTrainer(model, loss, data, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), plan=plan,
+                      max_grad_norm=1.0, max_physical_batch=16, seed=0, epsilon_every=bad)
+    tr = DPTrainer(model, loss, data, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), plan=plan,
+                   max_grad_norm=1.0, max_physical_batch=16, seed=0, epsilon_every=4)
+    recs = []
+    while not tr.done:
+        recs.append(tr.step())
+    assert len(recs) == plan.steps == 10
+    for k, r in enumerate(recs, 1):
+        if k % 4 == 0 or k == len(recs):
+            want = PRVAccountant().step(noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate,
+                                        num_steps=k).epsilon(delta=plan.delta).upper
+            assert r["epsilon"] == pytest.approx(want, rel=1e-6), (k, r["epsilon"], want)
+        else:
+            assert "epsilon" not in r, (k, r)
