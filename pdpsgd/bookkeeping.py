@@ -3188,10 +3188,16 @@ def _rearm(probe_memo: Optional[Dict], okey, n: str) -> bool:
     """Whether the example-order check, which had stopped asking about parameter n for this batch shape (no
     gradient in its runs, ORDER_RETRIES times), is to ask again (its count reset), at most ORDER_REARMS times a
     shape: a parameter the check's eval-mode runs never reach would otherwise have it run at every step."""
-    if probe_memo is None:
+    if probe_memo is None or okey not in probe_memo:  # (its first check of the shape ran in this step)
         return False
-    known, open_ = probe_memo.get(okey, ({}, {}))
-    if open_.get(n, 0) < ORDER_RETRIES:
+    known, open_ = probe_memo[okey]
+    count = open_.get(n)
+    if count is None:
+        # never asked about (no gradient ever reached it in the shape's steps: a task's head first used now,
+        # review of round 51): asked now, unless the check ran in this step (some parameter still open)
+        if n in known or not all(c >= ORDER_RETRIES for c in open_.values()):
+            return False
+    elif count < ORDER_RETRIES:
         return False
     done = probe_memo.get(("rearmed", okey), {})
     if done.get(n, 0) >= ORDER_REARMS:
@@ -3200,8 +3206,7 @@ def _rearm(probe_memo: Optional[Dict], okey, n: str) -> bool:
     for k in (okey, ("float32", okey)):
         if k in probe_memo:
             kn, op = probe_memo[k]
-            if n in op:
-                _memo_put(probe_memo, k, (kn, {**op, n: 0}))
+            _memo_put(probe_memo, k, (kn, {**op, n: 0}))
     return True
 
 
@@ -4285,19 +4290,21 @@ class _Probed:
     stateful: bool = False  # a probe's forward changed the model's state: probed from the capture's at every step
     counters: bool = False  # ... its modules' plain attributes: the example-order check runs at every step too
     wholes: Set[Any] = field(default_factory=set)  # the paths a whole-batch probe ran on (``_check_batch_dims``)
-    # each distinct probe's records of every module (probe size, {module name: records}, and for a whole-batch
-    # probe the input shapes of the capture it was run for): whether that probe took the batch's path
-    # (``_check_batch_dims``)
-    runs_seen: List[Tuple[int, Dict[str, Tuple[Any, ...]], Any]] = field(default_factory=list)
-    # a probe was found off the path of a batch of this shape: the forward's shapes depend on the batch's values
-    # (a forward cut to its longest example); then only a whole-batch probe run for a capture of the very same
-    # shapes confirms a call
+    # each distinct probe's records of every module (probe size, {module name: records}, the input shapes of the
+    # capture it was run for {module name: shapes}, whether it was a whole-batch probe): whether that probe took
+    # the batch's path (``_check_batch_dims``)
+    runs_seen: List[Tuple[int, Dict[str, Tuple[Any, ...]], Dict[str, Tuple[Any, ...]], bool]] = \
+        field(default_factory=list)
+    # a probe was found off the path of a batch of this shape, or a capture of the shape had other call shapes
+    # than one a probe was run for: the forward's shapes depend on the batch's values (a forward cut to its
+    # longest example); then only a whole-batch probe run for a capture of the very same shapes confirms a call
     varies: bool = False
 
     # (``_check_batch_dims``: per capture's call shapes, the indices of the runs on its path; cleared as runs come)
     path_memo: Dict[Any, Tuple[int, ...]] = field(default_factory=dict)
 
-    def add(self, seen: Mapping[str, List[Tuple[Any, ...]]], Bp: int, origin: Any = None) -> None:
+    def add(self, seen: Mapping[str, List[Tuple[Any, ...]]], Bp: int, origin: Mapping[str, Tuple[Any, ...]],
+            whole: bool) -> None:
         mine = {}
         for mn, recs in seen.items():
             got = self.alts.setdefault(mn, [])
@@ -4307,7 +4314,7 @@ class _Probed:
                 have = (Bp, t)
                 got.append(have)
             mine[mn] = have[1]  # (the alternative's own tuple: ``_check_batch_dims`` matches runs by identity)
-        run = (Bp, mine, origin)
+        run = (Bp, mine, dict(origin), whole)
         if run not in self.runs_seen:
             self.runs_seen.append(run)
             self.path_memo.clear()
@@ -4358,7 +4365,7 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
                                   order=" (and runs its example-order check again)" if attrs else ""))
         got.stateful = got.stateful or bool(stateful_)
         got.counters = got.counters or any(not w.startswith("(a generator") for w in stateful_)
-        got.add(seen_, Bp_, signature() if whole else None)
+        got.add(seen_, Bp_, {mn: tuple(v) for mn, v in shapes.items()}, whole)
         return None
 
     shapes = real_shapes or {}
@@ -4368,6 +4375,15 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
         if not sig:
             sig.append(tuple(sorted((mn, tuple(v)) for mn, v in shapes.items())))
         return sig[0]
+
+    def same_shapes(origin: Mapping[str, Tuple[Any, ...]], exact: bool) -> bool:
+        # whether the capture a probe was run for called the modules to be confirmed with this one's input shapes
+        # (a module called another number of times, LayerDrop's, is not compared unless ``exact``)
+        for mn in need:
+            o, cur = origin.get(mn), tuple(shapes.get(mn, ()))
+            if o != cur and (exact or (o is not None and len(o) == len(cur))):
+                return False
+        return True
 
     failed: Optional[str] = None
     if got is None:
@@ -4396,6 +4412,7 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
             return probe is None or real is None or tuple(probe) == tuple(real)
         return _shape_agrees(probe, real, bp, B)
     on_path: List[Tuple[int, Mapping[str, Tuple[Any, ...]]]] = []  # (the probes that took the batch's path)
+    whole_ids: Set[int] = set()  # (the records of the whole-batch probes among them, by identity)
 
     def took_path(bp: int, seen: Mapping[str, Tuple[Any, ...]]) -> bool:
         # every call to be confirmed whose module the probe called from the same sites has an input shape that
@@ -4416,25 +4433,32 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
             if not matched and failed is None and misread:
                 # (a (1, B, ...) time-major call expanded as (1, T = B) positions: every later shape is the
                 # expansion's, on no probe's path; the module's own records decide, "time")
-                on_path[:] = [(bp, seen) for bp, seen, _ in got.runs_seen]
+                on_path[:] = [(bp, seen) for bp, seen, _, _ in got.runs_seen]
+                whole_ids.clear()
+                whole_ids.update(id(r) for _, seen, _, w in got.runs_seen if w for r in seen.values())
             elif not matched and failed is None:  # (after a probe added some: the probes on the batch's path again)
                 # (memoised per capture's call shapes, in their order, and the lifted calls: a steady step's ~0.3 ms)
                 pkey = (tuple((mn, tuple(v)) for mn, v in shapes.items()), frozenset(lifted), frozenset(need))
                 idx = got.path_memo.get(pkey)
                 if idx is None:
-                    if not got.varies and not all(took_path(bp, seen) for bp, seen, _ in got.runs_seen):
+                    if not got.varies and not all(took_path(bp, seen) and same_shapes(origin, False)
+                                                  for bp, seen, origin, _ in got.runs_seen):
                         # (review of round 50: a probe of two examples cut to L = 2, on the path of no batch of the
                         # shape, and a whole-batch probe of a batch cut to L = 5 = B + 1 both agreed by their
                         # shapes' ratios with a later batch cut to L = 4 = B, and confirmed its positions as the
-                        # batch)
+                        # batch; review of round 51: at B = 2 the first probe, of 3 examples, of a batch cut to
+                        # L = 3 agreed so with a later batch cut to L = 2: each run now also keeps the shapes of
+                        # the capture it was run for)
                         got.varies = True
                         got.path_memo.clear()
-                    idx = tuple(i for i, (bp, seen, origin) in enumerate(got.runs_seen)
-                                if (not got.varies or origin == signature()) and took_path(bp, seen))
+                    idx = tuple(i for i, (bp, seen, origin, w) in enumerate(got.runs_seen)
+                                if (not got.varies or (w and same_shapes(origin, True))) and took_path(bp, seen))
                     if len(got.path_memo) >= 64:
                         got.path_memo.clear()
                     got.path_memo[pkey] = idx
                 on_path[:] = [got.runs_seen[i][:2] for i in idx]
+                whole_ids.clear()
+                whole_ids.update(id(r) for i in idx if got.runs_seen[i][3] for r in got.runs_seen[i][1].values())
             sites = real_sites.get(mname, ())
             ok = {id(seen[mname]) for bp, seen in on_path if mname in seen}
             matched[mname] = [] if failed is not None else [a for a in got.matching(mname, sites) if id(a[1]) in ok]
@@ -4461,7 +4485,7 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
         # (T = B, B, d) input batch-first: 1.06 × 2C)
         a = alts(mname)
         if whole:  # (only the whole-batch probes: the batch's own path)
-            a = [(bp, d) for bp, d in a if bp == B + 1]
+            a = [(bp, d) for bp, d in a if id(d) in whole_ids]  # (B = 2: the first probe has B + 1 examples too)
         if k is not None:
             real = real_shape(mname, k)
             both = B > 1 and real is not None and len(real) > 1 and real[0] == real[1] == B  # (B, B, ...)
@@ -4541,7 +4565,7 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
 
     def probed_whole(c: _Call) -> bool:  # a probe of B + 1 examples on this call's path (sites and shapes) ran
         real = real_shape(c.mname, c.k)
-        return any(bp == B + 1 and agrees(c.mname, c.k, d[c.k][4], real, bp) for bp, d in alts(c.mname))
+        return any(id(d) in whole_ids and agrees(c.mname, c.k, d[c.k][4], real, bp) for bp, d in alts(c.mname))
 
     relift, bad = verdicts()
     # (the unconfirmed calls' modules with their calls' sites and shapes: a probe that failed, e.g. a forward that

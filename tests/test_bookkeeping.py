@@ -7512,18 +7512,21 @@ class _NanoCut(nn.Module):
 
 
 @pytest.mark.parametrize("seq", [[[2, 1, 5, 3], [2, 1, 4, 3]], [[2, 1, 4, 3]], [[1, 2, 3], [2, 2, 3]],
-                                 [[3, 1, 4, 6], [1, 3, 6, 2], [4, 2, 2, 2], [5, 7, 5, 2]]])
-def test_positions_cut_to_the_batch_size_are_not_read_as_the_batch(seq):
+                                 [[3, 1, 4, 6], [1, 3, 6, 2], [4, 2, 2, 2], [5, 7, 5, 2]],
+                                 [[3, 1], [2, 1], [2, 2]]])
+@pytest.mark.parametrize("train", [False, True])
+def test_positions_cut_to_the_batch_size_are_not_read_as_the_batch(seq, train):
     """(Review of round 50, a privacy bug.) The first batch's probe of two examples, cut to L = 2, recorded the
     positions' ids as (2,); a later batch of the shape cut to L = 4 = B had (4,) ids, which agreed with that record
     by the ratio of sizes (2 : 4), so they were read as the batch: position t credited to example t, one example
-    replaced moved the sum by 1.58 × 2C. (A whole-batch probe of a batch cut to L = 5 = B + 1 agreed the same way.)
+    replaced moved the sum by 1.58 × 2C. (A whole-batch probe of a batch cut to L = 5 = B + 1 agreed the same way;
+    and at B = 2 the first probe, of 3 examples, of a batch cut to L = 3: 1.10 × C, review of round 51.)
     Now a probe found off a batch's path (its calls' shapes not the batch's) marks the shape's forward as cut by
     its values: only a whole-batch probe of a capture of the same shapes confirms a call; and (B,) ids are read as
     the batch, or as T = B positions (expanded), only from a probe of the whole batch. Exact, on the rules (a
     forward cut to L ≠ B was sent to the fallback too: the step raised), within C."""
     torch.manual_seed(0)
-    m = _NanoCut().double().eval()
+    m = _NanoCut().double().train(train)  # (no dropout: train mode takes other checks' paths)
     step = make_dp_step(m, _cut_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk")
     params = trainable_params(m)
     for lens in seq:
@@ -7535,3 +7538,44 @@ def test_positions_cut_to_the_batch_size_are_not_read_as_the_batch(seq):
         if max(lens) == len(lens):
             rep = check_sensitivity(step, params, b)
             assert rep.max_ratio <= 1 + 1e-9, (lens, rep.max_ratio)
+
+
+class _GatedHeads(nn.Module):
+    """One head per task, each run only if the batch has an example of its task (``if (t == k).any()``)."""
+
+    def __init__(self, K=3):
+        super().__init__()
+        self.body, self.heads = nn.Linear(4, 6), nn.ModuleList(nn.Linear(6, 3) for _ in range(K))
+
+    def forward(self, x, t):
+        h = torch.tanh(self.body(x))
+        out = torch.zeros(x.shape[0], 3, dtype=x.dtype)
+        for k, hd in enumerate(self.heads):
+            sel = t == k
+            if bool(sel.any()):
+                out = out + sel[:, None].to(h.dtype) * hd(h)
+        return out
+
+
+def _gated_loss(m, b):
+    x, t, y = b
+    return F.cross_entropy(m(x, t), y, reduction="none")
+
+
+def test_a_task_head_first_used_after_many_steps_stays_on_its_rule():
+    """(Review of round 51, a crash.) A head that no step of the batch shape had reached (its task absent from
+    every batch so far) was never asked about by the example-order check, whose verdicts were memoised: the step
+    that first used it took the fallback for it, which cannot run the forward's ``if``, and raised. The check is
+    now asked on that batch (``_rearm``). Exact at every step, on the rules."""
+    torch.manual_seed(0)
+    m = _GatedHeads().double()
+    step = make_dp_step(m, _gated_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk")
+    params = trainable_params(m)
+    for i, rare in enumerate(([0] * 10 + [2]) * 2):
+        t = torch.randint(0, 2, (4,))
+        if rare:
+            t[0] = rare
+        b = (torch.randn(4, 4, dtype=torch.float64), t, torch.randint(0, 3, (4,)))
+        part = step.clipped_sum(params, b)
+        assert "vmap" not in set(part.routes.values()), (i, part.routes)
+        _assert_part_exact(part, m, _gated_loss, b, 0.1, i)
