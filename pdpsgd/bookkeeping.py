@@ -1386,7 +1386,8 @@ class _Collected:
     rng: Any = None  # the random streams as the capture's forward began (``_rng_now``; ``_rng_replay``)
     attrs: Any = None  # the modules' attributes then, for a forward that changes them (``_attrs_replayed``)
     # a parameter the example-order check had stopped asking about (no gradient in its runs of this batch shape,
-    # ORDER_RETRIES times) has one in this step: asked again, on this batch (``_collect_once``)
+    # ORDER_RETRIES times), or was never asked about, has one in this step: asked on this batch (``_collect_once``,
+    # ``_rearm``)
     recheck: bool = False
 
 
@@ -3186,8 +3187,9 @@ def _zero_use(u: Use, p: Tensor) -> bool:
 
 def _rearm(probe_memo: Optional[Dict], okey, n: str) -> bool:
     """Whether the example-order check, which had stopped asking about parameter n for this batch shape (no
-    gradient in its runs, ORDER_RETRIES times), is to ask again (its count reset), at most ORDER_REARMS times a
-    shape: a parameter the check's eval-mode runs never reach would otherwise have it run at every step."""
+    gradient in its runs, ORDER_RETRIES times) or never asked (the check did not run in this step), is to ask on
+    this step's batch (its count reset), at most ORDER_REARMS times a shape: a parameter the check's eval-mode runs
+    never reach would otherwise have it run at every step."""
     if probe_memo is None or okey not in probe_memo:  # (its first check of the shape ran in this step)
         return False
     known, open_ = probe_memo[okey]
