@@ -1314,6 +1314,62 @@ def _flat_rows(x: Tensor, B: int, flat: Dict[Tuple[Any, int], _Flat],
     return 0, None, ()
 
 
+def _picked_rows(x: Tensor, B: int) -> Optional[str]:
+    """Why the B rows of x are not the batch's examples in order, where x was picked by an index from the rows of
+    a tensor whose first dim is the batch (or the batch flattened, B·k rows): ``h[mask]``, ``h[idx]``,
+    ``index_select(h, 0, idx)``, through elementwise ops; None where they are (one row of each example, in order:
+    ``h[torch.arange(B), last]``, a mask with one True per example) or where x was not picked so (or its index
+    cannot be read). Review of round 50: a head run on the tokens with a label, ``head(h[labels != -100])``, took
+    its B picked rows for the B examples where the picks happened to number B (one example with 2, one with 0):
+    the row of one example credited to another, one example replaced moved the sum by 1.12 × 2C."""
+    node = x.grad_fn
+    for _ in range(_FLAT_HOPS):
+        if node is None:
+            return None
+        name = type(node).__name__
+        if name in ("IndexBackward0", "IndexSelectBackward0"):
+            # (the index as autograd saved it, read only where no saved-tensor hook packed it: unpacking one would
+            # run a checkpoint's segment again, or break a one-shot hook; review of round 48)
+            try:
+                if name == "IndexBackward0":
+                    sizes = tuple(int(n) for n in node._saved_self_sym_sizes)
+                    raw = next(iter(node._raw_saved_indices), None)
+                else:
+                    if int(node._saved_dim) != 0:
+                        return None
+                    sizes, raw = tuple(int(n) for n in node._saved_self_sym_sizes), node._raw_saved_index
+                if raw is None or raw.unpack_hook is not None:
+                    return None
+                i0 = raw.data
+            except (AttributeError, RuntimeError, TypeError):
+                return None
+            if not isinstance(i0, Tensor) or not sizes or sizes[0] % B:  # (dim 0 taken whole; or not the batch's rows)
+                return None
+            if i0.dtype == torch.bool:
+                src = i0.nonzero()[:, 0] if i0.dim() > 0 else None
+            elif i0.dim() == 1 and not i0.is_floating_point():
+                src = i0
+            else:
+                return None
+            if src is None:
+                return None
+            k = sizes[0] // B
+            src = (torch.where(src < 0, src + sizes[0], src) // k).cpu()  # (each picked row's example)
+            if src.numel() == B and bool((src.sort().values == torch.arange(B)).all()):
+                return None  # (each example once: in order; or reordered, which the example-order check sees)
+            return ("its input's rows were picked by an index or mask (h[mask], h[idx]) and are not one row of each "
+                    f"example in order (its {B} rows came from examples {src.tolist()[:8]}"
+                    f"{'...' if src.numel() > 8 else ''}): book-keeping would credit row b to example b. Run the layer "
+                    "on every row and pick from its output (head(h)[mask])")
+        if name not in _ROWWISE_NODES:
+            return None
+        nxt = [n for n, _ in node.next_functions if n is not None]
+        if len(nxt) != 1:
+            return None
+        node = nxt[0]
+    return None
+
+
 def _time_major(rule: Rule, module: nn.Module, args, kwargs, output, B: int) -> bool:
     """Whether a call reads as time-major, batch in dim 1: a row-wise rule (``Rule.rowwise``) whose
     only tensor argument x is (T, B, ...) (T = B too: the caller asks the probe) and at least two leading (row) dims (ids: all
@@ -2890,6 +2946,12 @@ def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[st
                         flat[(output.grad_fn, output.output_nr)] = (rows, tuple(output.shape), root,
                                                                     chain + (len(calls),))
             bdim = 0
+            if not rows and not lift and not bcast and not tm and B > 1 and getattr(rule, "rowwise", False) \
+                    and x0 is not None and x0.dim() >= 2 and x0.shape[0] == B and x0.grad_fn is not None:
+                picked = _picked_rows(x0, B)
+                if picked is not None:
+                    for c in local.values():
+                        fallback.setdefault(c, f"{type(module).__name__} ({mname or '<root>'}): {picked}")
             if not rows and not lift and not bcast and tm:
                 if x0.shape[0] != B or (mname, "time") in forced:
                     bdim = 1

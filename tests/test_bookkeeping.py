@@ -7579,3 +7579,50 @@ def test_a_task_head_first_used_after_many_steps_stays_on_its_rule():
         part = step.clipped_sum(params, b)
         assert "vmap" not in set(part.routes.values()), (i, part.routes)
         _assert_part_exact(part, m, _gated_loss, b, 0.1, i)
+
+
+class _PickedHead(nn.Module):
+    """A head run on the labelled tokens only (``head(h[labels != -100])``, n rows), or on every token and then
+    picked (``head(h)[labels != -100]``); the rows put back in place for a per-example summed token loss."""
+
+    def __init__(self, first: bool):
+        super().__init__()
+        self.body, self.head, self.first = nn.Linear(3, 4), nn.Linear(4, 5), first
+
+    def forward(self, x, lab):
+        h = torch.tanh(self.body(x))  # (B, T, 4)
+        sel = lab != -100
+        rows = self.head(h[sel]) if self.first else self.head(h)[sel]  # (n, 5)
+        full = torch.zeros(*lab.shape, 5, dtype=x.dtype)
+        full[sel] = rows
+        return F.cross_entropy(full.transpose(1, 2), lab, reduction="none", ignore_index=-100).sum(1)
+
+
+def _picked_loss(m, b):
+    return m(*b)
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_layer_on_rows_picked_by_a_mask_is_not_read_as_the_batch(first):
+    """(Round 50's residual, a privacy bug.) Picks of [1, 1, 1, 1] then [2, 0, 1, 1] at B = 4: the picked rows
+    numbered B and were read as the examples in order (the second example's row credited to the first: norms 33 %
+    off, one example replaced moved the sum by 1.12 × 2C). The capture now reads the pick's index from the autograd
+    graph: rows that are not one of each example in order are refused for that layer (the fallback, which cannot
+    run the pick: the step raises, naming the fix); one row of each example in order stays on the rules, and so does
+    the fix, ``head(h)[mask]``."""
+    torch.manual_seed(0)
+    m = _PickedHead(first).double()
+    step = make_dp_step(m, _picked_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk")
+    params = trainable_params(m)
+    for picks in ([1, 1, 1, 1], [2, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 2]):
+        lab = torch.full((4, 5), -100)
+        for i, k in enumerate(picks):
+            lab[i, :k] = torch.randint(0, 5, (k,))
+        b = (torch.randn(4, 5, 3, dtype=torch.float64), lab)
+        if first and picks != [1, 1, 1, 1]:
+            with pytest.raises(RuntimeError, match=r"rows were picked by an index or mask.*head\(h\)\[mask\]"):
+                step.clipped_sum(params, b)
+            continue
+        part = step.clipped_sum(params, b)
+        assert "vmap" not in set(part.routes.values()), (picks, part.routes)
+        _assert_part_exact(part, m, _picked_loss, b, 0.1, picks)
