@@ -7342,6 +7342,12 @@ def _cut_loss(m, b):
     return F.cross_entropy(m(ids, mask), y, reduction="none")
 
 
+def _cut_batch(lens, T=7):
+    """Token ids (B, T), the mask of each example's ``lens`` first tokens, labels (B,): B = len(lens)."""
+    mask = torch.arange(T)[None] < torch.tensor(lens)[:, None]
+    return torch.randint(0, 11, (len(lens), T)), mask, torch.randint(0, 3, (len(lens),))
+
+
 @pytest.mark.parametrize("B,first,later", [(3, [1, 2, 2], [[3, 1, 2], [3, 3, 3], [1, 2, 5]]),
                                            (4, [2, 1, 2, 1], [[4, 1, 2, 3], [1, 4, 1, 1], [6, 2, 2, 2]]),
                                            (4, [3, 1, 2, 2], [[6, 1, 2, 3], [2, 1, 1, 1], [4, 1, 2, 3]])])
@@ -7357,12 +7363,8 @@ def test_time_major_forward_cut_to_the_longest_example_is_exact(B, first, later)
     step = make_dp_step(m, _cut_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk")
     params = trainable_params(m)
 
-    def batch(lens):
-        mask = torch.arange(7)[None] < torch.tensor(lens)[:, None]
-        return torch.randint(0, 11, (len(lens), 7)), mask, torch.randint(0, 3, (len(lens),))
-
     for lens in [first] + later:
-        b = batch(lens)
+        b = _cut_batch(lens)
         part = step.clipped_sum(params, b)
         _assert_part_exact(part, m, _cut_loss, b, 0.1, lens)
     rep = check_sensitivity(step, params, b)
@@ -7400,8 +7402,7 @@ def test_batch_first_forward_cut_to_the_longest_example_is_exact(B, seq):
     step = make_dp_step(m, _cut_loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
     params = trainable_params(m)
     for lens in seq:
-        mask = torch.arange(7)[None] < torch.tensor(lens)[:, None]
-        b = (torch.randint(0, 11, (B, 7)), mask, torch.randint(0, 3, (B,)))
+        b = _cut_batch(lens)
         part = step.clipped_sum(params, b)
         assert "vmap" not in set(part.routes.values()), (lens, part.routes)
         _assert_part_exact(part, m, _cut_loss, b, 0.5, lens)
@@ -7459,8 +7460,7 @@ def test_time_major_forward_cut_to_one_step_stays_on_the_rules(B, seq):
     step = make_dp_step(m, _cut_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk")
     params = trainable_params(m)
     for lens in seq:
-        mask = torch.arange(7)[None] < torch.tensor(lens)[:, None]
-        b = torch.randint(0, 11, (B, 7)), mask, torch.randint(0, 3, (B,))
+        b = _cut_batch(lens)
         part = step.clipped_sum(params, b)
         assert "vmap" not in set(part.routes.values()), (lens, part.routes)
         _assert_part_exact(part, m, _cut_loss, b, 0.1, lens)
@@ -7530,8 +7530,7 @@ def test_positions_cut_to_the_batch_size_are_not_read_as_the_batch(seq, train):
     step = make_dp_step(m, _cut_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk")
     params = trainable_params(m)
     for lens in seq:
-        mask = torch.arange(7)[None] < torch.tensor(lens)[:, None]
-        b = torch.randint(0, 11, (len(lens), 7)), mask, torch.randint(0, 3, (len(lens),))
+        b = _cut_batch(lens)
         part = step.clipped_sum(params, b)
         assert "vmap" not in set(part.routes.values()), (lens, part.routes)
         _assert_part_exact(part, m, _cut_loss, b, 0.1, lens)
