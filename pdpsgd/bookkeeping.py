@@ -59,7 +59,7 @@ import sys
 import threading
 import types
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, FrozenSet, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -1175,6 +1175,10 @@ class _Call:
     ok: bool = True  # the rule's check of the call as it ran (``Rule.verify``) passed
     amp: Optional[torch.dtype] = None  # the autocast dtype in force for its device when it ran, if any
     settings: Any = None  # the module's settings when it ran (``_settings``), compared after the forward
+    # rows picked from a batch-first tensor by an index or mask (``h[mask]``, ``h[idx]``; ``_picked_rows``): a
+    # ``_Pick`` (each row's example; the call whose output they were picked from), read as (B, K, ...), K the most
+    # rows of one example, zeros elsewhere (``_unflatten``)
+    pick: Any = None
 
     @property
     def targets(self) -> List[Any]:
@@ -1314,18 +1318,50 @@ def _flat_rows(x: Tensor, B: int, flat: Dict[Tuple[Any, int], _Flat],
     return 0, None, ()
 
 
-def _picked_rows(x: Tensor, B: int) -> Optional[str]:
-    """Why the B rows of x are not the batch's examples in order, where x was picked by an index from the rows of
-    a tensor whose first dim is the batch (or the batch flattened, B·k rows): ``h[mask]``, ``h[idx]``,
-    ``index_select(h, 0, idx)``, through elementwise ops; None where they are (one row of each example, in order:
-    ``h[torch.arange(B), last]``, a mask with one True per example) or where x was not picked so (or its index
-    cannot be read). Review of round 50: a head run on the tokens with a label, ``head(h[labels != -100])``, took
-    its B picked rows for the B examples where the picks happened to number B (one example with 2, one with 0):
-    the row of one example credited to another, one example replaced moved the sum by 1.12 × 2C."""
-    node = x.grad_fn
+class _Pick(NamedTuple):
+    """Rows of a layer's input picked from a batch-first tensor (see ``_picked_rows``)."""
+
+    n: int  # rows picked
+    K: int  # the most rows picked from one example (1 at least)
+    dest: Tensor  # (n,): row r's place in the (B·K, ...) padded rows, example-major
+    src: int  # the call (index) whose output the rows were picked from, through elementwise ops
+    examples: Tensor  # (n,): row r's example
+
+
+def _pick_of(e: Tensor, B: int, src: int) -> _Pick:
+    """Each picked row's place among its example's rows: example e[r], in the order of r."""
+    n = int(e.numel())
+    counts = torch.bincount(e, minlength=B)
+    K = max(1, int(counts.max())) if n else 1
+    order = torch.argsort(e, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(e)
+    rank[order] = torch.arange(n, dtype=e.dtype) - starts[e[order]]
+    return _Pick(n, K, e * K + rank, src, e)
+
+
+def _picked_rows(x: Tensor, B: int, outs: Optional[Mapping[Tuple[Any, int], Tuple[int, Tuple[int, ...]]]] = None,
+                 calls: Optional[Sequence["_Call"]] = None) -> Union[None, str, _Pick]:
+    """Rows of x picked by an index from the rows of a tensor whose first dim is the batch (or the batch flattened,
+    B·k rows): ``h[mask]``, ``h[idx]``, ``index_select(h, 0, idx)``, through elementwise ops. None where x was not
+    picked so (or its index cannot be read), or where its B rows are one of each example in order
+    (``h[torch.arange(B), last]``, a mask with one True per example); a ``_Pick`` where h (B, ...) is the output
+    of a captured batch-first call (``outs``: output edge -> (call index, output shape), through elementwise ops
+    too): each row read as its example's (its gradient reaches that example's row of h only), the call on its
+    rules if that call's batch dim is confirmed (``_check_picks``; round 52: before, the exact fallback, which
+    cannot run ``h[mask]``: the step raised); else why the rows cannot be read as the batch's (a str). Review of
+    round 50: a head run on the tokens with a label, ``head(h[labels != -100])``, took its B picked rows for the B
+    examples where the picks happened to number B (one example with 2, one with 0): the row of one example
+    credited to another, one example replaced moved the sum by 1.12 × 2C."""
+    edge = (x.grad_fn, x.output_nr)
     for _ in range(_FLAT_HOPS):
+        node = edge[0]
         if node is None:
             return None
+        hit = outs.get(edge) if outs else None
+        if hit is not None:  # a captured call's output: its picked rows, the same (the shape kept), or none
+            pk = calls[hit[0]].pick
+            return pk if pk is not None and tuple(hit[1]) == tuple(x.shape) else None
         name = type(node).__name__
         if name in ("IndexBackward0", "IndexSelectBackward0"):
             # (the index as autograd saved it, read only where no saved-tensor hook packed it: unpacking one would
@@ -1333,11 +1369,15 @@ def _picked_rows(x: Tensor, B: int) -> Optional[str]:
             try:
                 if name == "IndexBackward0":
                     sizes = tuple(int(n) for n in node._saved_self_sym_sizes)
-                    raw = next(iter(node._raw_saved_indices), None)
+                    raws = list(node._raw_saved_indices)
+                    raw = raws[0] if raws else None
+                    if any(r is not None and r.unpack_hook is not None for r in raws):
+                        return None
+                    rest = [r.data for r in raws[1:] if r is not None]
                 else:
                     if int(node._saved_dim) != 0:
                         return None
-                    sizes, raw = tuple(int(n) for n in node._saved_self_sym_sizes), node._raw_saved_index
+                    sizes, raw, rest = tuple(int(n) for n in node._saved_self_sym_sizes), node._raw_saved_index, []
                 if raw is None or raw.unpack_hook is not None:
                     return None
                 i0 = raw.data
@@ -1355,19 +1395,88 @@ def _picked_rows(x: Tensor, B: int) -> Optional[str]:
                 return None
             k = sizes[0] // B
             src = (torch.where(src < 0, src + sizes[0], src) // k).cpu()  # (each picked row's example)
+            if src.numel() == B and bool((src == torch.arange(B)).all()):
+                return None  # (each example once, in order)
+            # (one row per index entry: a mask, or 1-d indices of one length; h's first dim the batch's, or the batch
+            # flattened by a view of the layer's output)
+            # (review: with a bool mask, ``h[mask, idx]`` with idx (n, 1) broadcast to (n, n) rows, row r holding every
+            # example's elements)
+            plain = int(src.numel()) == int(x.shape[0]) and x.dim() >= 2 and all(
+                isinstance(t, Tensor) and t.dim() == 1 and t.dtype != torch.bool and t.numel() == src.numel()
+                for t in rest)
+            j = _picked_from(node, sizes, B, outs, calls) if plain and outs else None
+            if j is not None:
+                return _pick_of(src.to(torch.long), B, j)
             if src.numel() == B and bool((src.sort().values == torch.arange(B)).all()):
-                return None  # (each example once: in order; or reordered, which the example-order check sees)
-            return ("its input's rows were picked by an index or mask (h[mask], h[idx]) and are not one row of each "
-                    f"example in order (its {B} rows came from examples {src.tolist()[:8]}"
+                return None  # (each example once, reordered: the example-order check sees it)
+            return ("its input's rows were picked by an index or mask (h[mask], h[idx]) from a tensor not traced to "
+                    f"a batch-first layer's output, and are not one row of each example in order (its "
+                    f"{int(x.shape[0])} rows came from examples {src.tolist()[:8]}"
                     f"{'...' if src.numel() > 8 else ''}): book-keeping would credit row b to example b. Run the layer "
-                    "on every row and pick from its output (head(h)[mask])")
+                    "on every row and pick from its output (head(h)[mask]), or pick from a layer's output (h = "
+                    "norm(x); head(h[mask]))")
         if name not in _ROWWISE_NODES:
             return None
-        nxt = [n for n, _ in node.next_functions if n is not None]
+        nxt = [(n, i) for n, i in node.next_functions if n is not None]
         if len(nxt) != 1:
             return None
-        node = nxt[0]
+        edge = nxt[0]
     return None
+
+
+def _picked_from(node, sizes: Tuple[int, ...], B: int, outs, calls) -> Optional[int]:
+    """The call whose (B, ...) batch-first output the index node picked from (its input of shape ``sizes``),
+    through at most ``_FLAT_HOPS`` elementwise ops with one input that has a gradient (the shape kept: no
+    broadcast) and views of it as (B·k, ...) rows (a reshape keeps the elements' order: row r is example r // k's);
+    None if none."""
+    nxt = [(n, i) for n, i in node.next_functions if n is not None]
+    if len(nxt) != 1:
+        return None
+    edge, want = nxt[0], tuple(sizes)
+    for _ in range(_FLAT_HOPS):
+        hit = outs.get(edge)
+        if hit is not None:
+            j, shape = hit
+            c = calls[j]
+            # (a (B, B, ...) call that may be time-major, ``retry`` "time", is read batch-first unless the probe says
+            # otherwise: then the capture runs again, and this pick is refused there)
+            if tuple(shape) != want or want[0] != B or c.rows or c.bcast or c.lift or c.bdim \
+                    or c.retry not in ("", "time") or c.pick is not None:
+                return None
+            return j
+        node = edge[0]
+        name = type(node).__name__
+        if name in ("ViewBackward0", "UnsafeViewBackward0"):
+            try:
+                before = tuple(int(n) for n in node._saved_self_sym_sizes)
+            except (AttributeError, RuntimeError, TypeError):
+                return None
+            if not before or before[0] != B or want[0] % B or math.prod(before) != math.prod(want):
+                return None
+            want = before
+        elif name not in _ROWWISE_NODES:
+            return None
+        nxt = [(n, i) for n, i in node.next_functions if n is not None]
+        if len(nxt) != 1:
+            return None
+        edge = nxt[0]
+    return None
+
+
+def _check_picks(calls: Sequence[_Call], ruled, real_dims, fallback: Dict[str, str], B: int) -> None:
+    """A call on picked rows (``_Call.pick``) stays on its rules only where the call it picked them from read its
+    first dim as the batch, confirmed by the batch-dimension probe (``_check_batch_dims`` sent none of that call's
+    module's parameters to the fallback); else its parameters fall back too, naming why."""
+    for c in calls:
+        if c.pick is None:
+            continue
+        s = calls[c.pick.src]
+        local = ruled[s.module][2]
+        if real_dims[s.mname][s.k] != B or any(n in fallback for n in local.values()):
+            for n in ruled[c.module][2].values():
+                fallback.setdefault(n, f"{type(c.module).__name__} ({c.mname}): its input's rows were picked by an "
+                                       f"index or mask from {s.mname}'s output, whose batch dim was not confirmed "
+                                       "(its parameters take the exact fallback)")
 
 
 def _time_major(rule: Rule, module: nn.Module, args, kwargs, output, B: int) -> bool:
@@ -1416,6 +1525,16 @@ def _unflatten(c: "_Call", B: int, args, kwargs, output, g):
             return x.movedim(c.bdim, 0) if isinstance(x, Tensor) else x
 
         return tuple(m(x) for x in args), {k: m(x) for k, x in kwargs.items()}, m(output), m(g)
+    if c.pick is not None:
+        pk = c.pick
+
+        def put(x):  # (n, ...) -> (B, K, ...): row r at (its example, its rank among that example's rows)
+            if not isinstance(x, Tensor) or x.dim() < 1 or x.shape[0] != pk.n:
+                return x
+            out = x.new_zeros((B * pk.K,) + tuple(x.shape[1:]))
+            return out.index_copy_(0, pk.dest.to(x.device), x).view(B, pk.K, *x.shape[1:])
+
+        return tuple(put(x) for x in args), {k: put(x) for k, x in kwargs.items()}, put(output), put(g)
     if not c.rows:
         return args, kwargs, output, g
     N = B * c.rows
@@ -1785,7 +1904,9 @@ def _override(overrides: Mapping[str, str], mname: str, m: nn.Module) -> Optiona
 # (``probe_memo``). Not covered: a layer whose row count depends on tensor *values* (tokens
 # selected by a mask: mixture-of-experts routing, unpadded/varlen packing), whose count can equal
 # B in the step and PROBE_B in the probe by coincidence; book-keeping does not support such layers
-# (vmap refuses their data-dependent shapes outright). The probe calls ``loss_fn`` once more.
+# (vmap refuses their data-dependent shapes outright), except rows picked from a captured layer's
+# batch-first output by an index autograd saved (``_picked_rows``: credited by that index, not
+# compared with the probe; their source call is). The probe calls ``loss_fn`` once more.
 PROBE_B = 2
 PROBE_MEMO_MAX = 64
 # Each call is matched to the probe's by its call site too, not by its count alone (``_call_site``;
@@ -2772,6 +2893,8 @@ def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[st
     attrs_at: List[Any] = [None]
     settings_at: List[Any] = [None]
     flat: Dict[Tuple[Any, int], _Flat] = {}  # row-wise outputs of flattened calls (``_flat_rows``)
+    # row-wise calls' outputs (autograd edge -> call index, output shape): where picked rows came from (``_picked_rows``)
+    outs: Dict[Tuple[Any, int], Tuple[int, Tuple[int, ...]]] = {}
     swapped: Dict[nn.Module, List[Dict[str, Tensor]]] = {}
     real_dims: Dict[str, List[Optional[int]]] = {}  # module name -> first dim of each call's input
     real_sites: Dict[str, List[Any]] = {}  # module name -> each call's site (``_call_site``)
@@ -2946,10 +3069,14 @@ def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[st
                         flat[(output.grad_fn, output.output_nr)] = (rows, tuple(output.shape), root,
                                                                     chain + (len(calls),))
             bdim = 0
+            pick = None
             if not rows and not lift and not bcast and not tm and B > 1 and getattr(rule, "rowwise", False) \
-                    and x0 is not None and x0.dim() >= 2 and x0.shape[0] == B and x0.grad_fn is not None:
-                picked = _picked_rows(x0, B)
-                if picked is not None:
+                    and x0 is not None and x0.dim() >= 2 and x0.grad_fn is not None:
+                picked = _picked_rows(x0, B, outs, calls)
+                if isinstance(picked, _Pick):
+                    pick = picked
+                    real_shapes[mname][-1] = None  # (its rows' count is the batch's values': no probe compares it)
+                elif picked is not None:
                     for c in local.values():
                         fallback.setdefault(c, f"{type(module).__name__} ({mname or '<root>'}): {picked}")
             if not rows and not lift and not bcast and tm:
@@ -2967,11 +3094,14 @@ def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[st
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, edge=_gradient_edge(src),
                                    k=k, gshape=output.shape if src is not output else None, rows=rows, root=root,
                                    chain=chain, bcast=bcast, lift=lift, retry=retry, bdim=bdim, ok=ok,
-                                   amp=_amp_of(output, args), settings=_settings(module)))
+                                   amp=_amp_of(output, args), settings=_settings(module), pick=pick))
             else:
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers, k=k,
                                    rows=rows, root=root, chain=chain, bcast=bcast, lift=lift, retry=retry,
-                                   bdim=bdim, ok=ok, amp=_amp_of(output, args), settings=_settings(module)))
+                                   bdim=bdim, ok=ok, amp=_amp_of(output, args), settings=_settings(module),
+                                   pick=pick))
+            if output.grad_fn is not None and getattr(rule, "rowwise", False):  # (a source of picked rows)
+                outs[(output.grad_fn, output.output_nr)] = (len(calls) - 1, tuple(output.shape))
         return output
 
     leaf_names = [n for n in ruled_names]
@@ -2993,6 +3123,7 @@ def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[st
                     fallback.setdefault(c, _CREATE_GRAPH)
         replay[0] = True
         flat.clear()  # (the forward's nodes are not held beyond it)
+        outs.clear()
         if not isinstance(losses, Tensor) or losses.shape != (B,):
             shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
             raise ValueError(
@@ -3115,6 +3246,7 @@ def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[st
         col = _collect(loss_module, params, constants, batch, registry, overrides, probe_memo, check_broadcast,
                        loss_weights, no_expand, check_order=False, paths=paths_again)
         return _apply_order(col, order, batch, probe_memo, params, okey)
+    _check_picks(calls, ruled, real_dims, fallback, B)
     if path[0] is not None and paths:
         order = _hold_to_paths(path[0], probe_memo, hold_key, okey, fresh, ruled_names, fallback, loss_module,
                                params, constants, batch, registry, overrides, no_expand, rng_at[0], attrs_at[0], order,
@@ -4405,7 +4537,7 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
     the state the capture began in (``replay``: ``_rng_now`` and ``_module_attrs`` then; without it, the
     step's calls are not confirmed)."""
     todo = [c for c in calls if (c.capture is None or getattr(c.rule, "batch_axis", None) is not None)
-            and (real_dims[c.mname][c.k] == B or (c.rows and B > 1) or c.bcast and c.lift or c.bdim or c.retry)
+            and c.pick is None and (real_dims[c.mname][c.k] == B or (c.rows and B > 1) or c.bcast and c.lift or c.bdim or c.retry)
             and not all(n in fallback for n in ruled[c.module][2].values())]
     if not todo:
         return set()
