@@ -1324,7 +1324,7 @@ class _Pick(NamedTuple):
     n: int  # rows picked
     K: int  # the most rows picked from one example (1 at least)
     dest: Tensor  # (n,): row r's place in the (B·K, ...) padded rows, example-major
-    src: int  # the call (index) whose output the rows were picked from, through elementwise ops
+    src: int  # the call (index) whose output the rows were picked from, through elementwise ops; -1: the batch's input
     examples: Tensor  # (n,): row r's example
 
 
@@ -1360,7 +1360,7 @@ def _picked_rows(x: Tensor, B: int, outs: Optional[Mapping[Tuple[Any, int], Tupl
             return None
         hit = outs.get(edge) if outs else None
         if hit is not None:  # a captured call's output: its picked rows, the same (the shape kept), or none
-            pk = calls[hit[0]].pick
+            pk = calls[hit[0]].pick if hit[0] >= 0 else None  # (-1: one of the batch's inputs)
             return pk if pk is not None and tuple(hit[1]) == tuple(x.shape) else None
         name = type(node).__name__
         if name in ("IndexBackward0", "IndexSelectBackward0"):
@@ -1410,7 +1410,7 @@ def _picked_rows(x: Tensor, B: int, outs: Optional[Mapping[Tuple[Any, int], Tupl
             if src.numel() == B and bool((src.sort().values == torch.arange(B)).all()):
                 return None  # (each example once, reordered: the example-order check sees it)
             return ("its input's rows were picked by an index or mask (h[mask], h[idx]) from a tensor not traced to "
-                    f"a batch-first layer's output, and are not one row of each example in order (its "
+                    f"a batch-first layer's output or the batch's input, and are not one row of each example in order (its "
                     f"{int(x.shape[0])} rows came from examples {src.tolist()[:8]}"
                     f"{'...' if src.numel() > 8 else ''}): book-keeping would credit row b to example b. Run the layer "
                     "on every row and pick from its output (head(h)[mask]), or pick from a layer's output (h = "
@@ -1428,7 +1428,8 @@ def _picked_from(node, sizes: Tuple[int, ...], B: int, outs, calls) -> Optional[
     """The call whose (B, ...) batch-first output the index node picked from (its input of shape ``sizes``),
     through at most ``_FLAT_HOPS`` elementwise ops with one input that has a gradient (the shape kept: no
     broadcast) and views of it as (B·k, ...) rows (a reshape keeps the elements' order: row r is example r // k's);
-    None if none."""
+    -1 where they were picked from one of the batch's float inputs (``_batch_in_graph``; each leaf's first dim is
+    the examples', the dim the naive loop and vmap split); None if none."""
     nxt = [(n, i) for n, i in node.next_functions if n is not None]
     if len(nxt) != 1:
         return None
@@ -1437,6 +1438,8 @@ def _picked_from(node, sizes: Tuple[int, ...], B: int, outs, calls) -> Optional[
         hit = outs.get(edge)
         if hit is not None:
             j, shape = hit
+            if j < 0:  # one of the batch's float inputs ((B, ...): its first dim the examples', as the oracle's)
+                return j if tuple(shape) == want and want[0] == B else None
             c = calls[j]
             # (a (B, B, ...) call that may be time-major, ``retry`` "time", is read batch-first unless the probe says
             # otherwise: then the capture runs again, and this pick is refused there)
@@ -1468,7 +1471,7 @@ def _check_picks(calls: Sequence[_Call], ruled, real_dims, fallback: Dict[str, s
     first dim as the batch, confirmed by the batch-dimension probe (``_check_batch_dims`` sent none of that call's
     module's parameters to the fallback); else its parameters fall back too, naming why."""
     for c in calls:
-        if c.pick is None:
+        if c.pick is None or c.pick.src < 0:  # (picked from the batch's input: nothing to confirm)
             continue
         s = calls[c.pick.src]
         local = ruled[s.module][2]
@@ -2885,6 +2888,7 @@ def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[st
     glue: Set[Any] = set()  # the autograd nodes of this forward's expansions (seen through by ``_path_of``)
     rng_at: List[Any] = [None]  # the random streams as the capture's forward began (``_rng_now``)
     reached: List[bool] = [True]  # whether the losses reached a ruled parameter or call (``_Collected.reached``)
+    empty: List[bool] = [False]  # whether a ruled call had no output element (no gradient: not captured)
     # the modules' attributes then (``_module_attrs``), kept where a probe may need them: on the
     # first step of a batch shape, and at every step of a forward found to change the model's state; and
     # where some parameter is known to take the exact fallback (its forward runs from them if the capture,
@@ -2991,6 +2995,12 @@ def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[st
         if not torch.is_grad_enabled():
             # no gradient can flow from this call: it contributes exactly 0 (and a checkpoint
             # recomputation of it, which runs in the same grad mode, is left as it is too)
+            return None
+        if output.numel() == 0 and not getattr(rule, "broadcast_batch", False):
+            # no output element, no gradient through it: exactly 0 (a head on no picked rows, ``head(h[mask])`` with an
+            # empty mask, at B = 1 too, where nothing reads its rows as picked; review of round 52: the fallback raised;
+            # a loss that reaches no other call is then no detached loss)
+            empty[0] = True
             return None
         bcast = False
         if torch.is_grad_enabled() and not output.requires_grad:
@@ -3110,7 +3120,12 @@ def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[st
         rng_at[0] = _rng_now(params, model)  # (the exact fallback replays it: the same dropout masks)
         with torch.enable_grad(), _watch_autograd() as watched:
             try:
-                losses = loss_module(_batch_in_graph(batch, B, probe_memo))
+                inb = _batch_in_graph(batch, B, probe_memo)
+                for t in tree_flatten(inb)[0]:  # (the batch's float inputs: sources of picked rows, ``_picked_from``)
+                    if isinstance(t, Tensor) and t.grad_fn is not None and t.dim() >= 2 and t.shape[0] == B:
+                        outs[(t.grad_fn, t.output_nr)] = (-1, tuple(t.shape))
+                losses = loss_module(inb)
+                del inb
             except RuntimeError as err:
                 why = next((w for w in _INPUTS_REFUSED if w in str(err)), None)
                 if why is None or _INPUTS_OUT.get() or B < 2:
@@ -3149,7 +3164,8 @@ def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[st
                                             "buffers) other than it has after the forward, which its rule reads")
         _release_outputs(calls)
         if not losses.requires_grad and leaf_names and len(leaf_names) == len(params):
-            raise ValueError(DETACHED_LOSS)  # (every trained parameter a leaf here, none reached)
+            if not empty[0]:
+                raise ValueError(DETACHED_LOSS)  # (every trained parameter a leaf here, none reached)
         reached[0] = losses.requires_grad  # (through the batch's inputs alone, ``_batch_in_graph``: not; below)
         early = _eager_calls(calls, [leaves[n] for n in leaf_names]) if losses.requires_grad else {}
         call_targets = [[] if i in early else c.targets for i, c in enumerate(calls)]
@@ -3165,7 +3181,7 @@ def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[st
                     raise stray_parameter_error(used)
                 if not early and all(g is None for g in grads):  # (the losses reached the batch's inputs only)
                     reached[0] = False
-                    if leaf_names and len(leaf_names) == len(params):
+                    if leaf_names and len(leaf_names) == len(params) and not empty[0]:
                         raise ValueError(DETACHED_LOSS)
             else:
                 grads = (None,) * len(targets)

@@ -7767,35 +7767,70 @@ def test_picked_rows_are_read_from_the_index_only_one_row_per_entry_from_a_batch
     assert _picked_rows(h[torch.arange(B), torch.tensor([0, 3, 1])], B, outs, calls) is None  # (one each, in order)
 
 
-class _PickedFromInput(nn.Module):
-    """A body and head on rows picked from the batch's input itself (``body(x[mask])``)."""
+@pytest.mark.parametrize("pick", ["mask", "select"])
+def test_a_batch_of_one_with_no_picked_rows_is_exact(pick):
+    """(Review of round 52, a crash as in round 51.) A batch of one example with no labelled token gives the head
+    no row: its (0, d) call went to the fallback, which cannot run the pick, and the step raised (a batch of one is
+    common under Poisson sampling, and ``check_sensitivity`` at B = 2 runs one). A call with no output element has
+    exactly no gradient: not captured. Exact at B = 1 with and without picks, and within C at B = 2."""
+    torch.manual_seed(0)
+    m = _PickedMLM(pick).double().eval()
+    step = make_dp_step(m, _mlm_loss, max_grad_norm=0.05, noise_multiplier=0.0, method="bk")
+    params = trainable_params(m)
+    for lab in ([[-100, -100, -100]], [[3, -100, 1]], [[-100, -100, -100], [2, -100, 5]]):
+        lab = torch.tensor(lab)
+        b = (torch.randint(0, 13, lab.shape), lab)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the first batch's every gradient 0: warned)
+            part = step.clipped_sum(params, b)
+        assert "vmap" not in set(part.routes.values()), part.routes
+        _assert_part_exact(part, m, _mlm_loss, b, 0.05, lab)
+    assert 0.5 < check_sensitivity(step, params, b).max_ratio <= 1 + 1e-9
 
-    def __init__(self):
+
+class _PickedFromInput(nn.Module):
+    """A body and head on rows picked from the batch's input itself (``body(x[mask])``), or a head on rows picked
+    after a cumulative sum over the tokens (not an elementwise op: no traced source)."""
+
+    def __init__(self, cum: bool):
         super().__init__()
-        self.body, self.head = nn.Linear(3, 4), nn.Linear(4, 5)
+        self.body, self.head, self.cum = nn.Linear(3, 4), nn.Linear(4, 5), cum
 
     def forward(self, x, lab):
         sel = lab != -100
         full = torch.zeros(*lab.shape, 5, dtype=x.dtype)
-        full[sel] = self.head(torch.tanh(self.body(x[sel])))
+        if self.cum:
+            full[sel] = self.head(torch.cumsum(torch.tanh(self.body(x)), 1)[sel])
+        else:
+            full[sel] = self.head(torch.tanh(self.body(x[sel])))
         return F.cross_entropy(full.transpose(1, 2), lab, reduction="none", ignore_index=-100).sum(1)
 
 
-def test_rows_picked_from_the_batchs_input_are_refused():
-    """(Round 52.) Picked rows are credited to examples only where they come from a captured layer's batch-first
-    output (``_picked_rows``, above). Picked from the batch's input: the layer is refused (the fallback, which
+@pytest.mark.parametrize("cum", [False, True])
+def test_rows_picked_from_the_batchs_input_are_exact_and_from_no_traced_source_refused(cum):
+    """(Round 52.) Rows picked from one of the batch's float inputs are credited by the index too (the input's first
+    dim is the examples', as the naive loop splits it): exact, within C. Picked after an op that is not elementwise
+    (a cumulative sum over the tokens), nothing is traced to a source: the layer is refused (the fallback, which
     cannot run the pick: the step raises, naming the pick and the fix), never read as the batch's rows."""
     torch.manual_seed(0)
-    m = _PickedFromInput().double()
+    m = _PickedFromInput(cum).double()
     step = make_dp_step(m, _picked_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk")
     params = trainable_params(m)
-    lab = torch.full((4, 5), -100)
-    for i, k in enumerate([2, 0, 1, 1]):
-        lab[i, :k] = torch.randint(0, 5, (k,))
-    b = (torch.randn(4, 5, 3, dtype=torch.float64), lab)
-    with pytest.raises(RuntimeError, match=r"Linear \(body\): its input's rows were picked by an index or "
-                                           r"mask.*head\(h\)\[mask\]"):
-        step.clipped_sum(params, b)
+    for picks in ([2, 0, 1, 1], [1, 1, 1, 1], [0, 3, 0, 0]):
+        lab = torch.full((4, 5), -100)
+        for i, k in enumerate(picks):
+            lab[i, :k] = torch.randint(0, 5, (k,))
+        b = (torch.randn(4, 5, 3, dtype=torch.float64), lab)
+        if cum and picks != [1, 1, 1, 1]:
+            with pytest.raises(RuntimeError, match=r"Linear \(head\): its input's rows were picked by an index or "
+                                                   r"mask.*head\(h\)\[mask\]"):
+                step.clipped_sum(params, b)
+            continue
+        part = step.clipped_sum(params, b)
+        assert "vmap" not in set(part.routes.values()), (picks, part.routes)
+        _assert_part_exact(part, m, _picked_loss, b, 0.1, picks)
+        rep = check_sensitivity(step, params, b)
+        assert 0.5 < rep.max_ratio <= 1 + 1e-9, (picks, rep.max_ratio)
 
 
 def test_rows_picked_from_a_layer_that_takes_the_fallback_are_refused():
