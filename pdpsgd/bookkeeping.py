@@ -1340,6 +1340,38 @@ def _pick_of(e: Tensor, B: int, src: int) -> _Pick:
     return _Pick(n, K, e * K + rank, src, e)
 
 
+_MIXED_PICK = ("its input's rows were picked by an index or mask and passed an op whose other operand may hold other "
+               "examples' values (a tensor multiply, add, where or masked_fill with a per-example tensor): they are "
+               "not credited to their examples. Apply that op to the layer's output, or run the layer on every row "
+               "and pick from its output (head(h)[mask])")
+
+
+def _own_rows_op(node, dims: int) -> bool:
+    """Whether an elementwise node (``_ROWWISE_NODES``) keeps each row of its tensor (``dims`` dims) a function of that
+    row alone: unary ops, and binary ones whose other operand (no gradient) is a number or the same for every row (a
+    0-d tensor, fewer dims, or a first dim of 1). Review of round 52: ``(x * m.flip(0)[..., None])[mask]``, a 0/1 mask of
+    other examples (out of the graph), credited each picked row to its example while its value held another's (one
+    example replaced moved the sum by 1.27 C). An add or ``where`` (their other operand not saved), or a mask read
+    from a saved-tensor hook: not known, refused."""
+    name = type(node).__name__
+    if name in ("MulBackward0", "DivBackward0", "MaskedFillBackward0"):
+        try:
+            if name == "MaskedFillBackward0":
+                raw = node._raw_saved_mask
+            else:
+                none = [i for i, (n, _) in enumerate(node.next_functions) if n is None]
+                if len(none) != 1:
+                    return False
+                raw = node._raw_saved_self if none[0] == 0 else node._raw_saved_other
+            if raw is None or raw.unpack_hook is not None:
+                return False
+            t = raw.data
+        except (AttributeError, RuntimeError, TypeError):
+            return False
+        return isinstance(t, Tensor) and (t.numel() == 1 or t.dim() < dims or int(t.shape[0]) == 1)
+    return name in _ROWWISE_NODES and name not in ("AddBackward0", "SubBackward0", "WhereBackward0")
+
+
 def _picked_rows(x: Tensor, B: int, outs: Optional[Mapping[Tuple[Any, int], Tuple[int, Tuple[int, ...]]]] = None,
                  calls: Optional[Sequence["_Call"]] = None) -> Union[None, str, _Pick]:
     """Rows of x picked by an index from the rows of a tensor whose first dim is the batch (or the batch flattened,
@@ -1353,7 +1385,7 @@ def _picked_rows(x: Tensor, B: int, outs: Optional[Mapping[Tuple[Any, int], Tupl
     round 50: a head run on the tokens with a label, ``head(h[labels != -100])``, took its B picked rows for the B
     examples where the picks happened to number B (one example with 2, one with 0): the row of one example
     credited to another, one example replaced moved the sum by 1.12 × 2C."""
-    edge = (x.grad_fn, x.output_nr)
+    edge, mixed = (x.grad_fn, x.output_nr), False
     for _ in range(_FLAT_HOPS):
         node = edge[0]
         if node is None:
@@ -1361,6 +1393,8 @@ def _picked_rows(x: Tensor, B: int, outs: Optional[Mapping[Tuple[Any, int], Tupl
         hit = outs.get(edge) if outs else None
         if hit is not None:  # a captured call's output: its picked rows, the same (the shape kept), or none
             pk = calls[hit[0]].pick if hit[0] >= 0 else None  # (-1: one of the batch's inputs)
+            if pk is not None and mixed:
+                return _MIXED_PICK
             return pk if pk is not None and tuple(hit[1]) == tuple(x.shape) else None
         name = type(node).__name__
         if name in ("IndexBackward0", "IndexSelectBackward0"):
@@ -1406,7 +1440,7 @@ def _picked_rows(x: Tensor, B: int, outs: Optional[Mapping[Tuple[Any, int], Tupl
                 for t in rest)
             j = _picked_from(node, sizes, B, outs, calls) if plain and outs else None
             if j is not None:
-                return _pick_of(src.to(torch.long), B, j)
+                return _pick_of(src.to(torch.long), B, j) if not mixed else _MIXED_PICK
             if src.numel() == B and bool((src.sort().values == torch.arange(B)).all()):
                 return None  # (each example once, reordered: the example-order check sees it)
             return ("its input's rows were picked by an index or mask (h[mask], h[idx]) from a tensor not traced to "
@@ -1417,6 +1451,7 @@ def _picked_rows(x: Tensor, B: int, outs: Optional[Mapping[Tuple[Any, int], Tupl
                     "norm(x); head(h[mask]))")
         if name not in _ROWWISE_NODES:
             return None
+        mixed = mixed or not _own_rows_op(node, x.dim())
         nxt = [(n, i) for n, i in node.next_functions if n is not None]
         if len(nxt) != 1:
             return None
@@ -1457,7 +1492,7 @@ def _picked_from(node, sizes: Tuple[int, ...], B: int, outs, calls) -> Optional[
             if not before or before[0] != B or want[0] % B or math.prod(before) != math.prod(want):
                 return None
             want = before
-        elif name not in _ROWWISE_NODES:
+        elif not _own_rows_op(node, len(want)):
             return None
         nxt = [(n, i) for n, i in node.next_functions if n is not None]
         if len(nxt) != 1:
@@ -2888,7 +2923,9 @@ def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[st
     glue: Set[Any] = set()  # the autograd nodes of this forward's expansions (seen through by ``_path_of``)
     rng_at: List[Any] = [None]  # the random streams as the capture's forward began (``_rng_now``)
     reached: List[bool] = [True]  # whether the losses reached a ruled parameter or call (``_Collected.reached``)
-    empty: List[bool] = [False]  # whether a ruled call had no output element (no gradient: not captured)
+    # ruled calls' outputs with no element (no gradient: not captured), that need one: whether the losses reach
+    # them tells a loss on no rows from a detached one (``DETACHED_LOSS``)
+    empty: List[Tensor] = []
     # the modules' attributes then (``_module_attrs``), kept where a probe may need them: on the
     # first step of a batch shape, and at every step of a forward found to change the model's state; and
     # where some parameter is known to take the exact fallback (its forward runs from them if the capture,
@@ -2999,8 +3036,9 @@ def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[st
         if output.numel() == 0 and not getattr(rule, "broadcast_batch", False):
             # no output element, no gradient through it: exactly 0 (a head on no picked rows, ``head(h[mask])`` with an
             # empty mask, at B = 1 too, where nothing reads its rows as picked; review of round 52: the fallback raised;
-            # a loss that reaches no other call is then no detached loss)
-            empty[0] = True
+            # a loss that reaches no other call but such ones is then no detached loss)
+            if output.requires_grad:
+                empty.append(output)
             return None
         bcast = False
         if torch.is_grad_enabled() and not output.requires_grad:
@@ -3164,8 +3202,7 @@ def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[st
                                             "buffers) other than it has after the forward, which its rule reads")
         _release_outputs(calls)
         if not losses.requires_grad and leaf_names and len(leaf_names) == len(params):
-            if not empty[0]:
-                raise ValueError(DETACHED_LOSS)  # (every trained parameter a leaf here, none reached)
+            raise ValueError(DETACHED_LOSS)  # (every trained parameter a leaf here, none reached)
         reached[0] = losses.requires_grad  # (through the batch's inputs alone, ``_batch_in_graph``: not; below)
         early = _eager_calls(calls, [leaves[n] for n in leaf_names]) if losses.requires_grad else {}
         call_targets = [[] if i in early else c.targets for i, c in enumerate(calls)]
@@ -3174,14 +3211,17 @@ def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[st
         try:
             if losses.requires_grad and targets:
                 total = losses.sum() if loss_weights is None else (losses * loss_weights.to(losses)).sum()
-                grads = torch.autograd.grad(total, targets + [p for _, p in stray], allow_unused=True)
-                used = [n for (n, _), g in zip(stray, grads[len(targets):]) if g is not None]
-                grads = grads[:len(targets)]
+                grads = torch.autograd.grad(total, targets + [p for _, p in stray] + empty, allow_unused=True)
+                nt, ns = len(targets), len(stray)
+                used = [n for (n, _), g in zip(stray, grads[nt:nt + ns]) if g is not None]
+                on_empty = any(g is not None for g in grads[nt + ns:])
+                grads = grads[:nt]
+                del empty[:]
                 if used:
                     raise stray_parameter_error(used)
                 if not early and all(g is None for g in grads):  # (the losses reached the batch's inputs only)
                     reached[0] = False
-                    if leaf_names and len(leaf_names) == len(params) and not empty[0]:
+                    if leaf_names and len(leaf_names) == len(params) and not on_empty:
                         raise ValueError(DETACHED_LOSS)
             else:
                 grads = (None,) * len(targets)

@@ -7848,3 +7848,59 @@ def test_rows_picked_from_a_layer_that_takes_the_fallback_are_refused():
     with pytest.raises(RuntimeError, match=r"head\.weight: Linear \(head\): its input's rows were picked by an index "
                                            r"or mask.*not traced to a batch-first layer's output"):
         step.clipped_sum(params, b)
+
+
+class _MaskMixedPick(nn.Module):
+    """Rows scaled by a 0/1 mask of *other* examples (``m01.flip(0)``, a mask-like input left out of the autograd
+    graph), then picked by the labels (or picked, then scaled): each row's value holds another example's data."""
+
+    def __init__(self, where, D=5, V=7):
+        super().__init__()
+        self.body, self.head, self.dec, self.where = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, V), where
+
+    def forward(self, x, lab, m01):
+        B, T, _ = x.shape
+        sel = lab != -100
+        src = x if self.where == "input" else torch.tanh(self.body(x))
+        if self.where == "after":
+            rows = src[sel] * m01.flip(0)[sel][:, None]
+        else:
+            rows = (src * m01.flip(0)[..., None])[sel]
+        tok = F.cross_entropy(self.dec(torch.tanh(self.head(rows))), lab[sel], reduction="none")
+        full = torch.zeros(B, T, dtype=x.dtype)
+        full[sel] = tok
+        return full.sum(1)
+
+
+@pytest.mark.parametrize("where", ["input", "layer", "after"])
+def test_picked_rows_holding_other_examples_values_are_refused(where):
+    """(Review of round 52, a privacy bug.) ``(x * m01.flip(0)[..., None])[mask]``: a per-example 0/1 mask of another
+    example, out of the graph, scaled the rows that were then credited to their examples by the pick (examples 0 and 2
+    with the same mask, so neither the permuted batch nor each example alone showed it): one example replaced moved
+    the sum by 1.27 C. A pick is now traced only through ops that keep each row its own (unary ones; a multiply by a
+    number or by a tensor the same for every row): refused (the step raises), before or after the pick, from the
+    batch's input or from a layer's output."""
+    torch.manual_seed(0)
+    lab = torch.tensor([[0, 3, 3], [-100, -100, -100], [6, -100, -100]])
+    x = torch.randn(3, 3, 5, dtype=torch.float64)
+    m01 = torch.tensor([[1., 0., 1.], [1., 1., 0.], [1., 0., 1.]], dtype=torch.float64)
+    torch.manual_seed(1)
+    m = _MaskMixedPick(where).double()
+    step = make_dp_step(m, lambda mm, b: mm(*b), max_grad_norm=0.05, noise_multiplier=0.0, method="bk")
+    with pytest.raises(RuntimeError, match=r"Linear \(head\): its input's rows were picked by an index or mask"):
+        step.clipped_sum(trainable_params(m), (x, lab, m01))
+
+
+def test_a_pick_is_traced_through_ops_that_keep_each_row_its_own():
+    """(Round 52.) ``_own_rows_op``: unary ops and a multiply by a number, a 0-d tensor or a tensor broadcast over the
+    rows are traced; a multiply or masked_fill by a per-row tensor, an add (its other operand not saved), a where: not."""
+    from pdpsgd.bookkeeping import _own_rows_op
+
+    h = torch.randn(3, 4, requires_grad=True) * 1
+    per_row, shared = torch.rand(3, 4), torch.rand(4)
+    keep = [torch.tanh(h), F.gelu(h), h * 2.0, h / 3, h * torch.tensor(2.0), h * shared, shared * h, h * per_row[:1]]
+    drop = [h * per_row, per_row * h, h / per_row, h + 1, h + per_row, torch.where(per_row > 0.5, h, 0.0),
+            h.masked_fill(per_row > 0.5, 0.0)]
+    assert all(_own_rows_op(y.grad_fn, 2) for y in keep)
+    assert not any(_own_rows_op(y.grad_fn, 2) for y in drop)
+    assert _own_rows_op(h.masked_fill(shared > 0.5, 0.0).grad_fn, 2)
