@@ -7360,6 +7360,21 @@ def _cut_batch(lens, T=7):
     return torch.randint(0, 11, (len(lens), T)), mask, torch.randint(0, 3, (len(lens),))
 
 
+def _cut_steps(m, C, seq, on_rules=True):
+    """A bk step (clip norm C, no noise) of model m over batches cut to each ``lens`` of seq: each step's part exact
+    against the naive oracle (and on the rules: no parameter on vmap, where ``on_rules``); yields (lens, batch,
+    step, params) after each, for the caller's further checks."""
+    step = make_dp_step(m, _cut_loss, max_grad_norm=C, noise_multiplier=0.0, method="bk")
+    params = trainable_params(m)
+    for lens in seq:
+        b = _cut_batch(lens)
+        part = step.clipped_sum(params, b)
+        if on_rules:
+            assert "vmap" not in set(part.routes.values()), (lens, part.routes)
+        _assert_part_exact(part, m, _cut_loss, b, C, lens)
+        yield lens, b, step, params
+
+
 @pytest.mark.parametrize("B,first,later", [(3, [1, 2, 2], [[3, 1, 2], [3, 3, 3], [1, 2, 5]]),
                                            (4, [2, 1, 2, 1], [[4, 1, 2, 3], [1, 4, 1, 1], [6, 2, 2, 2]]),
                                            (4, [3, 1, 2, 2], [[6, 1, 2, 3], [2, 1, 1, 1], [4, 1, 2, 3]])])
@@ -7372,13 +7387,8 @@ def test_time_major_forward_cut_to_the_longest_example_is_exact(B, first, later)
     most may differ). Exact, and within the bound."""
     torch.manual_seed(0)
     m = _CutTimeMajor().double().eval()
-    step = make_dp_step(m, _cut_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk")
-    params = trainable_params(m)
-
-    for lens in [first] + later:
-        b = _cut_batch(lens)
-        part = step.clipped_sum(params, b)
-        _assert_part_exact(part, m, _cut_loss, b, 0.1, lens)
+    for _, b, step, params in _cut_steps(m, 0.1, [first] + later, on_rules=False):
+        pass
     rep = check_sensitivity(step, params, b)
     assert rep.max_ratio <= 1 + 1e-9, rep.max_ratio
 
@@ -7411,13 +7421,8 @@ def test_batch_first_forward_cut_to_the_longest_example_is_exact(B, seq):
     nothing of the batch's calls (the whole batch is probed). Exact on every batch."""
     torch.manual_seed(0)
     m = _CutBatchFirst().double().eval()
-    step = make_dp_step(m, _cut_loss, max_grad_norm=0.5, noise_multiplier=0.0, method="bk")
-    params = trainable_params(m)
-    for lens in seq:
-        b = _cut_batch(lens)
-        part = step.clipped_sum(params, b)
-        assert "vmap" not in set(part.routes.values()), (lens, part.routes)
-        _assert_part_exact(part, m, _cut_loss, b, 0.5, lens)
+    for _ in _cut_steps(m, 0.5, seq):
+        pass
 
 
 def test_a_whole_batch_probe_that_fails_is_not_run_again_on_its_path():
@@ -7469,13 +7474,7 @@ def test_time_major_forward_cut_to_one_step_stays_on_the_rules(B, seq):
     the capture reads them time-major (the probe confirms dim 1 is the batch): exact, on the rules, within C."""
     torch.manual_seed(0)
     m = _CutTimeMajor().double().eval()
-    step = make_dp_step(m, _cut_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk")
-    params = trainable_params(m)
-    for lens in seq:
-        b = _cut_batch(lens)
-        part = step.clipped_sum(params, b)
-        assert "vmap" not in set(part.routes.values()), (lens, part.routes)
-        _assert_part_exact(part, m, _cut_loss, b, 0.1, lens)
+    for lens, b, step, params in _cut_steps(m, 0.1, seq):
         if lens == [1] * B:
             rep = check_sensitivity(step, params, b)
             assert rep.max_ratio <= 1 + 1e-9, rep.max_ratio
@@ -7539,13 +7538,7 @@ def test_positions_cut_to_the_batch_size_are_not_read_as_the_batch(seq, train):
     forward cut to L ≠ B was sent to the fallback too: the step raised), within C."""
     torch.manual_seed(0)
     m = _NanoCut().double().train(train)  # (no dropout: train mode takes other checks' paths)
-    step = make_dp_step(m, _cut_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk")
-    params = trainable_params(m)
-    for lens in seq:
-        b = _cut_batch(lens)
-        part = step.clipped_sum(params, b)
-        assert "vmap" not in set(part.routes.values()), (lens, part.routes)
-        _assert_part_exact(part, m, _cut_loss, b, 0.1, lens)
+    for lens, b, step, params in _cut_steps(m, 0.1, seq):
         if max(lens) == len(lens):
             rep = check_sensitivity(step, params, b)
             assert rep.max_ratio <= 1 + 1e-9, (lens, rep.max_ratio)
