@@ -2,7 +2,7 @@
 config, `method="bk"` and `"auto"` against the naive float64 loop (`pdpsgd.testing.assert_exact`,
 rtol 1e-9), with the routes taken and the parameters that fall back to vmap.
 
-    python benchmarks/hf_zoo.py                 # every family (~2 min on 2 cores)
+    python benchmarks/hf_zoo.py                 # every family (~4 min on 2 cores)
     python benchmarks/hf_zoo.py opt t5          # some
     python benchmarks/hf_zoo.py --batch 40      # B = 40 (default 3): past the order check's 32 run alone
 
@@ -55,6 +55,26 @@ CLS = {
  "t5": (tf.T5Config, tf.T5ForConditionalGeneration, dict(d_model=16, d_ff=32, d_kv=4, num_layers=1, num_decoder_layers=1, num_heads=4, vocab_size=V, relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0)),
  "xlm_roberta": (tf.XLMRobertaConfig, tf.XLMRobertaForSequenceClassification, dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=V, max_position_embeddings=40)),
 }
+# more families from one set of small sizes (every config takes the keys it knows; ``transformers``' auto
+# classes pick the model); the mixture-of-experts ones run their experts by ``batched_mm`` (``grouped_mm``, the
+# default, has no float64 kernel on CPU; ``eager`` cannot run under vmap): their experts and routers take the
+# exact fallback
+SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=4, vocab_size=V, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+             sliding_window=4, num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+             shared_expert_intermediate_size=16, experts_implementation="batched_mm", partial_rotary_factor=0.5, rotary_dim=4,
+             local_attention=4, global_attn_every_n_layers=2, embedding_size=16, use_qk_norm=True)
+GENERIC_CAUSAL = ["qwen3", "olmo", "olmo2", "olmo3", "cohere", "cohere2", "granite", "starcoder2", "stablelm",
+                  "persimmon", "gpt_bigcode", "codegen", "mpt", "gemma2", "smollm3", "ministral", "helium", "glm4",
+                  "exaone4", "nemotron", "openai-gpt", "ctrl", "modernbert-decoder", "lfm2", "internlm3", "seed_oss",
+                  "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "phimoe", "gpt_oss"]
+GENERIC_CLS = ["modernbert", "mobilebert", "esm", "nomic_bert", "eurobert", "roformer", "big_bird", "megatron-bert",
+               "rembert", "nystromformer", "yoso", "fnet", "roberta-prelayernorm", "mpnet", "convbert", "squeezebert"]
+_AUTO = {"causal": tf.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+         "cls": tf.models.auto.modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES}
+for _kind, _names, _into in (("causal", GENERIC_CAUSAL, CAUSAL), ("cls", GENERIC_CLS, CLS)):
+    for _n in _names:
+        _into[_n] = (tf.CONFIG_MAPPING[_n], getattr(tf, _AUTO[_kind][_n]), dict(SMALL, num_labels=2) if _kind == "cls" else SMALL)
 ids = torch.randint(3, V, (B, T)); ids[0, -1] = 2; ids[1, 4] = 2; ids[2, 2] = 2; ids[3:, -1] = 2; am = torch.ones(B, T, dtype=torch.long); am[1, 5:] = 0; am[2, 3:] = 0
 def causal_loss(m, b):
     lg = m(input_ids=b["ids"], attention_mask=b["am"]).logits[:, :-1]
@@ -74,6 +94,10 @@ for name, (cc, mc, kw) in {**CAUSAL, **CLS}.items():
         try: cfg._attn_implementation = "eager"
         except Exception: pass
         m = mc(cfg)
+        with torch.no_grad():  # norm weights off their init (ones / zeros): formulas that differ only in the dtype
+            for pn, p in m.named_parameters():  # of w's product (LLaMA's vs Helium's) then differ in value too
+                if "norm" in pn.lower():
+                    p.add_(0.3 * torch.randn_like(p))
     except Exception as e:
         print(f"{name:12s} BUILD {type(e).__name__}: {str(e)[:150]}"); continue
     lf = t5_loss if name == "t5" else (causal_loss if name in CAUSAL else cls_loss)

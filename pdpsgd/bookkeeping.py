@@ -1163,7 +1163,7 @@ class _Call:
     k: int = -1  # this call's index among its module's calls (for the batch-dimension probe)
     gshape: Optional[torch.Size] = None  # the output's shape, when ``edge`` is its base's (gradient reshaped)
     rows: int = 0  # > 0: the input is the batch flattened, (B·rows, ...), example-major (see ``_flat_rows``)
-    root: Optional[Tuple[str, int]] = None  # (module name, call index) of the call whose input showed the flattening
+    roots: Tuple[Tuple[str, int], ...] = ()  # (module name, call index) of the calls whose inputs showed the flattening
     chain: Tuple[int, ...] = ()  # calls (indices) whose outputs the flattened input was traced through
     bcast: bool = False  # its (1, T, ...) or batch-free (T, ...) output was expanded to the batch (``Rule.broadcast_batch``)
     lift: int = 0  # > 0: batch-free ids (T,) of this length, expanded (``bcast``); the rule reads them as (1, T)
@@ -1262,6 +1262,7 @@ _ROWWISE_NODES = frozenset({  # elementwise; binary ones only with a constant (n
     "MaskedFillBackward0",
 })
 _FLAT_HOPS = 8  # elementwise ops between two row-wise layers that are followed
+_FLAT_NODES = 32  # elementwise nodes walked in all (both operands of products: a tree)
 
 
 def _functorch_wrapped(x: Tensor) -> bool:
@@ -1287,35 +1288,75 @@ def _normalised_dims(module: nn.Module) -> int:
     return len(ns) if isinstance(ns, (tuple, list, torch.Size)) else 0
 
 
-_Flat = Tuple[int, Tuple[int, ...], Tuple[str, int], Tuple[int, ...]]  # rows, shape, root call, chain
+_Flat = Tuple[int, Tuple[int, ...], Tuple[Tuple[str, int], ...], Tuple[int, ...]]  # rows, shape, root calls, chain
+_NO_ROWS: Tuple[int, Tuple[Tuple[str, int], ...], Tuple[int, ...]] = (0, (), ())
+# binary elementwise nodes followed into both operands when both carry a gradient (a gated MLP on the flattened
+# rows, act(gate(x)) * up(x), as Qwen2-MoE's shared expert): row r of the result is a function of row r of each,
+# so it is example r // rows's when both are traced to such rows (same rows per example, same shape). Not
+# ``where``: its condition (no gradient) is not seen.
+_ROW_PAIR_NODES = frozenset({"MulBackward0", "DivBackward0", "AddBackward0", "SubBackward0"})
 
 
 def _flat_rows(x: Tensor, B: int, flat: Dict[Tuple[Any, int], _Flat],
-               here: Tuple[str, int]) -> Tuple[int, Optional[Tuple[str, int]], Tuple[int, ...]]:
-    """(rows per example, root call, chain) if x (first dim N = B·rows, N ≠ B) is the batch flattened
-    example-major (see above), else (0, None, ()). ``flat``: (autograd node, output nr) -> (rows,
-    shape, root, chain) of the flattened row-wise layer outputs seen so far in this forward; the
+               here: Tuple[str, int]) -> Tuple[int, Tuple[Tuple[str, int], ...], Tuple[int, ...]]:
+    """(rows per example, root calls, chain) if x (first dim N = B·rows, N ≠ B) is the batch flattened
+    example-major (see above), else (0, (), ()). ``flat``: (autograd node, output nr) -> (rows,
+    shape, roots, chain) of the flattened row-wise layer outputs seen so far in this forward; the
     chain lists the calls (indices into the step's calls) traced through, each of which must have
-    its rule verify the call (``uses`` not None) for the trace to hold."""
+    its rule verify the call (``uses`` not None) for the trace to hold; each root's flattening is
+    confirmed by the batch-dimension probe."""
     N = int(x.shape[0])
     base = _whole_view_of(x)
     if base is not None:
-        return (N // B, here, ()) if int(base.shape[0]) == B else (0, None, ())
-    edge = (x.grad_fn, x.output_nr)
-    for _ in range(_FLAT_HOPS):
+        return (N // B, (here,), ()) if int(base.shape[0]) == B else _NO_ROWS
+    return _flat_trace((x.grad_fn, x.output_nr), tuple(x.shape), flat, _FLAT_HOPS, [_FLAT_NODES])
+
+
+def _moe_hint(model: nn.Module) -> str:
+    """The fix for a Hugging Face mixture-of-experts model whose experts run as a loop over the experts its
+    tokens chose (``experts_implementation='eager'``), which vmap cannot run: its experts and router have no
+    rule and take the exact fallback, which runs 'grouped_mm' (the default) and 'batched_mm'."""
+    for m in model.modules():
+        try:
+            impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
+        except Exception:  # (a config's property may raise)
+            impl = None
+        if impl == "eager":
+            return ("this mixture-of-experts model runs its experts with experts_implementation='eager' (a loop "
+                    "over the experts its tokens chose), which torch.func.vmap cannot run; its experts and router "
+                    "take the exact vmap fallback (no rule yet), so build it with "
+                    "experts_implementation='grouped_mm' (the default) or 'batched_mm'. In detail: ")
+    return ""
+
+
+def _flat_trace(edge: Tuple[Any, int], shape: Tuple[int, ...], flat: Dict[Tuple[Any, int], _Flat], hops: int,
+                nodes: List[int]) -> Tuple[int, Tuple[Tuple[str, int], ...], Tuple[int, ...]]:
+    """``_flat_rows`` from an autograd edge back to the flattened layer outputs in ``flat``: at most ``hops``
+    elementwise nodes on each path, ``nodes[0]`` in all (shared by both operands of a ``_ROW_PAIR_NODES`` node)."""
+    for _ in range(hops):
         node, _nr = edge
         if node is None:
-            return 0, None, ()
+            return _NO_ROWS
         hit = flat.get(edge)
         if hit is not None:
-            return (hit[0], hit[2], hit[3]) if hit[1] == tuple(x.shape) else (0, None, ())
-        if type(node).__name__ not in _ROWWISE_NODES:
-            return 0, None, ()
+            return (hit[0], hit[2], hit[3]) if hit[1] == shape else _NO_ROWS
+        name = type(node).__name__
+        nodes[0] -= 1
+        if name not in _ROWWISE_NODES or nodes[0] < 0:
+            return _NO_ROWS
         nxt = [(n, i) for n, i in node.next_functions if n is not None]
+        if len(nxt) == 2 and name in _ROW_PAIR_NODES:
+            hops -= 1
+            a = _flat_trace(nxt[0], shape, flat, hops, nodes)
+            b = _flat_trace(nxt[1], shape, flat, hops, nodes) if a[0] else _NO_ROWS
+            if not (a[0] and a[0] == b[0]):
+                return _NO_ROWS
+            return a[0], tuple(dict.fromkeys(a[1] + b[1])), tuple(sorted(set(a[2] + b[2])))
         if len(nxt) != 1:
-            return 0, None, ()
+            return _NO_ROWS
         edge = nxt[0]
-    return 0, None, ()
+        hops -= 1
+    return _NO_ROWS
 
 
 class _Pick(NamedTuple):
@@ -3097,7 +3138,7 @@ def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[st
             if lift:  # the rule reads the batch-free ids as (1, T), as a broadcast (1, T) call's
                 args, kwargs = _lift_first(args, kwargs)
             k = len(real_dims[mname]) - 1
-            rows, root, chain = 0, None, ()
+            rows, roots, chain = 0, (), ()
             x0 = _first_tensor(args, kwargs)
             # (a 1-d float input is one vector, not rows; 1-d ids are rows of an embedding)
             if getattr(rule, "rowwise", False) and x0 is not None \
@@ -3112,9 +3153,9 @@ def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[st
                     if not tm:
                         rows = int(x0.shape[0])
                 else:
-                    rows, root, chain = _flat_rows(x0, B, flat, (mname, k))
+                    rows, roots, chain = _flat_rows(x0, B, flat, (mname, k))
                     if rows and output.grad_fn is not None:  # (this call's index: len(calls))
-                        flat[(output.grad_fn, output.output_nr)] = (rows, tuple(output.shape), root,
+                        flat[(output.grad_fn, output.output_nr)] = (rows, tuple(output.shape), roots,
                                                                     chain + (len(calls),))
             bdim = 0
             pick = None
@@ -3140,12 +3181,12 @@ def _collect_body(loss_module: LossModule, params: Params, constants: Mapping[st
                 # gradient is the output's as this layer produced it, even if the output is later
                 # edited in place.
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), None, vers, edge=_gradient_edge(src),
-                                   k=k, gshape=output.shape if src is not output else None, rows=rows, root=root,
+                                   k=k, gshape=output.shape if src is not output else None, rows=rows, roots=roots,
                                    chain=chain, bcast=bcast, lift=lift, retry=retry, bdim=bdim, ok=ok,
                                    amp=_amp_of(output, args), settings=_settings(module), pick=pick))
             else:
                 calls.append(_Call(module, mname, rule, args, dict(kwargs), output, (output._version,) + vers, k=k,
-                                   rows=rows, root=root, chain=chain, bcast=bcast, lift=lift, retry=retry,
+                                   rows=rows, roots=roots, chain=chain, bcast=bcast, lift=lift, retry=retry,
                                    bdim=bdim, ok=ok, amp=_amp_of(output, args), settings=_settings(module),
                                    pick=pick))
             if output.grad_fn is not None and getattr(rule, "rowwise", False):  # (a source of picked rows)
@@ -4652,7 +4693,7 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
             failed, grew = probe_more(None, replay), True
     matched: Dict[str, List[Tuple[int, Tuple[Any, ...]]]] = {}  # (each module's, once per step: cleared when a probe adds some)
 
-    need = {c.mname for c in todo} | {c.root[0] for c in todo if c.rows and c.root is not None}
+    need = {c.mname for c in todo} | {r[0] for c in todo if c.rows for r in c.roots}
     misread = any(c.bcast and c.retry == "time" for c in todo)
     lifted = {(c.mname, c.k) for c in todo if c.lift}
 
@@ -4792,8 +4833,8 @@ def _check_batch_dims(loss_module, params, constants, batch, ruled, B, calls, re
                 reason = (f"read as time-major ((T, B, ...), T = {real_dims[c.mname][c.k]}), but a probe with "
                           f"{probe_size(c)} examples gave first and second dims {probe_saw(c, slice(0, 3, 2))}")
             elif c.rows:
-                if c.root is not None and every(c.root[0], lambda r, bp: r[c.root[1]][:2] == (bp * c.rows, bp),
-                                                c.root[1]) \
+                if c.roots and all(every(rt[0], lambda r, bp, j=rt[1]: r[j][:2] == (bp * c.rows, bp), rt[1])
+                                   for rt in c.roots) \
                         and every(c.mname, lambda d, bp: d[c.k][0] == bp * c.rows, c.k):
                     continue  # flattened (B·rows, ...) rows traced to a (B, ...) view whose first dim is the batch
                 reason = (f"its input has {B * c.rows} rows, the batch flattened, but a probe with {probe_size(c)} "
@@ -5226,6 +5267,7 @@ def _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registr
             first = str(err).splitlines()[0] if str(err) else ""
             first = first.split(" Fixes:")[0]  # (per_sample's own advice suggests method='bk')
             raise RuntimeError(
+                f"{_moe_hint(loss_module.model)}"
                 f"book-keeping computes {len(fb)} parameter(s) by the exact vmap fallback ({why}"
                 f"{'; ...' if len(fb) > 3 else ''}; all: dp_step.fallback_reasons(batch)), and torch.func.vmap "
                 f"cannot run this model: {type(err).__name__}: {first} "

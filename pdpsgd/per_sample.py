@@ -344,7 +344,10 @@ def _explain_vmap_error(err: Exception) -> Exception:
         return RuntimeError(
             "the model (or loss_fn) branches on tensor values, which torch.func.vmap cannot run per "
             "example. Fixes: remove the .item()/if-on-tensor from the forward, or use method='bk', which "
-            f"runs the model batched. Original error: {msg}"
+            "runs the model batched. (A Hugging Face mixture-of-experts model built with "
+            "experts_implementation='eager' loops over the experts its tokens chose: build it with "
+            "experts_implementation='grouped_mm' (the default) or 'batched_mm', which vmap runs.) "
+            f"Original error: {msg}"
         )
     return err
 

@@ -2100,6 +2100,68 @@ def test_flattened_rows_not_traced_to_examples_fall_back(how):
         assert "probe" in why["fc1.weight"], why
 
 
+class _FlatGated(nn.Module):
+    """A gated feed-forward block on the batch flattened to (B·T, d) rows, act(gate(x)) * up(x) (Qwen2-MoE's
+    shared expert); ``how`` makes one operand of the product something the trace must not credit by row."""
+
+    def __init__(self, d=4, how="plain"):
+        super().__init__()
+        self.emb, self.gate, self.up = nn.Embedding(20, d), nn.Linear(d, 2 * d), nn.Linear(d, 2 * d)
+        self.down, self.out = nn.Linear(2 * d, d), nn.Linear(d, 3)
+        self.scale = nn.Parameter(torch.ones(2 * d))
+        self.how = how
+
+    def forward(self, ids):
+        h = self.emb(ids)  # (B, T, d)
+        B, T, d = h.shape
+        x = h.reshape(-1, d)  # (B·T, d)
+        a, u = F.silu(self.gate(x)), self.up(x)  # (B·T, 2d) each
+        if self.how == "flip":  # the other operand's rows reversed: row r holds another example's
+            u = u.flip(0)
+        elif self.how == "param":  # a trained per-feature scale: the same for every row (traced, on the rules)
+            u = u * self.scale
+        elif self.how == "time_major":  # the other operand flattened time-major: row t·B + i is example i's
+            u = self.up(h.transpose(0, 1).contiguous().reshape(-1, d))
+        elif self.how == "where":  # a where whose condition (no gradient) the trace cannot see
+            u = torch.where(x[:, :1] > 0, u, a)
+        y = self.down(a * u - 0.5 * u / (1.0 + a * a))  # (B·T, d): products, a quotient, a difference of both
+        return self.out(torch.tanh(y.view(B, T, d) + h)).sum(1)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(B=st.integers(2, 4), T=st.integers(1, 5), C=st.sampled_from([0.01, 1.0, 100.0]),
+       method=st.sampled_from(["bk", "auto"]), seed=st.integers(0, 10**6))
+def test_flattened_rows_through_a_product_of_two_traced_tensors(B, T, C, method, seed):
+    """(This round.) The down projection of a gated MLP on flattened rows, act(gate(x)) * up(x), takes an op
+    between two traced tensors (it fell back: the trace followed one operand only): both operands are now
+    followed, and when each is the same flattened rows (same rows per example, same shape) row r is example
+    r // T's. On the rules, exact."""
+    torch.manual_seed(seed)
+    b = {"ids": torch.randint(0, 20, (B, T)), "y": torch.randint(0, 3, (B,))}
+    loss = lambda m, bb: F.cross_entropy(m(bb["ids"]), bb["y"], reduction="none")  # noqa: E731
+    for how in ("plain", "param"):
+        r = assert_exact(_FlatGated(how=how), loss, b, method=method, max_grad_norm=C)
+        if T > 1:  # (``scale``, a raw parameter: the exact fallback; unused in "plain")
+            assert {n for n, v in r.routes.items() if v == "vmap"} == {"scale"}, r.routes
+
+
+@pytest.mark.parametrize("how", ["flip", "time_major", "where"])
+def test_flattened_product_with_an_untraced_operand_falls_back(how):
+    """An operand reversed over the rows, flattened time-major (T = B: the probe tells it from example-major) or
+    a ``where`` (its condition not seen) in the product: the down projection takes the exact fallback (the rows
+    are not traced), exact."""
+    torch.manual_seed(0)
+    b = {"ids": torch.randint(0, 20, (3, 3)), "y": torch.randint(0, 3, (3,))}
+    loss = lambda m, bb: F.cross_entropy(m(bb["ids"]), bb["y"], reduction="none")  # noqa: E731
+    r = assert_exact(_FlatGated(how=how), loss, b, method="bk", max_grad_norm=0.05)
+    assert r.routes["down.weight"] == "vmap", r.routes
+    if how == "where":  # (reversed or time-major rows: the example-order check sends the rest there too)
+        assert r.routes["gate.weight"] != "vmap", r.routes
+    why = pdpsgd.make_dp_step(_FlatGated(how=how), loss, max_grad_norm=1.0, noise_multiplier=0.0,
+                              method="bk").fallback_reasons(b)
+    assert "down.weight" in why
+
+
 class _TablePositions(nn.Module):
     """nanoGPT-style positions: wpe(arange(T)) is (T, d), broadcast over the batch by the add."""
 

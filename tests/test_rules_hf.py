@@ -533,3 +533,49 @@ def test_padding_after_unpadded_steps_stays_on_the_rules(family):
                 ids[1, 7:] = 1
             out = step.clipped_sum(params, (ids, mask))
             assert "vmap" not in out.routes.values(), (k, out.routes)
+
+
+def _moe(name, experts):
+    import transformers as tf
+
+    kw = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=32, num_experts_per_tok=2, pad_token_id=0)
+    cc, mc, extra = {
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(num_local_experts=4)),
+        # (a shared expert, a gated MLP on the flattened (B·T, d) rows, beside the routed ones)
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
+                      dict(num_experts=4, moe_intermediate_size=8, shared_expert_intermediate_size=16)),
+    }[name]
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = cc(**kw, **extra)
+        cfg._attn_implementation = "eager"
+        if experts is not None:
+            cfg._experts_implementation = experts
+        return mc(cfg).eval()
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_moe_experts_and_router_take_the_exact_fallback(name):
+    """Mixture-of-experts models (transformers' 3-d expert tensors and top-k routers, no rule yet): those
+    parameters take the exact per-example fallback, everything else the rules (Qwen2-MoE's shared expert,
+    act(gate(x)) * up(x) on the flattened rows, too: it fell back). Exact in float64 with the experts run
+    by ``batched_mm`` (``grouped_mm``, the default, has no float64 kernel on CPU), and in float32 with
+    the default; built with ``experts_implementation='eager'`` (a loop over the experts the tokens chose,
+    which vmap cannot run) the step names that fix."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, V, (3, 6), generator=g)
+    am = torch.ones_like(ids)
+    am[1, 4:] = 0
+    b = {"input_ids": ids, "attention_mask": am, "labels": ids.masked_fill(am == 0, -100)}
+    r = assert_exact(_moe(name, "batched_mm"), causal_loss, b, method="auto", max_grad_norm=0.05)
+    fell = {n for n, v in r.routes.items() if v == "vmap"}
+    assert fell and all(".experts." in n or ".gate.weight" in n and ".shared_expert_gate" not in n for n in fell), fell
+    assert any("self_attn" in n for n in r.routes) and not any("self_attn" in n or "shared_expert." in n for n in fell)
+    r32 = assert_exact(_moe(name, None), causal_loss, b, method="bk", max_grad_norm=0.05, float64=False, rtol=1e-4)
+    assert {n for n, v in r32.routes.items() if v == "vmap"} == fell
+    m = _moe(name, "eager")
+    step = pdpsgd.make_dp_step(m, causal_loss, max_grad_norm=0.05, noise_multiplier=0.0, method="bk")
+    with pytest.raises(RuntimeError, match="experts_implementation='grouped_mm'"):
+        step.clipped_sum(pdpsgd.trainable_params(m), b)

@@ -99,9 +99,9 @@ def _put_named(entries: List[Tuple[str, Any, Any]], entry: Tuple[str, Any, Any],
 
 
 def _build() -> RuleRegistry:
-    from . import (channel_norm, conv, deberta_relative, deberta_v1, embedding, hf_conv1d, layernorm, linear,
-                   matmul_linear, multihead_attention, positional_embedding, rmsnorm, rnn, scaled_embedding,
-                   t5_relative_bias)
+    from . import (channel_norm, conv, custom_layernorm, deberta_relative, deberta_v1, embedding, hf_conv1d,
+                   layernorm, linear, matmul_linear, mpnet_relative_bias, multihead_attention, positional_embedding,
+                   rmsnorm, rnn, scaled_embedding, t5_relative_bias)
 
     reg = RuleRegistry()
     for t in linear.TYPES:
@@ -119,6 +119,10 @@ def _build() -> RuleRegistry:
     reg.register_predicate("positional_embedding", positional_embedding.is_positional_embedding,
                            positional_embedding.PositionalEmbeddingRule())
     reg.register_predicate("matmul_linear", matmul_linear.is_matmul_linear, matmul_linear.MatmulLinearRule())
+    reg.register_predicate("cohere_layernorm", custom_layernorm.is_cohere_layernorm,
+                           custom_layernorm.CohereLayerNormRule())
+    reg.register_predicate("layernorm_1p", custom_layernorm.is_layernorm_1p, custom_layernorm.LayerNorm1PRule())
+    reg.register_predicate("nonorm", custom_layernorm.is_nonorm, custom_layernorm.NoNormRule())
     reg.register_predicate("deberta_layernorm", deberta_v1.is_deberta_layernorm, deberta_v1.DebertaLayerNormRule())
     reg.register_predicate("deberta_v1_attention_bias", deberta_v1.is_deberta_v1_attention,
                            deberta_v1.DebertaV1AttentionBiasRule())
@@ -133,6 +137,8 @@ def _build() -> RuleRegistry:
         reg.register(t, multihead_attention.MultiheadAttentionRule())
     reg.register_adapter("t5_relative_bias", t5_relative_bias.is_t5_relative_attention,
                          t5_relative_bias.T5RelativeBiasAdapter())
+    reg.register_adapter("mpnet_relative_bias", mpnet_relative_bias.is_mpnet_encoder,
+                         mpnet_relative_bias.MPNetRelativeBiasAdapter())
     reg.register_adapter("deberta_rel_embeddings", deberta_relative.is_deberta_rel_encoder,
                          deberta_relative.DebertaRelEmbeddingAdapter())
     reg.register_adapter("deberta_disentangled_attention", deberta_relative.is_deberta_attention,
