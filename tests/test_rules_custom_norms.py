@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import pdpsgd
+from models import hf_cls_loss
 from pdpsgd.testing import assert_exact, check_sensitivity, token_batches
 
 V = 40
@@ -131,18 +132,13 @@ def _mobilebert():
     return _perturbed(tf.MobileBertForSequenceClassification(cfg)).eval()
 
 
-def cls_loss(m, b):
-    return F.cross_entropy(m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"],
-                           reduction="none")
-
-
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(batch=token_batches(vocab_size=V, max_batch=4, max_len=6, num_labels=3), C=st.sampled_from([0.05, 100.0]),
        method=st.sampled_from(["bk", "auto"]))
 def test_mobilebert_nonorm_exact_and_on_its_rule(batch, C, method):
     """MobileBERT's NoNorm (x ⊙ w + b, 34 of them in two layers): on its rule, exact."""
     m = _mobilebert()
-    r = assert_exact(m, cls_loss, batch, method=method, max_grad_norm=C)
+    r = assert_exact(m, hf_cls_loss, batch, method=method, max_grad_norm=C)
     assert {n for n, v in r.routes.items() if v == "vmap"} == set(), r.routes
 
 

@@ -5,10 +5,10 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import pdpsgd
+from models import hf_cls_loss
 from pdpsgd.testing import assert_exact, check_sensitivity, token_batches
 
 V = 40
@@ -28,11 +28,6 @@ def _mpnet():
         return tf.MPNetForSequenceClassification(cfg).eval()
 
 
-def cls_loss(m, b):
-    return F.cross_entropy(m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"],
-                           reduction="none")
-
-
 @settings(max_examples=6, deadline=None, derandomize=True)
 @given(batch=token_batches(vocab_size=V, max_batch=4, max_len=9, num_labels=3), C=st.sampled_from([0.05, 100.0]),
        method=st.sampled_from(["bk", "auto"]))
@@ -40,7 +35,7 @@ def test_mpnet_relative_bias_exact_and_on_its_rules(batch, C, method):
     """(Round 53.) The bias table took the exact fallback (a second vmapped pass of the whole model per step):
     now every parameter is on its rules, the table by the embedding rule on the buckets expanded to the batch,
     exact, over batch sizes (one too), lengths, padding and clip norms."""
-    r = assert_exact(_mpnet(), cls_loss, batch, method=method, max_grad_norm=C)
+    r = assert_exact(_mpnet(), hf_cls_loss, batch, method=method, max_grad_norm=C)
     assert {n for n, v in r.routes.items() if v == "vmap"} == set(), r.routes
 
 
@@ -52,7 +47,7 @@ def test_mpnet_relative_bias_sensitivity():
     am = torch.ones_like(ids)
     am[1, 5:] = 0
     b = {"input_ids": ids, "attention_mask": am, "labels": torch.randint(0, 3, (4,), generator=g)}
-    step = pdpsgd.make_dp_step(m, cls_loss, max_grad_norm=0.01, noise_multiplier=0.0, method="bk")
+    step = pdpsgd.make_dp_step(m, hf_cls_loss, max_grad_norm=0.01, noise_multiplier=0.0, method="bk")
     rep = check_sensitivity(step, pdpsgd.trainable_params(m), b)
     assert rep.max_ratio <= 1 + 1e-6 and rep.remove_one_sliced is not None, rep
 
@@ -76,7 +71,7 @@ def test_mpnet_adapter_declines_what_it_does_not_know(how, monkeypatch):
         m.mpnet.encoder.__class__ = MPNetEncoder
     ids = torch.randint(2, V, (3, 6), generator=torch.Generator().manual_seed(4))
     b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1, 2])}
-    r = assert_exact(m, cls_loss, b, method="bk", max_grad_norm=0.1)
+    r = assert_exact(m, hf_cls_loss, b, method="bk", max_grad_norm=0.1)
     fell = {n for n, v in r.routes.items() if v == "vmap"}
     # (detached: the table's gradient is 0 for every example, which the step knows without the fallback)
     assert fell == (set() if how == "detached" else {TABLE}), r.routes

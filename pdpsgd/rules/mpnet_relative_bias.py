@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .base import CaptureAdapter
-from .t5_relative_bias import _Lookup
+from .t5_relative_bias import _Lookup, run_with_lookup
 
 __all__ = ["MPNetRelativeBiasAdapter", "is_mpnet_encoder"]
 
@@ -43,13 +43,7 @@ class MPNetRelativeBiasAdapter(CaptureAdapter):
         original = type(module).compute_position_bias
 
         def compute_position_bias(*args, **kwargs):
-            emb = module._modules["relative_attention_bias"]
-            stub = _Lookup(emb)
-            module.__dict__["relative_attention_bias"] = stub  # (found before nn.Module's __getattr__)
-            try:
-                ref = original(module, *args, **kwargs)  # (B, H, T, T)
-            finally:
-                module.__dict__.pop("relative_attention_bias", None)
+            emb, stub, ref = run_with_lookup(module, original, args, kwargs)  # ref: (B, H, T, T)
             batched = _batched(emb, stub, ref, batch_size)
             return batched if batched is not None else original(module, *args, **kwargs)
 

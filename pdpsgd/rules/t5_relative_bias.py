@@ -71,17 +71,24 @@ class T5RelativeBiasAdapter(CaptureAdapter):
         original = type(module).compute_bias
 
         def compute_bias(*args, **kwargs):
-            emb = module._modules["relative_attention_bias"]
-            stub = _Lookup(emb)
-            module.__dict__["relative_attention_bias"] = stub  # (found before nn.Module's __getattr__)
-            try:
-                ref = original(module, *args, **kwargs)  # (1, H, Tq, Tk)
-            finally:
-                module.__dict__.pop("relative_attention_bias", None)
+            emb, stub, ref = run_with_lookup(module, original, args, kwargs)  # ref: (1, H, Tq, Tk)
             batched = _batched(emb, stub, ref, batch_size, 2 if _block_local(module) else 1)
             return batched if batched is not None else original(module, *args, **kwargs)
 
         return compute_bias
+
+
+def run_with_lookup(module: nn.Module, original, args, kwargs):
+    """``original(module, *args, **kwargs)`` with the module's ``relative_attention_bias`` table replaced by a
+    ``_Lookup`` for the call: (the table, the stub with the lookups it saw, the result)."""
+    emb = module._modules["relative_attention_bias"]
+    stub = _Lookup(emb)
+    module.__dict__["relative_attention_bias"] = stub  # (found before nn.Module's __getattr__)
+    try:
+        ref = original(module, *args, **kwargs)
+    finally:
+        module.__dict__.pop("relative_attention_bias", None)
+    return emb, stub, ref
 
 
 def _block_local(module: nn.Module) -> bool:
