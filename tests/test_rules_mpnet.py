@@ -75,3 +75,31 @@ def test_mpnet_adapter_declines_what_it_does_not_know(how, monkeypatch):
     fell = {n for n, v in r.routes.items() if v == "vmap"}
     # (detached: the table's gradient is 0 for every example, which the step knows without the fallback)
     assert fell == (set() if how == "detached" else {TABLE}), r.routes
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("wrong", [False, True])
+def test_mpnet_adjoint_check_in_every_dtype(dtype, wrong):
+    """The adapter's adjoint check on a table whose bias is symmetric (bucket +n's row = bucket −n's: the
+    values of a q/k-transposed map are right, its gradient goes to the mirrored buckets): the transposed map
+    declined, the right one taken, in each dtype and past float16's range (review of round 53: a probe of
+    1 … numel overflowed float16 to inf, and inf == inf took the transposed map)."""
+    import transformers.models.mpnet.modeling_mpnet as mm
+    from torch import nn
+
+    from pdpsgd.rules.mpnet_relative_bias import _batched
+    from pdpsgd.rules.t5_relative_bias import _Lookup
+
+    B, H, T = 8, 12, 64  # (B·H·T² = 393216 > 65504)
+    emb = nn.Embedding(32, H).to(dtype)
+    with torch.no_grad():
+        emb.weight[16:] = emb.weight[:16]
+    stub = _Lookup(emb)
+    ids = mm.MPNetEncoder.relative_position_bucket(torch.arange(T)[None, :] - torch.arange(T)[:, None])
+    looked = stub(ids)
+    ref = looked.permute(2, 0, 1).unsqueeze(0).expand(B, -1, T, T)
+    ref = (ref.transpose(-1, -2) if wrong else ref).contiguous()
+    out = _batched(emb, stub, ref, B)
+    assert (out is None) == wrong
+    if not wrong:
+        assert torch.equal(out, ref)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .base import CaptureAdapter
-from .t5_relative_bias import _Lookup, run_with_lookup
+from .t5_relative_bias import _Lookup, adjoint_probe, run_with_lookup
 
 __all__ = ["MPNetRelativeBiasAdapter", "is_mpnet_encoder"]
 
@@ -65,10 +65,10 @@ def _batched(emb: nn.Embedding, stub: _Lookup, ref, B: int):
     if looked.requires_grad:  # the map's adjoint on a probe gradient: the batch's sum, permuted back
         if not ref.requires_grad:
             return None  # the model cut the bias off the gradient: so must we (fallback)
-        # no zero entry (a zero would hide that element's gradient from the check)
-        probe = torch.arange(1, ref.numel() + 1, dtype=ref.dtype, device=ref.device).view(ref.shape)
+        probe = adjoint_probe(ref)
         (back,) = torch.autograd.grad(ref, looked, probe, allow_unused=True)
-        if back is None or not torch.equal(back, probe.sum(0).permute(1, 2, 0)):
+        if back is None or not bool(torch.isfinite(back).all()) \
+                or not torch.equal(back, probe.sum(0).permute(1, 2, 0)):
             return None
     out = emb(ids.unsqueeze(0).expand(B, *ids.shape))  # (B, Tq, Tk) -> (B, Tq, Tk, H), captured per example
     return out.permute(0, 3, 1, 2).contiguous()  # (B, H, Tq, Tk)

@@ -30,7 +30,7 @@ from torch import nn
 
 from .base import CaptureAdapter, module_attr
 
-__all__ = ["T5RelativeBiasAdapter", "is_t5_relative_attention"]
+__all__ = ["T5RelativeBiasAdapter", "is_t5_relative_attention", "adjoint_probe", "run_with_lookup"]
 
 
 def is_t5_relative_attention(module: nn.Module) -> bool:
@@ -91,6 +91,19 @@ def run_with_lookup(module: nn.Module, original, args, kwargs):
     return emb, stub, ref
 
 
+def adjoint_probe(ref: torch.Tensor) -> torch.Tensor:
+    """A gradient for ``ref`` to check a map's adjoint with: no zero entry (a zero would hide that element's
+    gradient), distinct entries 1, 2, ... in float32 / float64; in float16 / bfloat16 the entries 1 … 1021,
+    repeated (review, round 53: 1 … numel overflowed float16 to inf past 65504, and inf == inf accepted any
+    map), so that the adjoint's sums over a batch of up to 64 stay finite in float16 (the check then also
+    requires a finite adjoint: past that, the fallback)."""
+    n = ref.numel()
+    idx = torch.arange(n, device=ref.device)
+    if ref.dtype in (torch.float16, torch.bfloat16):
+        idx = idx % 1021  # (a prime: a shift or transpose of the map still moves most entries to another value)
+    return (idx + 1).to(ref.dtype).view(ref.shape)
+
+
 def _block_local(module: nn.Module) -> bool:
     """LongT5's local / transient-global attention, whose bias (1, 1, H, block_len, 3·block_len) the
     model broadcasts over (B, num_blocks, H, ...): the batch is its first dimension. (Another model's
@@ -118,10 +131,10 @@ def _batched(emb: nn.Embedding, stub: _Lookup, ref, B: int, leading: int = 1):
     if looked.requires_grad:  # the map's adjoint on a probe gradient must be the permutation's
         if not ref.requires_grad:
             return None  # the model cut the bias off the gradient: so must we (fallback)
-        # no zero entry (a zero would hide that element's gradient from the check)
-        probe = torch.arange(1, ref.numel() + 1, dtype=ref.dtype, device=ref.device).view(ref.shape)
+        probe = adjoint_probe(ref)
         (back,) = torch.autograd.grad(ref, looked, probe, allow_unused=True)
-        if back is None or not torch.equal(back, probe.reshape(ref.shape[lead:]).permute(1, 2, 0)):
+        if back is None or not bool(torch.isfinite(back).all()) \
+                or not torch.equal(back, probe.reshape(ref.shape[lead:]).permute(1, 2, 0)):
             return None
     out = emb(ids.unsqueeze(0).expand(B, *ids.shape))  # (B, Tq, Tk) -> (B, Tq, Tk, H), captured per example
     out = out.permute(0, 3, 1, 2)  # (B, H, Tq, Tk)
