@@ -61,3 +61,9 @@ def test_noise_overlap_runs():
 def test_guard_cost_runs_and_a_step_keeps_the_structure():
     out = _run(["benchmarks/guard_cost.py", "--configs", "tiny", "--reps", "3"])
     assert "structure unchanged by a step: True" in out and "model_structure" in out
+
+
+def test_families_speed_runs_with_every_parameter_on_the_rules():
+    """Round 53's families (here MPNet, the quickest): its bias table on the rules, nothing on the fallback."""
+    out = _run(["benchmarks/families_speed.py", "mpnet", "--reps", "1"])
+    assert "bk × np" in out and "fallback: 0/" in out, out

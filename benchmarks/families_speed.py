@@ -1,0 +1,79 @@
+"""The bk step against the non-private one on families whose layers came onto the rules in round 53 (Cohere's and
+Nemotron's layer norms, MPNet's relative attention bias), one process, interleaved, CPU time: run it once per tree
+(``PYTHONPATH``) to compare an engine where they took the exact fallback.
+
+    python benchmarks/families_speed.py                       # cohere, nemotron, mpnet; 1 thread
+    PYTHONPATH=/tmp/old python benchmarks/families_speed.py   # the same with another checkout of pdpsgd
+
+Models from configs (no downloads): 4 layers, width 256, 4 heads, FFN 512, vocab 8192, B = 8, T = 64, train mode;
+causal-LM loss (Cohere, Nemotron) or sequence classification (MPNet); SGD; C = 1, σ = 1.
+"""
+import argparse
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+import transformers as tf
+
+import pdpsgd
+
+warnings.filterwarnings("ignore")
+ap = argparse.ArgumentParser()
+ap.add_argument("families", nargs="*", default=["cohere", "nemotron", "mpnet"])
+ap.add_argument("--threads", type=int, default=1)
+ap.add_argument("--reps", type=int, default=7)
+args = ap.parse_args()
+torch.set_num_threads(args.threads)
+V, B, T = 8192, 8, 64
+KW = dict(vocab_size=V, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+          max_position_embeddings=256)
+BUILD = {
+    "cohere": lambda: tf.CohereForCausalLM(tf.CohereConfig(**KW, num_key_value_heads=4, pad_token_id=0)),
+    "nemotron": lambda: tf.NemotronForCausalLM(tf.NemotronConfig(**KW, num_key_value_heads=4, pad_token_id=0,
+                                                                 partial_rotary_factor=0.5)),
+    "mpnet": lambda: tf.MPNetForSequenceClassification(tf.MPNetConfig(**KW, num_labels=2)),
+}
+
+
+def run(fam):
+    torch.manual_seed(0)
+    m = BUILD[fam]().train()
+    ids = torch.randint(3, V, (B, T))
+    batch = (ids, torch.ones(B, T, dtype=torch.long), torch.randint(0, 2, (B,)))
+
+    def loss(mm, b):
+        out = mm(input_ids=b[0], attention_mask=b[1]).logits
+        if fam == "mpnet":
+            return F.cross_entropy(out, b[2], reduction="none")
+        tok = F.cross_entropy(out[:, :-1].reshape(-1, V), b[0][:, 1:].reshape(-1), reduction="none")
+        return tok.view(b[0].shape[0], -1).sum(1)
+
+    params = pdpsgd.trainable_params(m)
+    step = pdpsgd.make_dp_step(m, loss, max_grad_norm=1.0, noise_multiplier=1.0, method="bk", expected_batch_size=B)
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+
+    def nonprivate():
+        opt.zero_grad(set_to_none=True)
+        loss(m, batch).sum().backward()
+        opt.step()
+
+    def bk():
+        step(params, batch)
+
+    for f in (nonprivate, bk, bk):  # warm-up (bk's first step of a shape runs its checks)
+        f()
+    fell = sum(r == "vmap" for r in step.plan(batch).values())
+    t = {"nonprivate": [], "bk": []}
+    for _ in range(args.reps):
+        for name, f in (("nonprivate", nonprivate), ("bk", bk)):
+            t0 = time.process_time()
+            f()
+            t[name].append(time.process_time() - t0)
+    med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in t.items()}
+    print(f"{fam:9s} non-private {med['nonprivate']:7.1f} ms  bk {med['bk']:7.1f} ms  bk × np {med['bk'] / med['nonprivate']:.2f}"
+          f"  parameters on the vmap fallback: {fell}/{len(params)}", flush=True)
+
+
+for fam in args.families:
+    run(fam)
