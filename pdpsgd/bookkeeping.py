@@ -4043,6 +4043,8 @@ def _alone_norms(loss_module: LossModule, params: Params, constants: Mapping[str
     that example alone (a batch of one), by plain autograd through the model's own forward (no rule,
     no capture: the naive loop's definition); module flags in eval mode (as they are, with dropout at
     rate 0, with ``own_mode``), forked random streams."""
+    if not names:  # (no parameter on the rules in the check's capture: nothing to compare; round 53, Switch
+        return {}  # Transformers' experts: torch.autograd.grad of no inputs raised, hiding the capture's reasons)
     leaves = {n: v.detach().requires_grad_(True) for n, v in params.items()}
     out: Dict[str, List[Tensor]] = {n: [] for n in names}
     with _EvalFlags(loss_module.model, keep=own_mode), torch.enable_grad():

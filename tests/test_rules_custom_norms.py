@@ -198,3 +198,60 @@ def test_modernbert_sparse_head_sensitivity():
     step = pdpsgd.make_dp_step(m.double(), mlm_loss, max_grad_norm=0.01, noise_multiplier=0.0, method="bk")
     rep = check_sensitivity(step, pdpsgd.trainable_params(m), b)
     assert rep.max_ratio <= 1 + 1e-6 and rep.remove_one_sliced is not None, rep  # (check_sensitivity raises past it)
+
+
+def _switch(sparse):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = tf.SwitchTransformersConfig(vocab_size=V, d_model=16, d_ff=32, d_kv=4, num_layers=2, num_decoder_layers=2,
+                                          num_heads=4, num_experts=4, encoder_sparse_step=sparse,
+                                          decoder_sparse_step=sparse, relative_attention_num_buckets=8,
+                                          decoder_start_token_id=0, pad_token_id=0)
+        cfg._attn_implementation = "eager"
+        return tf.SwitchTransformersForConditionalGeneration(cfg).eval()
+
+
+def _s2s_batch(seed=6):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (3, 6), generator=g)
+    am = torch.ones_like(ids)
+    am[1, 4:] = 0
+    return {"ids": ids, "am": am, "dec": torch.randint(1, V, (3, 4), generator=g)}
+
+
+def s2s_loss(mm, bb):
+    lg = mm(input_ids=bb["ids"], attention_mask=bb["am"], decoder_input_ids=bb["dec"]).logits
+    return F.cross_entropy(lg.reshape(-1, V), bb["dec"].reshape(-1), reduction="none").view(bb["dec"].shape).sum(1)
+
+
+def test_switch_transformers_t5_style_norms_on_the_rules():
+    """Switch Transformers' T5-style RMS norms, named ``SwitchTransformersLayerNorm``, took the exact fallback
+    (round 53: by name, ``rmsnorm.T5_STYLE_NAMES``, each call checked): on the rules now, exact, with a padded
+    example (dense layers only: its routed experts take the fallback, see docs/reference.md)."""
+    m = _perturbed(_switch(0))
+    for method in ("bk", "auto"):
+        r = assert_exact(m, s2s_loss, _s2s_batch(), method=method, max_grad_norm=0.05)
+        assert {n for n, v in r.routes.items() if v == "vmap"} == set(), r.routes
+    assert pdpsgd.rules.default_registry().lookup(m.encoder.final_layer_norm).name == "rmsnorm_custom"
+
+
+def test_switch_transformers_with_routed_experts_frozen():
+    """With its routed experts (every layer sparse) frozen, the rest of Switch Transformers is on the rules and
+    exact (float32: its router runs in float32 at least), and one example replaced moves the sum by ≤ 2C. Before
+    round 53 the example-order check's capture, in which no parameter took a rule, asked torch.autograd.grad of
+    no inputs, which raised: every parameter went to the vmap fallback, which crashed in torch on the routing."""
+    b = _s2s_batch()
+    nb = {**b, "ids": b["ids"].clone()}
+    nb["ids"][0] = torch.randint(1, V, (6,), generator=torch.Generator().manual_seed(7))
+    m = _switch(1)
+    for n, p in m.named_parameters():
+        if ".experts." in n:
+            p.requires_grad_(False)
+    r = assert_exact(m, s2s_loss, b, method="bk", max_grad_norm=0.05, float64=False, rtol=1e-4)
+    assert r.routes and {n for n, v in r.routes.items() if v == "vmap"} == set(), r.routes
+    step = pdpsgd.make_dp_step(m, s2s_loss, max_grad_norm=0.05, noise_multiplier=0.0, method="bk")
+    rep = check_sensitivity(step, pdpsgd.trainable_params(m), b, neighbour=nb, rtol=1e-4)
+    assert rep.max_ratio <= 1 + 1e-4, rep

@@ -49,16 +49,21 @@ class TorchRMSNormRule(Rule):
         return {"weight": Explicit(gw.sum(red) if red else gw)}
 
 
+# T5-style RMS norms of transformers under other names (round 53: Switch Transformers' took the fallback)
+T5_STYLE_NAMES = ("SwitchTransformersLayerNorm", "UdopLayerNorm", "Pix2StructLayerNorm", "Pop2PianoLayerNorm",
+                  "Kosmos2_5LayerNorm")
+
+
 def is_custom_rmsnorm(module: nn.Module) -> bool:
-    """A class of transformers' own whose name contains "RMSNorm" (or ends in "T5LayerNorm": T5's RMS
-    norm), with a 1-d ``weight`` Parameter and an epsilon attribute. (A filter only: every call is
+    """A class of transformers' own whose name contains "RMSNorm" (or ends in "T5LayerNorm", or is one of
+    ``T5_STYLE_NAMES``: T5's RMS norm), with a 1-d ``weight`` Parameter and an epsilon attribute. (A filter only: every call is
     verified against the output; a user's own class takes the exact fallback, or a rule registered
     for it.)"""
     w = getattr(module, "weight", None)
     cls = type(module)
     name = cls.__name__
     shaped = (
-        ("RMSNorm" in name or name.endswith("T5LayerNorm"))
+        ("RMSNorm" in name or name.endswith("T5LayerNorm") or name in T5_STYLE_NAMES)
         and isinstance(w, Tensor)
         and w.dim() == 1
         and set(module._parameters) <= {"weight"}
