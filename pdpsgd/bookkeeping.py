@@ -1312,23 +1312,6 @@ def _flat_rows(x: Tensor, B: int, flat: Dict[Tuple[Any, int], _Flat],
     return _flat_trace((x.grad_fn, x.output_nr), tuple(x.shape), flat, _FLAT_HOPS, [_FLAT_NODES])
 
 
-def _moe_hint(model: nn.Module) -> str:
-    """The fix for a Hugging Face mixture-of-experts model whose experts run as a loop over the experts its
-    tokens chose (``experts_implementation='eager'``), which vmap cannot run: its experts and router have no
-    rule and take the exact fallback, which runs 'grouped_mm' (the default) and 'batched_mm'."""
-    for m in model.modules():
-        try:
-            impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
-        except Exception:  # (a config's property may raise)
-            impl = None
-        if impl == "eager":
-            return ("this mixture-of-experts model runs its experts with experts_implementation='eager' (a loop "
-                    "over the experts its tokens chose), which torch.func.vmap cannot run; its experts and router "
-                    "take the exact vmap fallback (no rule yet), so build it with "
-                    "experts_implementation='grouped_mm' (the default) or 'batched_mm'. In detail: ")
-    return ""
-
-
 def _flat_trace(edge: Tuple[Any, int], shape: Tuple[int, ...], flat: Dict[Tuple[Any, int], _Flat], hops: int,
                 nodes: List[int]) -> Tuple[int, Tuple[Tuple[str, int], ...], Tuple[int, ...]]:
     """``_flat_rows`` from an autograd edge back to the flattened layer outputs in ``flat``: at most ``hops``
@@ -5150,6 +5133,23 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
     with amp(state, False), _ieee_matmuls() as caller:  # (no region: nothing entered)
         return _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts,
                            probe_memo, state, caller)
+
+
+def _moe_hint(model: nn.Module) -> str:
+    """The fix for a Hugging Face mixture-of-experts model whose experts run as a loop over the experts its
+    tokens chose (``experts_implementation='eager'``), which vmap cannot run: its experts and router have no
+    rule and take the exact fallback, which runs 'grouped_mm' (the default) and 'batched_mm'."""
+    for m in model.modules():
+        try:
+            impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
+        except Exception:  # (a config's property may raise)
+            impl = None
+        if impl == "eager":
+            return ("this mixture-of-experts model runs its experts with experts_implementation='eager' (a loop "
+                    "over the experts its tokens chose), which torch.func.vmap cannot run; its experts and router "
+                    "take the exact vmap fallback (no rule yet), so build it with "
+                    "experts_implementation='grouped_mm' (the default) or 'batched_mm'. In detail: ")
+    return ""
 
 
 def _chunk_body(loss_module, params, constants, batch, mask, weights_fn, registry, overrides, cm, opts, probe_memo,
