@@ -24,11 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import Explicit, Rule, Use, first_input, transformers_own_class
-from .layernorm import LayerNormRule
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
+from .layernorm import LayerNormRule, _acc
 
 
 def _own(module: nn.Module, names, params) -> bool:
