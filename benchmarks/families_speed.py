@@ -1,12 +1,14 @@
 """The bk step against the non-private one on families whose layers came onto the rules in round 53 (Cohere's and
-Nemotron's layer norms, MPNet's relative attention bias), one process, interleaved, CPU time: run it once per tree
+Nemotron's layer norms, MPNet's relative attention bias) and round 54 (SqueezeBERT's channel-first layer norms,
+ConvBERT's separable-convolution bias), one process, interleaved, CPU time: run it once per tree
 (``PYTHONPATH``) to compare an engine where they took the exact fallback.
 
     python benchmarks/families_speed.py                       # cohere, nemotron, mpnet; 1 thread
+    python benchmarks/families_speed.py squeezebert convbert  # round 54's
     PYTHONPATH=/tmp/old python benchmarks/families_speed.py   # the same with another checkout of pdpsgd
 
 Models from configs (no downloads): 4 layers, width 256, 4 heads, FFN 512, vocab 8192, B = 8, T = 64, train mode;
-causal-LM loss (Cohere, Nemotron) or sequence classification (MPNet); SGD; C = 1, σ = 1.
+causal-LM loss (Cohere, Nemotron) or sequence classification (MPNet, SqueezeBERT, ConvBERT); SGD; C = 1, σ = 1.
 """
 import argparse
 import time
@@ -33,7 +35,11 @@ BUILD = {
     "nemotron": lambda: tf.NemotronForCausalLM(tf.NemotronConfig(**KW, num_key_value_heads=4, pad_token_id=0,
                                                                  partial_rotary_factor=0.5)),
     "mpnet": lambda: tf.MPNetForSequenceClassification(tf.MPNetConfig(**KW, num_labels=2)),
+    "squeezebert": lambda: tf.SqueezeBertForSequenceClassification(tf.SqueezeBertConfig(**KW, embedding_size=256,
+                                                                                       num_labels=2)),
+    "convbert": lambda: tf.ConvBertForSequenceClassification(tf.ConvBertConfig(**KW, embedding_size=256, num_labels=2)),
 }
+CLS = ("mpnet", "squeezebert", "convbert")
 
 
 def run(fam):
@@ -44,7 +50,7 @@ def run(fam):
 
     def loss(mm, b):
         out = mm(input_ids=b[0], attention_mask=b[1]).logits
-        if fam == "mpnet":
+        if fam in CLS:
             return F.cross_entropy(out, b[2], reduction="none")
         tok = F.cross_entropy(out[:, :-1].reshape(-1, V), b[0][:, 1:].reshape(-1), reduction="none")
         return tok.view(b[0].shape[0], -1).sum(1)

@@ -102,13 +102,14 @@ def test_torch_rmsnorm_default_eps_is_that_of_its_compute_dtype(dtype):
 
 
 
-@pytest.mark.parametrize("layer", ["group_norm", "depthwise_conv"])
+@pytest.mark.parametrize("layer", ["group_norm", "depthwise_conv", "pointwise_grouped_conv"])
 def test_low_precision_layers_per_example_gradients_are_accumulated_in_float32(layer):
     """Mutation review, round 41: a GroupNorm or grouped conv rule that summed a bf16 model's
     per-example gradient in bf16 (relative error ~2e-3: a norm understated by ~0.2 %) passed. The
     rules accumulate in float32 at least: against float64 on the same bf16 values, ~1e-7."""
     torch.manual_seed(0)
-    mod = {"group_norm": lambda: nn.GroupNorm(4, 8), "depthwise_conv": lambda: nn.Conv2d(8, 8, 3, groups=8)}[layer]()
+    mod = {"group_norm": lambda: nn.GroupNorm(4, 8), "depthwise_conv": lambda: nn.Conv2d(8, 8, 3, groups=8),
+           "pointwise_grouped_conv": lambda: nn.Conv2d(8, 8, 1, groups=4)}[layer]()
     with torch.no_grad():
         for p in mod.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -320,6 +321,20 @@ def test_conv_groups_and_padding_modes(nd, groups, mult, k, stride, dilation, pa
                                                      padding=pad, padding_mode=mode, groups=groups, bias=bias)
     x = torch.randn((B, C_in) + ((n,) * nd if nd < 3 else (n - 2, n - 1, n)))
     _check_rule(conv.double(), x.double())
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(nd=st.sampled_from([1, 2, 3]), groups=st.sampled_from([2, 3, 4]), c_in=st.integers(1, 3), mult=st.integers(1, 3),
+       pad=st.sampled_from([0, "valid", "same"]), bias=st.booleans(), B=st.integers(1, 4), n=st.integers(1, 6),
+       seed=st.integers(0, 2**16))
+def test_pointwise_grouped_conv(nd, groups, c_in, mult, pad, bias, B, n, seed):
+    """Kernel-1 grouped convolutions (SqueezeBERT's q/k/v and FFN) take a batched matmul over (example, group)
+    since round 54 instead of torch's grouped weight-gradient kernel: per-example gradients, norms and weighted
+    sums equal autograd's on each example alone, from one position (n = 1) up."""
+    torch.manual_seed(seed)
+    conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[nd - 1](groups * c_in, groups * mult, 1, padding=pad, groups=groups,
+                                                     bias=bias)
+    _check_rule(conv.double(), torch.randn((B, groups * c_in) + (n,) * nd).double())
 
 
 def _norm_layer(kind, C, nd, affine_bias):

@@ -255,3 +255,76 @@ def test_switch_transformers_with_routed_experts_frozen():
     step = pdpsgd.make_dp_step(m, s2s_loss, max_grad_norm=0.05, noise_multiplier=0.0, method="bk")
     rep = check_sensitivity(step, pdpsgd.trainable_params(m), b, neighbour=nb, rtol=1e-4)
     assert rep.max_ratio <= 1 + 1e-4, rep
+
+
+def _squeezebert():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = tf.SqueezeBertConfig(vocab_size=V, hidden_size=16, embedding_size=16, intermediate_size=32,
+                                   num_hidden_layers=2, num_attention_heads=4, q_groups=2, k_groups=2, v_groups=2,
+                                   post_attention_groups=2, intermediate_groups=2, output_groups=2,
+                                   max_position_embeddings=32, num_labels=3, pad_token_id=0)
+        return _perturbed(tf.SqueezeBertForSequenceClassification(cfg)).eval()
+
+
+@settings(max_examples=5, deadline=None, derandomize=True)
+@given(batch=token_batches(vocab_size=V, max_batch=4, max_len=7, num_labels=3), C=st.sampled_from([0.05, 1.0, 100.0]),
+       method=st.sampled_from(["bk", "auto"]))
+def test_squeezebert_channel_first_layernorm_exact_and_on_its_rule(batch, C, method):
+    """SqueezeBERT's encoder runs channel-first, (B, C, T): its ``SqueezeBertLayerNorm`` normalises over dim 1
+    (permute, ``nn.LayerNorm``, permute back) and took the exact fallback before round 54. On its rule now
+    (``LayerNormRule`` on the permuted input and output gradient, each call checked), exact, with grouped
+    1-d convolutions (its q/k/v and FFN) around it, over batch sizes, lengths, padding and clip norms."""
+    m = _squeezebert()
+    r = assert_exact(m, hf_cls_loss, batch, method=method, max_grad_norm=C)
+    assert {n for n, v in r.routes.items() if v == "vmap"} == set(), r.routes
+    reg = pdpsgd.rules.default_registry()
+    names = {reg.lookup(mod).name for mod in m.modules() if type(mod).__name__ == "SqueezeBertLayerNorm"}
+    assert names == {"channel_first_layernorm"}, names
+
+
+@pytest.mark.parametrize("which", ["user_class", "other_formula"])
+def test_channel_first_layernorm_checks_the_class_and_each_call(which, monkeypatch):
+    """A user's class named SqueezeBertLayerNorm is not matched; transformers' own class with a forward that
+    normalises another dim (patched: over T, not C) fails the check as it runs: both take the exact
+    fallback, still exact."""
+    import transformers.models.squeezebert.modeling_squeezebert as sm
+
+    orig = sm.SqueezeBertLayerNorm
+    if which == "user_class":
+        class SqueezeBertLayerNorm(torch.nn.LayerNorm):  # the same forward, a class of the user's own
+            def __init__(self, hidden_size, eps=1e-12):
+                torch.nn.LayerNorm.__init__(self, normalized_shape=hidden_size, eps=eps)
+
+            forward = orig.forward
+        monkeypatch.setattr(sm, "SqueezeBertLayerNorm", SqueezeBertLayerNorm)
+        m = _squeezebert()
+    else:
+        m = _squeezebert()
+
+        def forward(self, x):  # over the last dim of (B, C, T) (a square case: C = T = 16 below)
+            return torch.nn.LayerNorm.forward(self, x)
+        monkeypatch.setattr(orig, "forward", forward)
+    n = 16 if which == "other_formula" else 5
+    ids = torch.randint(1, V, (3, n), generator=torch.Generator().manual_seed(2))
+    b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 2, 1])}
+    r = assert_exact(m, hf_cls_loss, b, method="bk", max_grad_norm=0.1)
+    fell = {k for k, v in r.routes.items() if v == "vmap"}
+    assert fell and fell == {k for k in r.routes if "layernorm" in k}, fell
+
+
+def test_squeezebert_sensitivity():
+    """Each example's clipped contribution ≤ C and one example replaced moves the sum by ≤ 2C, with the
+    channel-first norms on their rule."""
+    m = _squeezebert()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, V, (4, 6), generator=g)
+    am = torch.ones_like(ids)
+    am[2, 3:] = 0
+    b = {"input_ids": ids, "attention_mask": am, "labels": torch.tensor([0, 1, 2, 1])}
+    step = pdpsgd.make_dp_step(m.double(), hf_cls_loss, max_grad_norm=0.01, noise_multiplier=0.0, method="bk")
+    rep = check_sensitivity(step, pdpsgd.trainable_params(m), b)
+    assert rep.max_ratio <= 1 + 1e-6, rep

@@ -108,6 +108,15 @@ class ConvRule(Rule):
         go = grad_output.unsqueeze(2) if nd == 1 else grad_output  # (B, C_out, H', W') (or D', H', W')
         if go.dim() != len(k) + 2 or go.shape[:2] != (B, C_out):
             return None
+        if all(kk == 1 for kk in k) and all(s == 1 for s in st) and not any(pad) and go.shape[2:] == x.shape[2:]:
+            # a pointwise grouped conv (SqueezeBERT's q/k/v and FFN): per example and group a Linear over the
+            # positions, one batched matmul (B·G, C_out/G, L) x (B·G, L, C_in/G); torch's grouped weight-gradient
+            # kernel loops over the B·G groups on CPU (~2.5x the time at SqueezeBERT's shapes)
+            L = go[0, 0].numel()
+            xg = x.to(acc).reshape(B * G, x.shape[1] // G, L)  # (B·G, C_in/G, L)
+            gg = go.to(acc).reshape(B * G, C_out // G, L)  # (B·G, C_out/G, L)
+            out["weight"] = Explicit(torch.bmm(gg, xg.transpose(1, 2)).reshape(B, *module.weight.shape))
+            return out
         gb = go.to(acc).reshape(1, B * C_out, *go.shape[2:])  # (1, B·C_out, H', W')
         w = xb.new_zeros((B * C_out, module.in_channels // G, *k))  # (its values are not read: only the shape)
         try:

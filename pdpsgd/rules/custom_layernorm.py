@@ -157,3 +157,39 @@ class NoNormRule(Rule):
         acc = _acc(x.dtype)
         g = grad_output.to(acc)
         return {"weight": Explicit(_summed(g * x.to(acc), 1)), "bias": Explicit(_summed(g, 1))}
+
+
+# ---- SqueezeBERT's channel-first layer norm --------------------------------------------------------
+CHANNEL_FIRST_LAYERNORM_NAMES = ("SqueezeBertLayerNorm",)
+
+
+def is_channel_first_layernorm(module: nn.Module) -> bool:
+    """transformers' own ``SqueezeBertLayerNorm``: an ``nn.LayerNorm`` over dim 1 of (B, C, T) input (its
+    forward permutes to (B, T, C), runs ``nn.LayerNorm.forward`` and permutes back)."""
+    return isinstance(module, nn.LayerNorm) and module.weight is not None and len(module.normalized_shape) == 1 \
+        and _own(module, CHANNEL_FIRST_LAYERNORM_NAMES, [n for n in ("weight", "bias") if getattr(module, n) is not None])
+
+
+class ChannelFirstLayerNormRule(LayerNormRule):
+    """y = permute(layer_norm(permute(x))) on (B, C, T): ``LayerNormRule`` on the permuted input and output
+    gradient, (B, T, C), after checking the call."""
+
+    name = "channel_first_layernorm"
+    rowwise = False  # normalised over dim 1, not the last dim
+    checks_call = True
+
+    @staticmethod
+    def verify(module: nn.Module, args, kwargs, output) -> bool:
+        x = first_input(args, kwargs, "x")
+        if x is None or not isinstance(output, Tensor) or x.dim() != 3:
+            return False
+        with torch.no_grad():  # as SqueezeBertLayerNorm.forward computes it
+            ref = F.layer_norm(x.permute(0, 2, 1), module.normalized_shape, module.weight, module.bias,
+                               module.eps).permute(0, 2, 1)
+        return _same(ref, output)
+
+    def uses(self, module, args, kwargs, output, grad_output, batch_size) -> Optional[Dict[str, Use]]:
+        x = first_input(args, kwargs, "x")
+        if x is None or x.dim() != 3 or grad_output is None or grad_output.shape != x.shape:
+            return None
+        return super().uses(module, (x.permute(0, 2, 1),), {}, None, grad_output.permute(0, 2, 1), batch_size)

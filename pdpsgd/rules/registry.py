@@ -101,7 +101,7 @@ def _put_named(entries: List[Tuple[str, Any, Any]], entry: Tuple[str, Any, Any],
 def _build() -> RuleRegistry:
     from . import (channel_norm, conv, custom_layernorm, deberta_relative, deberta_v1, embedding, hf_conv1d,
                    layernorm, linear, matmul_linear, mpnet_relative_bias, multihead_attention, positional_embedding,
-                   rmsnorm, rnn, scaled_embedding, t5_relative_bias)
+                   rmsnorm, rnn, scaled_embedding, separable_conv_bias, t5_relative_bias)
 
     reg = RuleRegistry()
     for t in linear.TYPES:
@@ -123,6 +123,10 @@ def _build() -> RuleRegistry:
                            custom_layernorm.CohereLayerNormRule())
     reg.register_predicate("layernorm_1p", custom_layernorm.is_layernorm_1p, custom_layernorm.LayerNorm1PRule())
     reg.register_predicate("nonorm", custom_layernorm.is_nonorm, custom_layernorm.NoNormRule())
+    reg.register_predicate("channel_first_layernorm", custom_layernorm.is_channel_first_layernorm,
+                           custom_layernorm.ChannelFirstLayerNormRule())
+    reg.register_predicate("separable_conv_bias", separable_conv_bias.is_separable_conv_bias,
+                           separable_conv_bias.SeparableConvBiasRule())
     reg.register_predicate("deberta_layernorm", deberta_v1.is_deberta_layernorm, deberta_v1.DebertaLayerNormRule())
     reg.register_predicate("deberta_v1_attention_bias", deberta_v1.is_deberta_v1_attention,
                            deberta_v1.DebertaV1AttentionBiasRule())
