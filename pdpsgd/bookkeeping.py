@@ -5138,8 +5138,13 @@ def _chunk(loss_module, params, constants, batch, mask, weights_fn, registry, ov
 def _moe_hint(model: nn.Module) -> str:
     """The fix for a Hugging Face mixture-of-experts model whose experts run as a loop over the experts its
     tokens chose (``experts_implementation='eager'``), which vmap cannot run: its experts and router have no
-    rule and take the exact fallback, which runs 'grouped_mm' (the default) and 'batched_mm'."""
+    rule and take the exact fallback, which runs 'grouped_mm' (the default) and 'batched_mm'. Only for a model with
+    such experts: a module set up by transformers' ``use_experts_implementation`` (it sets ``_is_expert_parallel`` on
+    the instance); every transformers 5 config says ``_experts_implementation`` (review, round 54: a SqueezeBERT
+    that vmap could not run for another reason was told to change its experts)."""
     for m in model.modules():
+        if "_is_expert_parallel" not in m.__dict__:
+            continue
         try:
             impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
         except Exception:  # (a config's property may raise)

@@ -286,10 +286,11 @@ def test_squeezebert_channel_first_layernorm_exact_and_on_its_rule(batch, C, met
     assert names == {"channel_first_layernorm"}, names
 
 
-@pytest.mark.parametrize("which", ["user_class", "other_formula"])
-def test_channel_first_layernorm_checks_the_class_and_each_call(which, monkeypatch):
-    """A user's class named SqueezeBertLayerNorm is not matched; transformers' own class with a forward that
-    normalises another dim (patched: over T, not C) fails the check as it runs: both take the exact
+@pytest.mark.parametrize("which", ["user_class", "other_formula", "other_gradient"])
+def test_channel_first_layernorm_takes_only_the_known_code(which, monkeypatch):
+    """A user's class named SqueezeBertLayerNorm is not matched; neither is transformers' own class with another
+    forward, whether it computes other values (normalised over T, not C) or the same values with another gradient
+    (review, round 54: ``y.detach() + (y - y.detach()) * 2``, which no value check can see): all take the exact
     fallback, still exact."""
     import transformers.models.squeezebert.modeling_squeezebert as sm
 
@@ -301,19 +302,67 @@ def test_channel_first_layernorm_checks_the_class_and_each_call(which, monkeypat
 
             forward = orig.forward
         monkeypatch.setattr(sm, "SqueezeBertLayerNorm", SqueezeBertLayerNorm)
-        m = _squeezebert()
-    else:
-        m = _squeezebert()
-
+    elif which == "other_formula":
         def forward(self, x):  # over the last dim of (B, C, T) (a square case: C = T = 16 below)
             return torch.nn.LayerNorm.forward(self, x)
         monkeypatch.setattr(orig, "forward", forward)
+    else:
+        def forward(self, x):
+            y = torch.nn.LayerNorm.forward(self, x.permute(0, 2, 1))
+            return (y.detach() + (y - y.detach()) * 2).permute(0, 2, 1)
+        monkeypatch.setattr(orig, "forward", forward)
+    m = _squeezebert()
     n = 16 if which == "other_formula" else 5
     ids = torch.randint(1, V, (3, n), generator=torch.Generator().manual_seed(2))
     b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 2, 1])}
     r = assert_exact(m, hf_cls_loss, b, method="bk", max_grad_norm=0.1)
     fell = {k for k, v in r.routes.items() if v == "vmap"}
     assert fell and fell == {k for k in r.routes if "layernorm" in k}, fell
+
+
+def test_channel_first_layernorm_checks_each_call():
+    """The rule's check as each call runs: the output of the layer's own formula passes, one that differs in any
+    element (here: normalised over T instead of C, and one value off by one ulp) does not, nor a 2-d call."""
+    from pdpsgd.rules.custom_layernorm import ChannelFirstLayerNormRule
+
+    ln = next(mod for mod in _squeezebert().modules() if type(mod).__name__ == "SqueezeBertLayerNorm")
+    x = torch.randn(3, 16, 5)
+    y = ln(x).detach()
+    assert ChannelFirstLayerNormRule.verify(ln, (x,), {}, y)
+    over_t = F.layer_norm(x, (5,)).detach()  # normalised over T
+    assert not ChannelFirstLayerNormRule.verify(ln, (x,), {}, over_t)
+    y2 = y.clone()
+    y2[1, 3, 2] = torch.nextafter(y2[1, 3, 2], torch.tensor(float("inf")))
+    assert not ChannelFirstLayerNormRule.verify(ln, (x,), {}, y2)
+    assert not ChannelFirstLayerNormRule.verify(ln, (x[:, :, 0],), {}, y[:, :, 0])  # (B, C): not channel-first rows
+
+
+def test_vmap_failure_of_a_model_without_experts_names_no_experts_fix(monkeypatch):
+    """Review, round 54: every transformers 5 config says ``_experts_implementation`` ('eager' by default), and a
+    model without experts that vmap could not run (here: SqueezeBERT whose norm ends in a custom autograd Function
+    without ``setup_context``; its norms take the fallback) was told to build its experts another way. The
+    experts fix is named only for a model with transformers' experts modules."""
+    import transformers.models.squeezebert.modeling_squeezebert as sm
+
+    class Same(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y):
+            return y.view_as(y)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    def forward(self, x):
+        return Same.apply(torch.nn.LayerNorm.forward(self, x.permute(0, 2, 1))).permute(0, 2, 1)
+    monkeypatch.setattr(sm.SqueezeBertLayerNorm, "forward", forward)
+    m = _squeezebert()
+    ids = torch.randint(1, V, (3, 5), generator=torch.Generator().manual_seed(2))
+    b = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 2, 1])}
+    step = pdpsgd.make_dp_step(m, hf_cls_loss, max_grad_norm=0.1, noise_multiplier=0.0, method="bk")
+    with pytest.raises(RuntimeError) as err:
+        step.clipped_sum(pdpsgd.trainable_params(m), b)
+    assert "setup_context" in str(err.value) and "experts_implementation" not in str(err.value), str(err.value)[:600]
 
 
 def test_squeezebert_sensitivity():

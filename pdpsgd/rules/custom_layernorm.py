@@ -6,6 +6,8 @@
 * Nemotron's ``NemotronLayerNorm1P``: ``F.layer_norm`` with weight w + 1 ("1P": the weight is stored
   as its offset from one).
 * MobileBERT's ``NoNorm``: out = x ⊙ w + b (no normalisation at all).
+* SqueezeBERT's ``SqueezeBertLayerNorm``: ``nn.LayerNorm`` over dim 1 of channel-first (B, C, T) input (round 54;
+  also matched on its forward's syntax-tree fingerprint).
 
 Each is matched only on the class ``transformers`` defines under its name (``transformers_own_class``:
 a value check cannot see a forward that stops the gradient somewhere; a user's class of the same
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import Explicit, Rule, Use, first_input, transformers_own_class
+from .deberta_relative import matches_known
 from .layernorm import LayerNormRule, _acc
 
 
@@ -161,13 +164,18 @@ class NoNormRule(Rule):
 
 # ---- SqueezeBERT's channel-first layer norm --------------------------------------------------------
 CHANNEL_FIRST_LAYERNORM_NAMES = ("SqueezeBertLayerNorm",)
+# its forward as transformers 5.24 writes it (a syntax-tree fingerprint, ``deberta_relative.matches_known``): a class
+# patched with a forward of the same values but another gradient (review, round 54: ``y.detach() + (y - y.detach()) * 2``)
+# is not taken on the value check alone
+_KNOWN = {"SqueezeBertLayerNorm.forward": "8cac054ce27d8b450f3a806fd0429be21bd24dcc2bc80377c6936174f46859a4"}
 
 
 def is_channel_first_layernorm(module: nn.Module) -> bool:
-    """transformers' own ``SqueezeBertLayerNorm``: an ``nn.LayerNorm`` over dim 1 of (B, C, T) input (its
-    forward permutes to (B, T, C), runs ``nn.LayerNorm.forward`` and permutes back)."""
+    """transformers' own ``SqueezeBertLayerNorm`` with the known forward: an ``nn.LayerNorm`` over dim 1 of (B, C, T)
+    input (the forward permutes to (B, T, C), runs ``nn.LayerNorm.forward`` and permutes back)."""
     return isinstance(module, nn.LayerNorm) and module.weight is not None and len(module.normalized_shape) == 1 \
-        and _own(module, CHANNEL_FIRST_LAYERNORM_NAMES, [n for n in ("weight", "bias") if getattr(module, n) is not None])
+        and _own(module, CHANNEL_FIRST_LAYERNORM_NAMES, [n for n in ("weight", "bias") if getattr(module, n) is not None]) \
+        and matches_known(_KNOWN, type(module), "forward")
 
 
 class ChannelFirstLayerNormRule(LayerNormRule):
