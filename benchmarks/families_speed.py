@@ -5,10 +5,11 @@ layer norms, ConvBERT's separable-convolution bias); ``--all``: every family of 
 
     python benchmarks/families_speed.py                       # cohere, nemotron, mpnet; 1 thread
     python benchmarks/families_speed.py squeezebert convbert  # round 54's
+    python benchmarks/families_speed.py deberta-v3 --seq 128  # DeBERTa-v3's 512-row position table (round 54)
     python benchmarks/families_speed.py --all                 # 47 families (~10 min on 2 cores)
     PYTHONPATH=/tmp/old python benchmarks/families_speed.py   # the same with another checkout of pdpsgd
 
-Models from configs (no downloads): 4 layers, width 256, 4 heads, FFN 512, vocab 8192, B = 8, T = 64, train mode;
+Models from configs (no downloads): 4 layers, width 256, 4 heads, FFN 512, vocab 8192, B = 8, T = 64 (``--seq``), train mode;
 causal-LM loss or sequence classification (the families in ``transformers``' sequence-classification mapping that
 have no causal-LM class here: ``CLS``); SGD; C = 1, σ = 1. A family not in ``BUILD`` is built from one config of
 those sizes through ``transformers.CONFIG_MAPPING`` and the auto classes, with SDPA attention where the model takes
@@ -30,9 +31,10 @@ ap.add_argument("families", nargs="*", default=["cohere", "nemotron", "mpnet"])
 ap.add_argument("--all", action="store_true", help="every family of SCAN")
 ap.add_argument("--threads", type=int, default=1)
 ap.add_argument("--reps", type=int, default=7)
+ap.add_argument("--seq", type=int, default=64, help="T, the sequence length")
 args = ap.parse_args()
 torch.set_num_threads(args.threads)
-V, B, T = 8192, 8, 64
+V, B, T = 8192, 8, args.seq
 KW = dict(vocab_size=V, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
           max_position_embeddings=256)
 BUILD = {
@@ -43,6 +45,10 @@ BUILD = {
     "squeezebert": lambda: tf.SqueezeBertForSequenceClassification(tf.SqueezeBertConfig(**KW, embedding_size=256,
                                                                                        num_labels=2)),
     "convbert": lambda: tf.ConvBertForSequenceClassification(tf.ConvBertConfig(**KW, embedding_size=256, num_labels=2)),
+    # DeBERTa-v3's relative positions: 256 log buckets (a 512-row table), shared position projections
+    "deberta-v3": lambda: tf.DebertaV2ForSequenceClassification(tf.DebertaV2Config(
+        **dict(KW, max_position_embeddings=512), num_labels=2, relative_attention=True, position_buckets=256,
+        pos_att_type=["p2c", "c2p"], share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False)),
 }
 # one config for every other family (each takes the keys it knows; GPT-2-style names too)
 GENERIC = dict(KW, num_key_value_heads=4, head_dim=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=32,
@@ -55,7 +61,7 @@ SCAN = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3
         "bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "modernbert", "mobilebert", "esm",
         "roformer", "megatron-bert", "rembert", "mpnet", "convbert", "squeezebert", "fnet", "xlm-roberta"]
 _AUTO = tf.models.auto.modeling_auto
-CLS = {"mpnet", "squeezebert", "convbert"} | {f for f in SCAN if f not in _AUTO.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES}
+CLS = {"mpnet", "squeezebert", "convbert", "deberta-v3"} | {f for f in SCAN if f not in _AUTO.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES}
 
 
 def build(fam):

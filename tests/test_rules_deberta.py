@@ -163,3 +163,29 @@ def test_attention_takes_only_the_encoders_per_example_embeddings():
             att(h, mask, rel_embeddings=rel.clone())
     want = att(h, mask, rel_embeddings=m.deberta.encoder.get_rel_embedding())[0]  # the model's own
     torch.testing.assert_close(ours, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("buckets,T,att", [(32, 5, ("p2c", "c2p")), (32, 5, ("c2p",)), (4, 12, ("p2c", "c2p")),
+                                           (-1, 6, ("p2c",))])
+def test_position_projections_only_on_the_rows_the_gathers_read(buckets, T, att):
+    """Round 54: the per-example position projections run on the rows of the 2k-row table that the c2p / p2c gathers
+    read (2T − 1 of them where every relative position has its own bucket; all 2k once T passes the buckets'
+    reach), not on every row: exact, and the projection's per-example call sees that many rows."""
+    m = models.tiny_deberta(buckets=buckets, pos_att_type=att)
+    att_mod = m.deberta.encoder.layer[0].attention.self
+    k2 = 2 * att_mod.pos_ebd_size
+    rows = []
+
+    def spy(mod, args):
+        if args[0].dim() == 3 and args[0].shape[0] == 3 and args[0].shape[1] != T:  # the step's (B, n, d) calls
+            rows.append(args[0].shape[1])
+    att_mod.key_proj.register_forward_pre_hook(spy)
+    r = assert_exact(m, loss, _batch(3, T, seed=5), method="bk", max_grad_norm=0.1)
+    assert "vmap" not in r.routes.values(), r.routes
+    rel = m.deberta.encoder.get_rel_pos(torch.zeros(1, T, 16))  # the model's own relative positions
+    span = att_mod.pos_ebd_size
+    used = [torch.clamp(rel + span, 0, k2 - 1)] if "c2p" in att else []
+    if "p2c" in att:
+        used.append(torch.clamp(-rel + span, 0, k2 - 1))
+    want = max(int(u.max()) for u in used) - min(int(u.min()) for u in used) + 1
+    assert rows and set(rows) == {want} and want < k2, (rows, want, k2)

@@ -31,7 +31,12 @@ against (transformers' DeBERTa-v2 ``get_rel_embedding``, ``DisentangledSelfAtten
 and the encoder's only where every attention under it takes the other adapter: anything else and the
 model runs as written, its relative-position parameters on the exact fallback, as before. The
 projections of the shared embeddings then cost B times theirs in the model (the price of a
-per-example gradient of a batch-free input: B·2k·d·p per projection and layer).
+per-example gradient of a batch-free input: B·n·d·p per projection and layer), but only on the n rows
+of the 2k that the attention's gathers read (round 54: n = 2T − 1 where every relative position of a
+length-T batch has its own bucket, e.g. T < 128 with DeBERTa-v3's 256 buckets; the other rows'
+gradients are exactly 0). On DeBERTa-v3-shaped models (256 buckets, 4 layers, width 256, B = 8, one
+thread) that took a bk step from 1.9-2.0× to 1.2-1.3× the non-private one at T = 64, from 1.4-1.6× to
+1.2-1.25× at T = 128 (``benchmarks/README.md``, round 54).
 """
 from __future__ import annotations
 
@@ -219,8 +224,9 @@ class DebertaAttentionAdapter(CaptureAdapter):
 
 def _bias_per_example(self: nn.Module, B: int, query_layer, key_layer, relative_pos, rel_embeddings, scale_factor):
     """transformers' ``DisentangledSelfAttention.disentangled_attention_bias`` (DeBERTa-v2), with the
-    relative embeddings per example (B, 2k, d): each example's copy is projected, (B·H, 2k, dh), where
-    the model projects one and repeats it B times. Every other line is the model's."""
+    relative embeddings per example (B, 2k, d): each example's copy is projected, (B·H, n, dh), where
+    the model projects one and repeats it B times, and only the n rows the gathers read (their indices
+    shifted by the first one's). Every other line is the model's."""
     g = type(self).disentangled_attention_bias.__globals__  # the model module's own helpers
     build_relative_position, build_rpos, scaled_size_sqrt = (g["build_relative_position"], g["build_rpos"],
                                                             g["scaled_size_sqrt"])
@@ -245,9 +251,28 @@ def _bias_per_example(self: nn.Module, B: int, query_layer, key_layer, relative_
     if query_layer.size(0) != B * H:
         raise ValueError(f"DeBERTa adapter: {query_layer.size(0)} attention rows, not B·H = {B}·{H}")
 
-    rel_embeddings = rel_embeddings[:, 0: att_span * 2, :]  # (B, 2k, d)
+    # the rows of the table the gathers below read, [lo, hi]: the model projects all 2k rows and gathers these; a
+    # row no gather reads has gradient exactly 0, and is not projected here (round 54: B·(hi − lo + 1) rows, not
+    # B·2k; 2T − 1 of 2k = 512 at T = 64 with DeBERTa-v3's 256 buckets, where the projections of every row
+    # cost about as much as the non-private step)
+    c2p_pos = p2c_pos = None
+    if "c2p" in self.pos_att_type:
+        c2p_pos = torch.clamp(relative_pos + att_span, 0, att_span * 2 - 1)
+    if "p2c" in self.pos_att_type:
+        r_pos = build_rpos(
+            query_layer,
+            key_layer,
+            relative_pos,
+            self.max_relative_positions,
+            self.position_buckets,
+        )
+        p2c_pos = torch.clamp(-r_pos + att_span, 0, att_span * 2 - 1)
+    used = [p for p in (c2p_pos, p2c_pos) if p is not None and p.numel()]
+    lo, hi = (min(int(p.min()) for p in used), max(int(p.max()) for p in used)) if used else (0, att_span * 2 - 1)
+
+    rel_embeddings = rel_embeddings[:, lo: hi + 1, :]  # (B, n, d), n = hi − lo + 1 of the 2k rows
     if self.share_att_key:
-        pos_query_layer = self.transpose_for_scores(self.query_proj(rel_embeddings), H)  # (B·H, 2k, dh)
+        pos_query_layer = self.transpose_for_scores(self.query_proj(rel_embeddings), H)  # (B·H, n, dh)
         pos_key_layer = self.transpose_for_scores(self.key_proj(rel_embeddings), H)
     else:
         if "c2p" in self.pos_att_type:
@@ -260,30 +285,21 @@ def _bias_per_example(self: nn.Module, B: int, query_layer, key_layer, relative_
     if "c2p" in self.pos_att_type:
         scale = scaled_size_sqrt(pos_key_layer, scale_factor)
         c2p_att = torch.bmm(query_layer, pos_key_layer.transpose(-1, -2))
-        c2p_pos = torch.clamp(relative_pos + att_span, 0, att_span * 2 - 1)
         c2p_att = torch.gather(
             c2p_att,
             dim=-1,
-            index=c2p_pos.squeeze(0).expand([query_layer.size(0), query_layer.size(1), relative_pos.size(-1)]),
+            index=(c2p_pos - lo).squeeze(0).expand([query_layer.size(0), query_layer.size(1), relative_pos.size(-1)]),
         )
         score += c2p_att / scale.to(dtype=c2p_att.dtype)
 
     # position->content
     if "p2c" in self.pos_att_type:
         scale = scaled_size_sqrt(pos_query_layer, scale_factor)
-        r_pos = build_rpos(
-            query_layer,
-            key_layer,
-            relative_pos,
-            self.max_relative_positions,
-            self.position_buckets,
-        )
-        p2c_pos = torch.clamp(-r_pos + att_span, 0, att_span * 2 - 1)
         p2c_att = torch.bmm(key_layer, pos_query_layer.transpose(-1, -2))
         p2c_att = torch.gather(
             p2c_att,
             dim=-1,
-            index=p2c_pos.squeeze(0).expand([query_layer.size(0), key_layer.size(-2), key_layer.size(-2)]),
+            index=(p2c_pos - lo).squeeze(0).expand([query_layer.size(0), key_layer.size(-2), key_layer.size(-2)]),
         ).transpose(-1, -2)
         score += p2c_att / scale.to(dtype=p2c_att.dtype)
 
