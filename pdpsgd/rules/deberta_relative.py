@@ -268,7 +268,10 @@ def _bias_per_example(self: nn.Module, B: int, query_layer, key_layer, relative_
         )
         p2c_pos = torch.clamp(-r_pos + att_span, 0, att_span * 2 - 1)
     used = [p for p in (c2p_pos, p2c_pos) if p is not None and p.numel()]
-    lo, hi = (min(int(p.min()) for p in used), max(int(p.max()) for p in used)) if used else (0, att_span * 2 - 1)
+    lo, hi = 0, att_span * 2 - 1
+    if used:  # (one read to the host per call, not one per bound)
+        lo, hi = torch.stack([torch.stack([p.min() for p in used]).min(),
+                              torch.stack([p.max() for p in used]).max()]).tolist()
 
     rel_embeddings = rel_embeddings[:, lo: hi + 1, :]  # (B, n, d), n = hi − lo + 1 of the 2k rows
     if self.share_att_key:
